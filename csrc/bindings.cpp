@@ -1,0 +1,82 @@
+// The only PYBIND11_MODULE of hsync._C. Calls that may block on other ranks release the GIL.
+#include <torch/extension.h>
+
+#include "bucket.h"
+#include "checks.h"
+#include "comm/process_group_comm.h"
+#include "engine.h"
+#include "kernels/pack.h"
+#ifdef HSYNC_WITH_CUDA
+#include "comm/nccl_comm.h"
+#endif
+
+namespace py = pybind11;
+using hsync::Communicator;
+using hsync::Engine;
+
+namespace {
+
+std::vector<std::vector<int64_t>> bucket_assignment(const std::vector<int64_t>& bytes,
+                                                    const std::vector<int64_t>& groups,
+                                                    const std::vector<int64_t>& order,
+                                                    int64_t bytes_cap, int64_t first_bytes_cap) {
+  HSYNC_CHECK(bytes.size() == groups.size(), "got ", bytes.size(), " sizes and ", groups.size(), " groups");
+  std::vector<hsync::ParamInfo> params;
+  for (size_t i = 0; i < bytes.size(); ++i) params.push_back({bytes[i], groups[i]});
+  return hsync::compute_bucket_assignment(params, order, bytes_cap, first_bytes_cap);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "hsync's compiled core: bucketed, weighted gradient all-reduce";
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+
+#ifdef HSYNC_WITH_CUDA
+  m.attr("cuda_enabled") = true;
+#else
+  m.attr("cuda_enabled") = false;
+#endif
+  m.attr("default_bucket_bytes_cap") = hsync::kDefaultBucketBytesCap;
+  m.attr("default_first_bucket_bytes_cap") = hsync::kDefaultFirstBucketBytesCap;
+
+  m.def("compute_bucket_assignment", &bucket_assignment, py::arg("bytes"), py::arg("groups"),
+        py::arg("order"), py::arg("bytes_cap"), py::arg("first_bytes_cap"),
+        "Bucket assignment by size: lists of parameter indices in launch order (see bucket.h).");
+  m.def("scale_and_pack", &hsync::scale_and_pack, py::arg("grad"), py::arg("out"), py::arg("scale"),
+        py::arg("nonfinite_flag"), py::arg("used_flag"),
+        "out = grad * scale; raises the flags as the engine's pack does (see kernels/pack.h).");
+
+  py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("world_size", &Communicator::world_size)
+      .def_property_readonly("backend", &Communicator::backend);
+
+  py::class_<hsync::ProcessGroupComm, Communicator, std::shared_ptr<hsync::ProcessGroupComm>>(
+      m, "ProcessGroupComm")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"));
+
+#ifdef HSYNC_WITH_CUDA
+  m.def("nccl_unique_id", []() { return py::bytes(hsync::nccl_unique_id()); });
+  m.def("nccl_version", &hsync::nccl_version);
+  py::class_<hsync::NcclComm, Communicator, std::shared_ptr<hsync::NcclComm>>(m, "NcclComm")
+      .def(py::init<const std::string&, int, int, int>(), py::arg("unique_id"), py::arg("rank"),
+           py::arg("world_size"), py::arg("device_index"), release_gil());
+#endif
+
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
+      .def(py::init<std::vector<at::Tensor>, std::vector<std::string>, std::shared_ptr<Communicator>,
+                    int64_t, int64_t>(),
+           py::arg("params"), py::arg("names"), py::arg("comm"), py::arg("bucket_bytes_cap"),
+           py::arg("first_bucket_bytes_cap"))
+      .def("begin_weighted_step", &Engine::begin_weighted_step, py::arg("scalars"),
+           py::arg("ref_weight"), release_gil())
+      .def("finalize_if_pending", &Engine::finalize_if_pending, release_gil())
+      .def("set_sync", &Engine::set_sync, py::arg("enabled"))
+      .def("broadcast_coalesced", &Engine::broadcast_coalesced, py::arg("tensors"), py::arg("root"),
+           release_gil())
+      .def("last_grad_nonfinite", &Engine::last_grad_nonfinite)
+      .def("bucket_params", &Engine::bucket_params)
+      .def_property_readonly("buckets_rebuilt", &Engine::buckets_rebuilt)
+      .def_property_readonly("comm", &Engine::comm);
+}

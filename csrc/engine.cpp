@@ -1,0 +1,281 @@
+#include "engine.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+
+#include <map>
+
+#include "checks.h"
+#include "kernels/pack.h"
+
+namespace hsync {
+namespace {
+
+constexpr int64_t kSlotAlignBytes = 16;
+
+int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+bool supported_dtype(at::ScalarType type) {
+  return type == at::kFloat || type == at::kDouble || type == at::kHalf || type == at::kBFloat16;
+}
+
+}  // namespace
+
+Engine::Engine(std::vector<at::Tensor> params, std::vector<std::string> names,
+               std::shared_ptr<Communicator> comm, int64_t bucket_bytes_cap,
+               int64_t first_bucket_bytes_cap)
+    : params_(std::move(params)),
+      names_(std::move(names)),
+      comm_(std::move(comm)),
+      device_(params_.empty() ? at::Device(at::kCPU) : params_.front().device()),
+      bucket_bytes_cap_(bucket_bytes_cap),
+      first_bucket_bytes_cap_(first_bucket_bytes_cap) {
+  HSYNC_CHECK(!params_.empty(), "the model has no parameters that require a gradient");
+  HSYNC_CHECK(names_.size() == params_.size(), "got ", names_.size(), " names for ",
+              params_.size(), " parameters");
+  HSYNC_CHECK(comm_ != nullptr, "no communicator");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i];
+    HSYNC_CHECK(p.device() == device_, "parameters on several devices are not supported: '",
+                names_[0], "' is on ", device_, " but '", names_[i], "' is on ", p.device());
+    HSYNC_CHECK(p.layout() == at::kStrided, "parameter '", names_[i], "' is not a dense tensor");
+    HSYNC_CHECK(supported_dtype(p.scalar_type()), "parameter '", names_[i], "' has dtype ",
+                p.scalar_type(), "; supported: float32, float64, float16, bfloat16");
+    HSYNC_CHECK(p.requires_grad(), "parameter '", names_[i], "' does not require a gradient");
+  }
+  const auto options = at::TensorOptions().dtype(at::kDouble).device(device_);
+  plain_scale_ = at::full({}, 1.0 / comm_->world_size(), options);
+  pack_scale_ = plain_scale_;
+  last_grad_nonfinite_ = at::zeros({}, options);
+  ready_.assign(params_.size(), false);
+
+  std::vector<int64_t> order(params_.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(order.size() - 1 - i);
+  build_buckets(order);
+
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
+    hook_keys_.push_back(accumulator->add_post_hook(
+        std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [this, i](const torch::autograd::variable_list& outputs,
+                      const torch::autograd::variable_list& /*inputs*/) {
+              on_gradient_ready(i);
+              return outputs;
+            })));
+    accumulators_.push_back(std::move(accumulator));
+  }
+}
+
+Engine::~Engine() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) {
+    accumulators_[i]->del_post_hook(hook_keys_[i]);
+  }
+}
+
+void Engine::build_buckets(const std::vector<int64_t>& order) {
+  std::vector<ParamInfo> infos;
+  infos.reserve(params_.size());
+  for (const at::Tensor& p : params_) {
+    infos.push_back({static_cast<int64_t>(p.numel() * p.element_size()),
+                     static_cast<int64_t>(p.scalar_type())});
+  }
+  const auto assignment =
+      compute_bucket_assignment(infos, order, bucket_bytes_cap_, first_bucket_bytes_cap_);
+
+  buckets_.clear();
+  buckets_.reserve(assignment.size());
+  locator_.assign(params_.size(), {0, 0});
+  for (const auto& indices : assignment) {
+    const at::Tensor& first = params_[indices.front()];
+    const int64_t align = std::max<int64_t>(1, kSlotAlignBytes / first.element_size());
+    std::vector<int64_t> offsets;
+    int64_t numel = 0;
+    for (int64_t index : indices) {
+      offsets.push_back(numel);
+      numel = round_up(numel + params_[index].numel(), align);
+    }
+    const int64_t tail = 1 + static_cast<int64_t>(indices.size());
+    Bucket bucket;
+    bucket.buffer = at::zeros({numel + tail}, first.options().requires_grad(false));
+    bucket.params = indices;
+    for (size_t k = 0; k < indices.size(); ++k) {
+      bucket.slots.push_back(bucket.buffer.narrow(0, offsets[k], params_[indices[k]].numel()));
+      bucket.used.push_back(bucket.buffer.narrow(0, numel + 1 + static_cast<int64_t>(k), 1));
+      locator_[indices[k]] = {buckets_.size(), k};
+    }
+    bucket.nonfinite_flag = bucket.buffer.narrow(0, numel, 1);
+    bucket.tail = bucket.buffer.narrow(0, numel, tail);
+    buckets_.push_back(std::move(bucket));
+  }
+}
+
+std::vector<std::vector<int64_t>> Engine::bucket_params() const {
+  std::vector<std::vector<int64_t>> result;
+  for (const Bucket& bucket : buckets_) result.push_back(bucket.params);
+  return result;
+}
+
+void Engine::start_step() {
+  in_step_ = true;
+  next_bucket_ = 0;
+  std::fill(ready_.begin(), ready_.end(), false);
+  for (Bucket& bucket : buckets_) {
+    bucket.pending = bucket.params.size();
+    bucket.tail.zero_();
+  }
+}
+
+void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& ref_weight) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  HSYNC_CHECK(!in_step_, "a new backward started before the previous gradient reduction "
+              "finished (an earlier backward was interrupted); rebuild the model wrapper");
+  HSYNC_CHECK(scalars.dim() == 1 && scalars.numel() >= 1 && scalars.scalar_type() == at::kDouble &&
+                  scalars.device() == device_ && scalars.is_contiguous(),
+              "step scalars must be a contiguous 1-D float64 tensor on ", device_);
+  HSYNC_CHECK(ref_weight.numel() == 1 && ref_weight.scalar_type() == at::kDouble &&
+                  ref_weight.device() == device_,
+              "the reference weight must be a float64 scalar on ", device_);
+  comm_->all_reduce_sum(scalars);
+  comm_->synchronize();
+  const at::Tensor total = scalars.select(0, 0);
+  pack_scale_ = at::where(total > 0, ref_weight.reshape({}) / total, at::zeros_like(total));
+  start_step();
+}
+
+void Engine::on_gradient_ready(size_t index) {
+  if (!sync_enabled_) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!in_step_) {
+    pack_scale_ = plain_scale_;
+    start_step();
+  }
+  if (!finalize_queued_) {
+    // Runs when this backward completes (as c10d's reducer does), so a plain
+    // loss.backward() finishes the reduction with no call from the user.
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+    finalize_queued_ = true;
+  }
+  HSYNC_CHECK(!ready_[index], "the gradient of '", names_[index],
+              "' became ready twice in one backward (a second backward pass, or reentrant "
+              "activation checkpointing, before the reduction finished)");
+  ready_[index] = true;
+  if (!rebuilt_) ready_order_.push_back(static_cast<int64_t>(index));
+  pack(index, params_[index].grad());
+  launch_complete_buckets();
+}
+
+void Engine::pack(size_t index, const at::Tensor& grad) {
+  const auto [b, k] = locator_[index];
+  Bucket& bucket = buckets_[b];
+  HSYNC_CHECK(grad.layout() == at::kStrided, "parameter '", names_[index],
+              "' has a sparse gradient; hsync reduces dense gradients only (use sparse=False)");
+  HSYNC_CHECK(grad.scalar_type() == bucket.buffer.scalar_type() &&
+                  grad.numel() == bucket.slots[k].numel(),
+              "the gradient of '", names_[index], "' (", grad.scalar_type(), ", ", grad.numel(),
+              " elements) does not match its parameter");
+  scale_and_pack(grad, bucket.slots[k], pack_scale_, bucket.nonfinite_flag, bucket.used[k]);
+  --bucket.pending;
+}
+
+void Engine::launch_complete_buckets() {
+  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
+    comm_->all_reduce_sum(buckets_[next_bucket_].buffer);
+    ++next_bucket_;
+  }
+}
+
+void Engine::finalize_if_pending() {
+  if (sync_enabled_ && in_step_) finalize();
+}
+
+void Engine::finalize() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  finalize_queued_ = false;
+  if (!in_step_) return;
+  const at::NoGradGuard no_grad;
+  // Parameters no hook delivered in this backward: see Note [Step lifecycle].
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (ready_[i]) continue;
+    const at::Tensor& grad = params_[i].grad();
+    if (grad.defined()) {
+      pack(i, grad);
+    } else {
+      const auto [b, k] = locator_[i];
+      buckets_[b].slots[k].zero_();
+      --buckets_[b].pending;
+    }
+  }
+  launch_complete_buckets();
+  comm_->synchronize();
+  write_back();
+
+  std::vector<at::Tensor> flags;
+  for (const Bucket& bucket : buckets_) flags.push_back(bucket.nonfinite_flag.to(at::kDouble));
+  last_grad_nonfinite_ = at::cat(flags).sum();
+
+  if (!rebuilt_) rebuild_from_ready_order();
+  in_step_ = false;
+}
+
+void Engine::write_back() {
+  for (Bucket& bucket : buckets_) {
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      at::Tensor& param = params_[bucket.params[k]];
+      at::Tensor& grad = param.mutable_grad();
+      const at::Tensor reduced = bucket.slots[k].view(param.sizes());
+      if (grad.defined()) {
+        grad.copy_(reduced);
+      } else if (bucket.used[k].item<double>() > 0) {
+        // Unused here but used elsewhere. Reading the flag synchronises with the device, which
+        // only happens when a parameter had no local gradient.
+        grad = reduced.clone();
+      }
+    }
+  }
+}
+
+void Engine::rebuild_from_ready_order() {
+  // Rank 0's order, so every rank builds the same buckets. Parameters no hook delivered come
+  // last, in reverse registration order.
+  std::vector<int64_t> order = ready_order_;
+  std::vector<bool> listed(params_.size(), false);
+  for (int64_t index : order) listed[index] = true;
+  for (size_t i = params_.size(); i-- > 0;) {
+    if (!listed[i]) order.push_back(static_cast<int64_t>(i));
+  }
+  at::Tensor shared = at::tensor(order, at::kLong).to(device_);
+  comm_->broadcast(shared, 0);
+  comm_->synchronize();
+  shared = shared.cpu();
+  order.assign(shared.const_data_ptr<int64_t>(), shared.const_data_ptr<int64_t>() + shared.numel());
+  build_buckets(order);
+  ready_order_.clear();
+  rebuilt_ = true;
+}
+
+void Engine::broadcast_coalesced(const std::vector<at::Tensor>& tensors, int root) {
+  std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
+  for (const at::Tensor& t : tensors) {
+    HSYNC_CHECK(t.device() == device_, "broadcast: tensor on ", t.device(), ", expected ", device_);
+    by_dtype[t.scalar_type()].push_back(t);
+  }
+  const at::NoGradGuard no_grad;
+  std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> flats;
+  for (auto& [dtype, group] : by_dtype) {
+    std::vector<at::Tensor> flat_parts;
+    for (const at::Tensor& t : group) flat_parts.push_back(t.reshape({-1}));
+    at::Tensor flat = at::cat(flat_parts);
+    comm_->broadcast(flat, root);
+    flats.emplace_back(std::move(flat), std::move(group));
+  }
+  comm_->synchronize();
+  for (auto& [flat, group] : flats) {
+    int64_t offset = 0;
+    for (const at::Tensor& t : group) {
+      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
+
+}  // namespace hsync

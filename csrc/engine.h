@@ -1,0 +1,116 @@
+// The reducer: owns the buckets of one wrapped model and reduces its gradients once per step.
+//
+// Note [Weighted reduction]
+// Rank r holds n_r examples and a local mean loss with gradient g_r; the gradient of the global
+// mean is g = sum_r (n_r / N) g_r with N = sum_r n_r. A weighted step starts with one fused
+// all-reduce of the per-step scalars (slot 0 is n_r; the others are the caller's, see
+// hsync/stats.py), which gives N before any gradient is packed. Each gradient is then packed
+// scaled by ref_r / N (Note [Fused scale-and-pack]), where ref_r is the weight the local
+// gradient is expressed in (the caller divides micro-step losses by it under no_sync), and the
+// buckets are SUM-reduced. A plain loss.backward() uses the scale 1 / world_size: torch DDP.
+//
+// Note [Step lifecycle]
+// A step begins with the first gradient hook that fires while syncing (or with
+// begin_weighted_step). Each hook packs its gradient and launches every bucket that is complete,
+// in bucket order, so all ranks issue the same collectives in the same order. At the end of
+// backward, finalize() packs what no hook delivered (parameters unused on this rank: their
+// accumulated gradient if they have one, zeros otherwise), launches the remaining buckets,
+// waits, and writes the reduced gradients back. A parameter with no gradient on any rank keeps
+// no gradient, as with DDP's find_unused_parameters.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "bucket.h"
+#include "comm/communicator.h"
+
+namespace hsync {
+
+// One flat buffer of gradients of one dtype, reduced by one collective.
+//
+// Layout: [slot of param 0 | slot of param 1 | ... | nonfinite flag | used flag per param].
+// Slots start at 16-byte boundaries for vectorised packing; padding stays zero.
+struct Bucket {
+  at::Tensor buffer;
+  std::vector<int64_t> params;     // indices into Engine::params_
+  std::vector<at::Tensor> slots;   // per param: a flat view of its slot
+  at::Tensor nonfinite_flag;       // one element
+  std::vector<at::Tensor> used;    // per param: its one-element used flag
+  at::Tensor tail;                 // nonfinite flag and used flags, zeroed at each step
+  size_t pending = 0;              // params not packed yet in this step
+};
+
+class Engine {
+ public:
+  Engine(std::vector<at::Tensor> params, std::vector<std::string> names,
+         std::shared_ptr<Communicator> comm, int64_t bucket_bytes_cap,
+         int64_t first_bucket_bytes_cap);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Starts a weighted step: all-reduces `scalars` (float64, 1-D, slot 0 = this rank's weight)
+  // in place and packs gradients with the scale ref_weight / scalars[0].
+  void begin_weighted_step(const at::Tensor& scalars, const at::Tensor& ref_weight);
+
+  // Completes the current step if autograd did not (no hook fired in this backward).
+  void finalize_if_pending();
+
+  // While false (no_sync), hooks leave gradients to accumulate locally.
+  void set_sync(bool enabled) { sync_enabled_ = enabled; }
+
+  // Broadcasts `tensors` in place from `root`, one collective per dtype.
+  void broadcast_coalesced(const std::vector<at::Tensor>& tensors, int root);
+
+  // Number of non-finite flags raised in the last completed step, summed over ranks and buckets
+  // (a 0-dim float64 tensor on the engine's device; reading it is the caller's choice).
+  at::Tensor last_grad_nonfinite() const { return last_grad_nonfinite_; }
+
+  std::vector<std::vector<int64_t>> bucket_params() const;
+  bool buckets_rebuilt() const { return rebuilt_; }
+  const std::shared_ptr<Communicator>& comm() const { return comm_; }
+
+ private:
+  void build_buckets(const std::vector<int64_t>& order);
+  void on_gradient_ready(size_t index);
+  void start_step();                       // caller holds mutex_
+  void pack(size_t index, const at::Tensor& grad);
+  void launch_complete_buckets();
+  void finalize();
+  void write_back();
+  void rebuild_from_ready_order();
+
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  std::shared_ptr<Communicator> comm_;
+  at::Device device_;
+  int64_t bucket_bytes_cap_;
+  int64_t first_bucket_bytes_cap_;
+
+  // The AccumulateGrad node of each parameter, kept alive as long as its hook is registered.
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+
+  std::vector<Bucket> buckets_;
+  std::vector<std::pair<size_t, size_t>> locator_;  // param -> (bucket, position in bucket)
+
+  std::mutex mutex_;
+  bool sync_enabled_ = true;
+  bool in_step_ = false;
+  bool finalize_queued_ = false;
+  size_t next_bucket_ = 0;                  // next bucket to launch, Note [Step lifecycle]
+  std::vector<bool> ready_;
+  std::vector<int64_t> ready_order_;        // recorded until the buckets are rebuilt
+  bool rebuilt_ = false;
+  at::Tensor pack_scale_;                   // 0-dim float64 on device_
+  at::Tensor plain_scale_;                  // 1 / world_size
+  at::Tensor last_grad_nonfinite_;
+};
+
+}  // namespace hsync

@@ -1,0 +1,54 @@
+"""The smallest WeightedDDP program: ranks with different batch sizes train one regression model.
+
+    torchrun --nproc_per_node 2 examples/minimal.py            # CPU (gloo)
+    torchrun --nproc_per_node 2 examples/minimal.py --cuda     # one GPU per rank (NCCL)
+
+Rank r takes 4 * (r + 1) examples a step, as a faster GPU would; the gradient is still exactly
+the one of the mean loss over every example of every rank.
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hsync
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=50, help="optimizer steps")
+    parser.add_argument("--cuda", action="store_true", help="one GPU per rank, NCCL")
+    args = parser.parse_args()
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if args.cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", local_rank) if args.cuda else torch.device("cpu")
+
+    torch.manual_seed(0)
+    true_w = torch.randn(16, 1, device=device)
+    model = hsync.WeightedDDP(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)).to(device))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator(device=device).manual_seed(1 + rank)
+
+    batch = 4 * (rank + 1)
+    for step in range(args.steps):
+        x = torch.randn(batch, 16, device=device, generator=generator)
+        y = x @ true_w + 0.01 * torch.randn(batch, 1, device=device, generator=generator)
+        loss = nn.functional.mse_loss(model(x), y)
+        stats = model.backward(loss, weight=batch)
+        if stats.finite:
+            optimizer.step()
+        optimizer.zero_grad()
+        if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
+            print(f"step {step:3d}  global loss {stats.loss:.4f}  examples {stats.weight:.0f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""WeightedDDP: a drop-in replacement for DistributedDataParallel with instance-weighted gradients.
+
+The hot path (gradient hooks, bucketing, scaling, all-reduce) lives in hsync._C; this file
+wires a module to it and turns `backward(loss, weight)` into the engine's per-step scalars.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import numbers
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hsync._extension import _C
+from hsync.stats import (
+    BAD_KIND_SUM,
+    BAD_RANK_SUM,
+    BAD_RANKS,
+    LOSS_NONFINITE,
+    LOSS_SUM,
+    NUM_SLOTS,
+    WEIGHT,
+    BadInput,
+    StepStats,
+)
+
+_MIB = 1024 * 1024
+_instances = itertools.count()  # same sequence on every rank: names the NCCL bootstrap key
+
+
+@dataclass
+class _Window:
+    """What the micro-steps of one accumulation window (no_sync ... synced step) add up to."""
+
+    local: torch.Tensor
+    """This rank's step scalars, slot layout of hsync.stats (float64 on the model's device)."""
+    ref: torch.Tensor
+    """The weight local gradients are expressed in: the first non-zero weight of the window."""
+    out_of_range: torch.Tensor
+    """How many weights of the window were negative, NaN or infinite (checked on the device)."""
+    problem: str | None = None
+    """This rank's first bad input found on the host, raised on every rank at the synced step."""
+    problem_kind: BadInput | None = None
+
+
+class WeightedDDP(nn.Module):
+    """Wraps `module` for data-parallel training in which each rank may hold a different number of examples.
+
+    `loss.backward()` gives torch DDP's result (gradients averaged over ranks with equal weights).
+    `model.backward(loss, weight=n)` gives the exact gradient of the global weighted mean:
+    sum_r n_r g_r / sum_r n_r, and returns the step's global StepStats.
+
+    Args:
+        module: the model; every rank must pass the same architecture (checked at wrap time).
+        process_group: the group to reduce over (default: the default group).
+        bucket_cap_mb: bucket size cap in MiB, as DDP's.
+        first_bucket_cap_mb: cap of the first bucket, kept small so communication starts early.
+        broadcast_buffers: broadcast rank 0's buffers before each synchronised forward, as DDP does.
+        metric_names: names of the extra sums that backward(..., metrics={...}) may report.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = _C.default_bucket_bytes_cap / _MIB,
+        first_bucket_cap_mb: float = _C.default_first_bucket_bytes_cap / _MIB,
+        broadcast_buffers: bool = True,
+        metric_names: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("hsync.WeightedDDP needs torch.distributed.init_process_group() first")
+        if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
+            raise ValueError(f"bucket caps must be positive, got {bucket_cap_mb} and {first_bucket_cap_mb} MiB")
+        self.module = module
+        self.process_group = process_group or dist.group.WORLD
+        self.rank = dist.get_rank(self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        self.metric_names = tuple(metric_names)
+
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        _verify_same_model(self.process_group, module)
+        self.device = named[0][1].device if named else torch.device("cpu")
+        self._params = [p for _, p in named]
+        self._buffers_to_sync = [b for b in module.buffers() if b.numel() > 0] if broadcast_buffers else []
+        self._engine = _C.Engine(
+            self._params,
+            [name for name, _ in named],
+            _make_comm(self.process_group, self.device),
+            int(bucket_cap_mb * _MIB),
+            int(first_bucket_cap_mb * _MIB),
+        )
+        # Like DDP: every rank starts from rank 0's parameters and buffers.
+        state = itertools.chain(module.parameters(), module.buffers())
+        self._engine.broadcast_coalesced([t.detach() for t in state], 0)
+        self._syncing = True
+        self._window: _Window | None = None
+
+    def forward(self, *args, **kwargs):
+        if self._syncing and self._buffers_to_sync:
+            self._engine.broadcast_coalesced(self._buffers_to_sync, 0)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next synchronised backward reduces them all."""
+        previous = self._syncing
+        self._syncing = False
+        self._engine.set_sync(False)
+        try:
+            yield
+        finally:
+            self._syncing = previous
+            self._engine.set_sync(previous)
+
+    def backward(
+        self,
+        loss: torch.Tensor,
+        weight: float | torch.Tensor,
+        metrics: Mapping[str, float | torch.Tensor] | None = None,
+    ) -> StepStats | None:
+        """Backpropagates the local mean `loss` over `weight` examples (or tokens).
+
+        Synchronised: gradients become sum_r n_r g_r / sum_r n_r over every rank and micro-step of
+        the window, and the step's StepStats is returned. Under no_sync: accumulates and returns None.
+        A bad input on any rank raises ValueError on every rank at the synchronised step.
+        """
+        window = self._window or self._new_window()
+        self._window = window
+        w = self._add_micro_step(window, loss, weight, metrics or {})
+        if not self._syncing:
+            if w is not None:
+                self._backprop(loss, w, window.ref)
+            return None
+
+        self._window = None
+        scalars = window.local
+        if window.problem is not None:
+            scalars[BAD_RANKS] = 1
+            scalars[BAD_KIND_SUM] = int(window.problem_kind)
+        else:
+            scalars[BAD_RANKS] = (window.out_of_range > 0).to(torch.float64)
+            scalars[BAD_KIND_SUM] = scalars[BAD_RANKS] * int(BadInput.WEIGHT_OUT_OF_RANGE)
+        scalars[BAD_RANK_SUM] = scalars[BAD_RANKS] * (self.rank + 1)
+
+        self._engine.begin_weighted_step(scalars, window.ref)
+        host, ready = _to_host(scalars)
+        if w is not None:
+            self._backprop(loss, w, window.ref)
+        self._engine.finalize_if_pending()
+        if ready is not None:
+            ready.synchronize()
+        if host[BAD_RANKS] > 0:
+            raise ValueError(_bad_input_message(host, window.problem, self.rank))
+        return StepStats(host, self._engine.last_grad_nonfinite(), self.metric_names)
+
+    def _new_window(self) -> _Window:
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.float64, device=self.device)
+
+        return _Window(local=zeros(NUM_SLOTS + len(self.metric_names)), ref=zeros(), out_of_range=zeros())
+
+    def _add_micro_step(self, window: _Window, loss, weight, metrics) -> torch.Tensor | None:
+        """Adds this micro-step to the window; returns its weight, or None if its input is bad."""
+        w, kind, problem = _as_weight(weight, self.device)
+        if kind is None and not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+            kind = BadInput.LOSS_NOT_A_SCALAR
+            problem = f"loss must be a scalar floating-point tensor, got {_describe(loss)}"
+        unknown = sorted(set(metrics) - set(self.metric_names))
+        if kind is None and unknown:
+            kind = BadInput.UNKNOWN_METRIC
+            problem = f"metrics {unknown} were not declared in WeightedDDP(metric_names={self.metric_names})"
+        if kind is not None:
+            if window.problem is None:
+                window.problem, window.problem_kind = problem, kind
+            return None
+
+        # A tensor weight is checked on its device: no synchronisation with the host.
+        out_of_range = ~torch.isfinite(w) | (w < 0)
+        w = torch.where(out_of_range, 0.0, w)
+        window.out_of_range += out_of_range
+        window.ref = torch.where(window.ref > 0, window.ref, w)
+        lossd = loss.detach().reshape(()).to(torch.float64)
+        local = window.local
+        local[WEIGHT] += w
+        local[LOSS_SUM] += w * lossd
+        local[LOSS_NONFINITE] += (~torch.isfinite(lossd)).to(torch.float64)
+        for i, name in enumerate(self.metric_names):
+            if name in metrics:
+                local[NUM_SLOTS + i] += torch.as_tensor(metrics[name], dtype=torch.float64, device=self.device)
+        return w
+
+    @staticmethod
+    def _backprop(loss: torch.Tensor, weight: torch.Tensor, ref: torch.Tensor) -> None:
+        # Gradients are accumulated in units of `ref` (Note [Weighted reduction] in csrc/engine.h):
+        # the first micro-step backpropagates the loss unscaled, later ones by weight / ref.
+        scale = torch.where(ref > 0, weight / ref.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
+        (loss * scale.to(loss.dtype)).backward()
+
+    @property
+    def bucket_params(self) -> list[list[int]]:
+        """Each bucket's parameters (indices into the parameters that require grad), in launch order."""
+        return self._engine.bucket_params()
+
+
+def _as_weight(weight, device: torch.device) -> tuple[torch.Tensor, BadInput | None, str | None]:
+    """The weight as a float64 scalar on `device`; host-side numbers are checked here, tensors on device."""
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    if isinstance(weight, torch.Tensor):
+        if weight.numel() != 1 or weight.is_complex() or weight.dtype == torch.bool:
+            return zero, BadInput.WEIGHT_NOT_A_NUMBER, f"weight must be a real scalar, got {_describe(weight)}"
+        return weight.detach().reshape(()).to(device=device, dtype=torch.float64), None, None
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+        return zero, BadInput.WEIGHT_NOT_A_NUMBER, f"weight must be a real number, got {_describe(weight)}"
+    value = float(weight)
+    if not math.isfinite(value) or value < 0:
+        return zero, BadInput.WEIGHT_OUT_OF_RANGE, f"weight must be finite and non-negative, got {value}"
+    return torch.full((), value, dtype=torch.float64, device=device), None, None
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
+
+
+def _to_host(scalars: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Starts copying the reduced scalars to the host; returns the copy and an event to wait on.
+
+    Waiting on that event (not on the device) lets the host check the scalars after backward
+    was launched without draining the GPU's queue."""
+    if scalars.device.type != "cuda":
+        return scalars, None
+    host = torch.empty(scalars.shape, dtype=scalars.dtype, pin_memory=True)
+    host.copy_(scalars, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def _bad_input_message(host: torch.Tensor, own_problem: str | None, rank: int) -> str:
+    count = int(host[BAD_RANKS])
+    if count == 1:
+        kind = BadInput(round(float(host[BAD_KIND_SUM])))
+        who = f"rank {int(host[BAD_RANK_SUM]) - 1} passed {kind.describe()}"
+    else:
+        who = f"{count} ranks passed bad input (a negative, NaN, infinite or non-numeric weight, or a bad loss)"
+    mine = f"; on this rank ({rank}): {own_problem}" if own_problem else ""
+    return f"hsync: WeightedDDP.backward: {who}{mine}. The step was not applied; no rank took it."
+
+
+def _make_comm(group: dist.ProcessGroup, device: torch.device):
+    """The engine's communicator: NCCL of our own on GPU (Note [NCCL bootstrap]), the process group on CPU."""
+    instance = next(_instances)
+    if device.type != "cuda":
+        return _C.ProcessGroupComm(group)
+    store = dist.distributed_c10d._get_default_store()
+    key = f"hsync/nccl/{dist.distributed_c10d._get_process_group_name(group)}/{instance}"
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    if rank == 0:
+        store.set(key, _C.nccl_unique_id())
+    return _C.NcclComm(bytes(store.get(key)), rank, world_size, device.index)
+
+
+def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
+    """What must match across ranks, and this rank's problems that no rank could work with."""
+    signature = [("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad)
+                 for name, p in module.named_parameters()]
+    signature += [("buffer", name, tuple(b.shape), str(b.dtype), False) for name, b in module.named_buffers()]
+    problems = []
+    devices = sorted({str(p.device) for p in module.parameters()})
+    if len(devices) > 1:
+        problems.append(f"parameters on several devices ({', '.join(devices)}); wrap a single-device module")
+    if not any(p.requires_grad for p in module.parameters()):
+        problems.append("the module has no parameter that requires a gradient")
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.Embedding | nn.EmbeddingBag) and sub.sparse:
+            problems.append(f"'{name}' produces sparse gradients (sparse=True); hsync reduces dense gradients only")
+    return signature, problems
+
+
+def _verify_same_model(group: dist.ProcessGroup, module: nn.Module) -> None:
+    """Raises the same ValueError on every rank if the ranks' models differ or one cannot be wrapped."""
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, _model_signature(module), group=group)
+    for rank, (_, problems) in enumerate(gathered):
+        if problems:
+            raise ValueError(f"hsync: cannot wrap the model: on rank {rank}, {problems[0]}")
+    reference = gathered[0][0]
+    for rank, (signature, _) in enumerate(gathered[1:], start=1):
+        difference = _first_difference(reference, signature, rank)
+        if difference:
+            raise ValueError(f"hsync: the model differs across ranks: {difference}")
+
+
+def _first_difference(reference: list[tuple], other: list[tuple], rank: int) -> str | None:
+    def show(entry: tuple) -> str:
+        kind, name, shape, dtype, requires_grad = entry
+        frozen = "" if requires_grad or kind == "buffer" else ", frozen"
+        return f"{kind} '{name}' of shape {list(shape)}, {dtype}{frozen}"
+
+    for index, (mine, theirs) in enumerate(zip(reference, other, strict=False)):
+        if mine != theirs:
+            return f"entry #{index}: rank 0 has {show(mine)}, rank {rank} has {show(theirs)}"
+    if len(reference) != len(other):
+        longer, which = (reference, 0) if len(reference) > len(other) else (other, rank)
+        return (f"rank 0 has {len(reference)} parameters and buffers, rank {rank} has {len(other)} "
+                f"(first extra on rank {which}: {show(longer[min(len(reference), len(other))])})")
+    return None

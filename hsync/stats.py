@@ -1,0 +1,67 @@
+"""The per-step scalars: one fused all-reduce carries weight, loss, flags and user metrics.
+
+Slot 0 must hold the weight: the engine derives its pack scale from it (Note [Weighted reduction]
+in csrc/engine.h). The other slots are ours alone.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+WEIGHT, LOSS_SUM, LOSS_NONFINITE, BAD_RANKS, BAD_RANK_SUM, BAD_KIND_SUM = range(6)
+NUM_SLOTS = 6
+
+
+class BadInput(enum.IntEnum):
+    """Why a rank's input to backward() was refused; summed over ranks in slot BAD_KIND_SUM."""
+
+    WEIGHT_OUT_OF_RANGE = 1
+    WEIGHT_NOT_A_NUMBER = 2
+    LOSS_NOT_A_SCALAR = 3
+    UNKNOWN_METRIC = 4
+
+    def describe(self) -> str:
+        return {
+            BadInput.WEIGHT_OUT_OF_RANGE: "a weight that is negative, NaN or infinite",
+            BadInput.WEIGHT_NOT_A_NUMBER: "a weight that is not a real number",
+            BadInput.LOSS_NOT_A_SCALAR: "a loss that is not a scalar floating-point tensor",
+            BadInput.UNKNOWN_METRIC: "a metric not declared in WeightedDDP(metric_names=...)",
+        }[self]
+
+
+class StepStats:
+    """Global statistics of one synchronised step.
+
+    The scalars were reduced at the start of the step; the gradient flag comes from the buckets'
+    own all-reduce. Reading `finite` waits for the step's reduction on GPU; nothing else does.
+    """
+
+    def __init__(self, reduced: torch.Tensor, grad_nonfinite: torch.Tensor, metric_names: tuple[str, ...]):
+        self._reduced = reduced.tolist()  # already on the host, see WeightedDDP.backward
+        self._grad_nonfinite = grad_nonfinite
+        self._metric_names = metric_names
+
+    @property
+    def weight(self) -> float:
+        """The sum of the weights of every rank and micro-step."""
+        return self._reduced[WEIGHT]
+
+    @property
+    def loss(self) -> float:
+        """The global weighted-mean loss: sum of n * loss over ranks and micro-steps, divided by weight."""
+        return self._reduced[LOSS_SUM] / self.weight if self.weight > 0 else float("nan")
+
+    @property
+    def finite(self) -> bool:
+        """False when any rank's loss or unscaled gradient held an inf or NaN: skip this step everywhere."""
+        return self._reduced[LOSS_NONFINITE] == 0 and float(self._grad_nonfinite) == 0
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Each declared metric, summed over ranks and micro-steps."""
+        return {name: self._reduced[NUM_SLOTS + i] for i, name in enumerate(self._metric_names)}
+
+    def __repr__(self) -> str:
+        return f"StepStats(loss={self.loss:.6g}, weight={self.weight:.6g}, finite={self.finite})"

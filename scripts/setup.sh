@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Creates .venv with the pinned toolchain and builds hsync's extension into it (CUDA + NCCL parts
+# too when a CUDA toolkit is found). Safe to run again: an up-to-date build is a no-op for ninja.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/pip install -q -r requirements-dev.txt
+MAX_JOBS=${MAX_JOBS:-2} .venv/bin/pip install -q --no-build-isolation --no-deps -e .
+.venv/bin/python -c "import hsync; print('hsync built:', 'CPU + CUDA/NCCL' if hsync._C.cuda_enabled else 'CPU only')"

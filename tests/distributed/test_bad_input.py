@@ -1,0 +1,133 @@
+"""Bad input raises a clear error on every rank, never a hang, and the next good step still works."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tests.distributed.workloads import global_batch, make_net, mse
+from tests.spawn import run_ranks, run_ranks_expecting_errors
+
+pytestmark = pytest.mark.distributed
+
+
+def bad_step_then_good_step(rank: int, world_size: int, bad: dict) -> tuple[str, float]:
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0), metric_names=("ok",))
+    _, _, slices = global_batch(0, [4] * world_size)
+    x, y = slices[rank]
+    loss, weight, metrics = mse(model(x), y), 4, None
+    if rank == 1:
+        loss = bad.get("loss", loss)
+        weight = bad.get("weight", weight)
+        metrics = bad.get("metrics")
+    try:
+        model.backward(loss, weight=weight, metrics=metrics)
+    except ValueError as error:
+        message = str(error)
+    else:
+        raise AssertionError(f"rank {rank}: no error for {bad}")
+    model.module.zero_grad()
+    stats = model.backward(mse(model(x), y), weight=4)
+    return message, stats.weight
+
+
+@pytest.mark.parametrize(
+    ("bad", "shared", "own"),
+    [
+        ({"weight": -1.0}, "rank 1 passed a weight that is negative, NaN or infinite", "got -1.0"),
+        ({"weight": math.nan}, "rank 1 passed a weight that is negative, NaN or infinite", "got nan"),
+        ({"weight": math.inf}, "rank 1 passed a weight that is negative, NaN or infinite", "got inf"),
+        ({"weight": torch.tensor(-2.0)}, "rank 1 passed a weight that is negative, NaN or infinite", None),
+        ({"weight": "three"}, "rank 1 passed a weight that is not a real number", "got str 'three'"),
+        ({"weight": torch.ones(2)}, "rank 1 passed a weight that is not a real number", "shape (2,)"),
+        ({"loss": torch.ones(3)}, "rank 1 passed a loss that is not a scalar", "shape (3,)"),
+        ({"metrics": {"typo": 1.0}}, "rank 1 passed a metric not declared", "['typo']"),
+    ],
+    ids=["negative", "nan", "inf", "negative-tensor", "string", "vector", "vector-loss", "metric"],
+)
+def test_bad_input_raises_on_every_rank(bad, shared, own):
+    results = run_ranks(bad_step_then_good_step, 3, bad, timeout=60)
+    for rank, (message, next_weight) in enumerate(results):
+        assert shared in message, f"rank {rank}: {message}"
+        if own and rank == 1:
+            assert own in message, message
+        assert "not applied" in message
+        assert next_weight == 12, "the next good step must work on every rank"
+
+
+def bad_weight_inside_no_sync(rank: int, world_size: int) -> str:
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0))
+    _, _, slices = global_batch(0, [4] * world_size)
+    x, y = slices[rank]
+    with model.no_sync():
+        model.backward(mse(model(x), y), weight=-5 if rank == 0 else 4)
+    model.backward(mse(model(x), y), weight=4)
+
+
+def test_bad_weight_in_a_micro_step_is_raised_at_the_synced_step_everywhere():
+    for text in run_ranks_expecting_errors(bad_weight_inside_no_sync, 2):
+        assert "rank 0 passed a weight that is negative" in text
+
+
+def wrap(rank: int, world_size: int, variant: str) -> None:
+    import hsync
+
+    net = make_net(seed=0)
+    if rank == 1 and variant == "shape":
+        net = make_net(seed=0, width=7)
+    elif rank == 1 and variant == "dtype":
+        net = make_net(seed=0, dtype=torch.float32)
+    elif rank == 1 and variant == "count":
+        net.extra = nn.Linear(2, 2, dtype=torch.float64)
+    elif variant == "sparse":
+        net.embed = nn.Embedding(10, 3, sparse=True)
+    elif rank == 1 and variant == "devices":
+        net.out.to("meta")
+    hsync.WeightedDDP(net)
+
+
+@pytest.mark.parametrize(
+    ("variant", "expected"),
+    [
+        ("shape", "rank 0 has parameter 'inp.weight' of shape [6, 4], torch.float64, rank 1 has parameter "
+                  "'inp.weight' of shape [7, 4]"),
+        ("dtype", "rank 0 has parameter 'inp.weight' of shape [6, 4], torch.float64, rank 1 has parameter "
+                  "'inp.weight' of shape [6, 4], torch.float32"),
+        ("count", "rank 0 has 10 parameters and buffers, rank 1 has 12 (first extra on rank 1: parameter "
+                  "'extra.weight'"),
+        ("sparse", "on rank 0, 'embed' produces sparse gradients"),
+        ("devices", "on rank 1, parameters on several devices (cpu, meta)"),
+    ],
+)
+def test_models_that_cannot_be_wrapped_fail_on_every_rank(variant, expected):
+    for text in run_ranks_expecting_errors(wrap, 2, variant):
+        assert expected in text, text
+
+
+def interrupted_backward(rank: int, world_size: int) -> None:
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0))
+    _, _, slices = global_batch(0, [4] * world_size)
+    x, y = slices[rank]
+
+    def fail(grad):
+        raise RuntimeError("simulated failure inside backward")
+
+    hook = model.module.inp.weight.register_hook(fail)
+    try:
+        model.backward(mse(model(x), y), weight=4)
+    except RuntimeError as error:
+        assert "simulated failure" in str(error)
+    hook.remove()
+    model.backward(mse(model(x), y), weight=4)
+
+
+def test_backward_after_an_interrupted_reduction_is_refused():
+    for text in run_ranks_expecting_errors(interrupted_backward, 2):
+        assert "a new backward started before the previous gradient reduction finished" in text

@@ -1,0 +1,61 @@
+"""WeightedDDP against a single process on the concatenated global batch, over real gloo ranks."""
+
+import pytest
+import torch
+
+from tests.distributed.workloads import reference_training, train_weighted
+from tests.spawn import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+# float64 throughout: the only differences left are summation order, far below this.
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+def assert_matches_reference(results, steps, branch_ranks=frozenset()):
+    ref_params, ref_grads, ref_losses = reference_training(steps, branch_ranks)
+    total = [sum(sum(sizes) for sizes in micro) for micro in steps]
+    for rank, (params, grads, stats, _) in enumerate(results):
+        for name, value in ref_params.items():
+            torch.testing.assert_close(params[name], value, **TOL, msg=f"rank {rank}, {name}")
+        for name, value in ref_grads.items():
+            if value is None:
+                assert grads[name] is None, f"rank {rank}: {name} is unused everywhere but got a gradient"
+            else:
+                torch.testing.assert_close(grads[name], value, **TOL, msg=f"rank {rank}, grad of {name}")
+        assert [s[1] for s in stats] == total
+        assert [s[0] for s in stats] == pytest.approx(ref_losses, rel=1e-12)
+        assert all(s[2] for s in stats)
+
+
+def test_uneven_batches_over_three_ranks_match_one_process():
+    steps = [[[3, 7, 2]], [[5, 1, 6]], [[4, 4, 9]], [[2, 9, 3]]]
+    results = run_ranks(train_weighted, 3, steps)
+    assert_matches_reference(results, steps)
+    buckets = results[0][3]
+    assert len(buckets) >= 4, "the tiny cap should give many buckets"
+    assert all(r[3] == buckets for r in results), "ranks disagree on the rebuilt buckets"
+
+
+def test_rank_with_weight_zero_contributes_nothing():
+    steps = [[[3, 0, 2]], [[0, 5, 1]], [[4, 4, 0]]]
+    assert_matches_reference(run_ranks(train_weighted, 3, steps), steps)
+
+
+def test_no_sync_accumulation_equals_one_big_batch():
+    # Micro-batch sizes differ between ranks and micro-steps, including an empty first micro-batch.
+    steps = [[[2, 5], [4, 1], [3, 3]], [[0, 2], [6, 1]], [[1, 1], [0, 7], [2, 0]]]
+    assert_matches_reference(run_ranks(train_weighted, 2, steps), steps)
+
+
+def test_parameters_unused_on_some_or_all_ranks():
+    # 'branch' gets a gradient on rank 1 only; 'never_used' on no rank and must keep none.
+    steps = [[[3, 4, 2]], [[1, 5, 3]], [[2, 2, 2]]]
+    results = run_ranks(train_weighted, 3, steps, {1})
+    assert_matches_reference(results, steps, branch_ranks={1})
+    assert all(r[1]["never_used.weight"] is None for r in results)
+
+
+def test_one_big_bucket_gives_the_same_result():
+    steps = [[[3, 7]], [[5, 1]]]
+    assert_matches_reference(run_ranks(train_weighted, 2, steps, frozenset(), 25.0), steps)

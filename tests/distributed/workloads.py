@@ -1,0 +1,99 @@
+"""Small models, uneven data and the single-process references the distributed tests compare against."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+TINY_BUCKET_MB = 100 / (1024 * 1024)  # about a hundred bytes: many buckets even for these models
+
+
+class Net(nn.Module):
+    """An MLP with a branch that only some ranks use and a parameter nobody uses."""
+
+    def __init__(self, dtype: torch.dtype = torch.float64, width: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, width, dtype=dtype)
+        self.hidden = nn.Linear(width, width, dtype=dtype)
+        self.branch = nn.Linear(width, width, dtype=dtype)
+        self.never_used = nn.Linear(width, width, dtype=dtype)
+        self.out = nn.Linear(width, 1, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, use_branch: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.hidden(h))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.out(h).squeeze(-1)
+
+
+def make_net(seed: int, **kwargs) -> Net:
+    torch.manual_seed(seed)
+    return Net(**kwargs)
+
+
+def global_batch(step: int, sizes: list[int], micro: int = 0, dtype: torch.dtype = torch.float64):
+    """The global batch of one (micro-)step and its split into per-rank slices of the given sizes."""
+    g = torch.Generator().manual_seed(1000 + 10 * step + micro)
+    x = torch.randn(sum(sizes), 4, generator=g, dtype=dtype)
+    y = torch.randn(sum(sizes), generator=g, dtype=dtype)
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    return x, y, [(x[a:b], y[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((pred - target) ** 2).mean()
+
+
+def reference_training(steps: list[list[list[int]]], branch_ranks=frozenset(), lr: float = 0.1):
+    """One process on the concatenated global batch: what every rank's parameters must equal.
+
+    steps[s][k][r] is rank r's number of examples in micro-step k of step s. Rank r's examples go
+    through the branch if r is in branch_ranks, and the loss is the mean over every example of
+    every micro-step and rank. Returns final parameters, last gradients and per-step losses."""
+    net = make_net(seed=0)
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for step, micro_steps in enumerate(steps):
+        total = sum(sum(sizes) for sizes in micro_steps)
+        loss = 0
+        for micro, sizes in enumerate(micro_steps):
+            _, _, slices = global_batch(step, sizes, micro)
+            for rank, (x, y) in enumerate(slices):
+                if sizes[rank] > 0:
+                    loss = loss + sizes[rank] * mse(net(x, rank in branch_ranks), y)
+        loss = loss / total
+        opt.zero_grad()
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    params = {name: p.detach().clone() for name, p in net.named_parameters()}
+    grads = {name: None if p.grad is None else p.grad.clone() for name, p in net.named_parameters()}
+    return params, grads, losses
+
+
+def train_weighted(rank: int, world_size: int, steps, branch_ranks=frozenset(), bucket_mb=TINY_BUCKET_MB):
+    """The same training through WeightedDDP on this rank's slices (no_sync for all but the last micro-step).
+
+    A rank with no examples in a micro-step runs a dummy batch with weight 0, as a trainer does
+    when its data runs out."""
+    import contextlib
+
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=rank), bucket_cap_mb=bucket_mb, first_bucket_cap_mb=bucket_mb)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    stats = []
+    for step, micro_steps in enumerate(steps):
+        for micro, sizes in enumerate(micro_steps):
+            x_all, y_all, slices = global_batch(step, sizes, micro)
+            x, y = slices[rank] if sizes[rank] > 0 else (x_all[:1], y_all[:1])
+            last = micro == len(micro_steps) - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                out = model.backward(mse(model(x, rank in branch_ranks), y), weight=sizes[rank])
+        stats.append((out.loss, out.weight, out.finite))
+        grads = {name: None if p.grad is None else p.grad.clone() for name, p in model.module.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    params = {name: p.detach().clone() for name, p in model.module.named_parameters()}
+    return params, grads, stats, model.bucket_params

@@ -1,0 +1,93 @@
+"""Runs a function on N real processes joined by torch.distributed, as torch's own distributed tests do.
+
+Each rank is a fresh `spawn`ed interpreter with its own process group; the caller gets every
+rank's return value, or the first rank's traceback. A deadline bounds every run: a rank that
+hangs fails the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, backend: str, env: dict[str, str], fn: Callable,
+           args: tuple, results: mp.Queue) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+              timeout: float = 90.0, env: dict[str, str] | None = None) -> list[Any]:
+    """Calls fn(rank, world_size, *args) on each rank; returns the results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, env or {}, fn, args, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    values: dict[int, Any] = {}
+    try:
+        while len(values) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(values))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
+            if not ok:
+                raise RankError(rank, payload)
+            values[rank] = pickle.loads(payload)
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [values[r] for r in range(world_size)]
+
+
+def run_ranks_expecting_errors(fn: Callable[..., Any], world_size: int, *args: Any,
+                               timeout: float = 60.0) -> list[str]:
+    """Like run_ranks for a fn that must raise on every rank; returns each rank's traceback."""
+    return run_ranks(_capture_error, world_size, fn, *args, timeout=timeout)
+
+
+def _capture_error(rank: int, world_size: int, fn: Callable, *args: Any) -> str:
+    try:
+        fn(rank, world_size, *args)
+    except Exception:  # noqa: BLE001 - the error is the result
+        return traceback.format_exc()
+    raise AssertionError(f"rank {rank} raised no error")
+
+
+class RankError(AssertionError):
+    def __init__(self, rank: int, text: str) -> None:
+        super().__init__(f"rank {rank} failed:\n{text}")
+        self.rank = rank

@@ -1,0 +1,49 @@
+"""The CPU scale-and-pack kernel against torch's own ops."""
+
+import math
+
+import pytest
+import torch
+
+from hsync import _C
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def pack(grad: torch.Tensor, scale: float):
+    out = torch.full((grad.numel(),), 7.0, dtype=grad.dtype)
+    flags = torch.zeros(2, dtype=grad.dtype)
+    _C.scale_and_pack(grad, out, torch.tensor(scale, dtype=torch.float64), flags[0:1], flags[1:2])
+    return out, flags
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("numel", [0, 1, 31, 1000, 200_003])
+def test_scaled_copy_matches_torch(dtype, numel):
+    grad = torch.randn(numel, dtype=torch.float64).to(dtype)
+    out, flags = pack(grad, 0.37)
+    # torch computes half-precision products in float32 and rounds once, as the kernel does.
+    expected = (grad.to(torch.float64 if dtype == torch.float64 else torch.float32) * 0.37).to(dtype)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert flags.tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_values_raise_the_flag_even_with_scale_zero(dtype, bad):
+    grad = torch.ones(100_000, dtype=dtype)
+    grad[77_777] = bad
+    _, flags = pack(grad, 0.0)
+    assert flags[0].item() == 1.0
+
+
+def test_non_contiguous_gradients_are_packed_in_logical_order():
+    grad = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
+    out, _ = pack(grad, 2.0)
+    assert out.tolist() == (grad.contiguous().flatten() * 2).tolist()
+
+
+def test_a_slot_of_the_wrong_size_is_refused():
+    with pytest.raises(RuntimeError, match="does not fit its slot"):
+        _C.scale_and_pack(torch.ones(4), torch.ones(5), torch.tensor(1.0, dtype=torch.float64),
+                          torch.zeros(1), torch.zeros(1))
