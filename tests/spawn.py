@@ -26,7 +26,7 @@ def free_port() -> int:
 
 def _entry(rank: int, world_size: int, port: int, backend: str, env: dict[str, str], fn: Callable,
            args: tuple, results: mp.Queue) -> None:
-    os.environ.update(env)
+    os.environ.update({key: value.format(rank=rank) for key, value in env.items()})
     import torch
     import torch.distributed as dist
 
@@ -44,7 +44,9 @@ def _entry(rank: int, world_size: int, port: int, backend: str, env: dict[str, s
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
               timeout: float = 90.0, env: dict[str, str] | None = None) -> list[Any]:
-    """Calls fn(rank, world_size, *args) on each rank; returns the results in rank order."""
+    """Calls fn(rank, world_size, *args) on each rank; returns the results in rank order.
+
+    `env` is set in each rank before anything else; "{rank}" in a value becomes the rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

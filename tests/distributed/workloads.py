@@ -72,7 +72,8 @@ def reference_training(steps: list[list[list[int]]], branch_ranks=frozenset(), l
     return params, grads, losses
 
 
-def train_weighted(rank: int, world_size: int, steps, branch_ranks=frozenset(), bucket_mb=TINY_BUCKET_MB):
+def train_weighted(rank: int, world_size: int, steps, branch_ranks=frozenset(), bucket_mb=TINY_BUCKET_MB,
+                   device: str = "cpu"):
     """The same training through WeightedDDP on this rank's slices (no_sync for all but the last micro-step).
 
     A rank with no examples in a micro-step runs a dummy batch with weight 0, as a trainer does
@@ -81,19 +82,21 @@ def train_weighted(rank: int, world_size: int, steps, branch_ranks=frozenset(), 
 
     import hsync
 
-    model = hsync.WeightedDDP(make_net(seed=rank), bucket_cap_mb=bucket_mb, first_bucket_cap_mb=bucket_mb)
+    net = make_net(seed=rank).to(device)
+    model = hsync.WeightedDDP(net, bucket_cap_mb=bucket_mb, first_bucket_cap_mb=bucket_mb)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     stats = []
     for step, micro_steps in enumerate(steps):
         for micro, sizes in enumerate(micro_steps):
             x_all, y_all, slices = global_batch(step, sizes, micro)
             x, y = slices[rank] if sizes[rank] > 0 else (x_all[:1], y_all[:1])
+            x, y = x.to(device), y.to(device)
             last = micro == len(micro_steps) - 1
             with contextlib.nullcontext() if last else model.no_sync():
                 out = model.backward(mse(model(x, rank in branch_ranks), y), weight=sizes[rank])
         stats.append((out.loss, out.weight, out.finite))
-        grads = {name: None if p.grad is None else p.grad.clone() for name, p in model.module.named_parameters()}
+        grads = {name: None if p.grad is None else p.grad.cpu() for name, p in model.module.named_parameters()}
         opt.step()
         opt.zero_grad()
-    params = {name: p.detach().clone() for name, p in model.module.named_parameters()}
+    params = {name: p.detach().cpu() for name, p in model.module.named_parameters()}
     return params, grads, stats, model.bucket_params

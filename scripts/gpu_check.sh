@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one call: build the extension against the machine's own torch,
+# run the GPU tests (CUDA kernels against torch ops, the NCCL path with several ranks on one GPU)
+# and the rest of the suite, and write a report with the hardware and versions.
+#
+#   scripts/gpu_check.sh [REPORT_DIR]      (default: benchmarks/results)
+#
+# Uses the python3 on PATH and its torch (no virtual environment, no network needed).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+report_dir=${1:-benchmarks/results}
+mkdir -p "$report_dir"
+report="$report_dir/gpu-check-$(date -u +%Y-%m-%d).md"
+export PYTHONUNBUFFERED=1
+
+TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+  python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
+
+{
+  echo "# GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo
+  echo '```'
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 - <<'PY'
+import torch, hsync
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL (hsync) {hsync._C.nccl_version()}, "
+      f"NCCL (torch) {'.'.join(map(str, torch.cuda.nccl.version()))}")
+PY
+  echo '```'
+  echo
+  echo '## Tests'
+  echo
+  echo '```'
+  python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit tests/distributed 2>&1 | tail -n 30
+  echo '```'
+} | tee "$report"
+echo "report: $report"

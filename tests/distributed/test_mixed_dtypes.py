@@ -1,0 +1,60 @@
+"""A model with float32 and bfloat16 parameters: one set of buckets per dtype, each reduced exactly."""
+
+import pytest
+import torch
+from torch import nn
+
+from tests.spawn import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+SIZES = [3, 8]
+
+
+class Mixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.low = nn.Linear(8, 16, dtype=torch.bfloat16)
+        self.high = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.high(torch.relu(self.low(x.bfloat16())).float()).squeeze(-1)
+
+
+def mixed_step(rank: int, world_size: int):
+    import copy
+
+    import torch.distributed as dist
+
+    import hsync
+
+    torch.manual_seed(0)
+    net = Mixed()
+    plain = copy.deepcopy(net)
+    model = hsync.WeightedDDP(net, bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(SIZES[rank], 8, generator=g), torch.randn(SIZES[rank], generator=g)
+
+    loss_fn = nn.MSELoss()
+    loss_fn(plain(x), y).backward()
+    local = {name: p.grad.double() for name, p in plain.named_parameters()}
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, local)
+    expected = {name: sum(SIZES[r] * everyone[r][name] for r in range(world_size)) / sum(SIZES) for name in local}
+
+    model.backward(loss_fn(model(x), y), weight=SIZES[rank])
+    got = {name: p.grad for name, p in net.named_parameters()}
+    dtypes = [p.dtype for p in net.parameters()]
+    bucket_dtypes = [{dtypes[i] for i in bucket} for bucket in model.bucket_params]
+    return expected, got, bucket_dtypes
+
+
+def test_float32_and_bfloat16_parameters_are_reduced_in_their_own_buckets():
+    for expected, got, bucket_dtypes in run_ranks(mixed_step, 2):
+        assert all(len(d) == 1 for d in bucket_dtypes), bucket_dtypes
+        assert {next(iter(d)) for d in bucket_dtypes} == {torch.float32, torch.bfloat16}
+        for name, value in expected.items():
+            assert got[name].dtype == (torch.bfloat16 if name.startswith("low") else torch.float32)
+            # bf16 keeps 8 bits of mantissa: each scaled term and the sum round once or twice.
+            tol = dict(rtol=2e-2, atol=1e-3) if name.startswith("low") else dict(rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(got[name].double(), value, **tol, msg=name)

@@ -1,0 +1,35 @@
+"""The NCCL path: several ranks on one GPU (skipped without a GPU).
+
+NCCL refuses two ranks of one communicator on the same GPU; giving each rank its own NCCL_HOSTID
+makes them look like separate hosts that talk over sockets. Good for correctness, not for timings.
+"""
+
+import pytest
+import torch
+
+from tests.distributed.workloads import reference_training, train_weighted
+from tests.spawn import run_ranks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# Each rank a host of its own (run_ranks fills in {rank}), talking over loopback sockets.
+SOCKET_ENV = {"NCCL_HOSTID": "hsync-test-host-{rank}", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo",
+              "NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "1"}
+
+
+def on_gpu(rank: int, world_size: int, steps, branch_ranks):
+    torch.cuda.set_device(0)
+    return train_weighted(rank, world_size, steps, branch_ranks, device="cuda")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_nccl_ranks_on_one_gpu_match_one_process(world_size):
+    steps = [[[3, 7, 2][:world_size]], [[0, 5, 1][:world_size]], [[2, 3, 4][:world_size], [4, 1, 1][:world_size]]]
+    results = run_ranks(on_gpu, world_size, steps, {1}, backend="nccl", env=SOCKET_ENV, timeout=240)
+    ref_params, ref_grads, ref_losses = reference_training(steps, {1})
+    for rank, (params, grads, stats, _) in enumerate(results):
+        assert stats[0][2] and stats[-1][2]
+        for name, value in ref_params.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-10, atol=1e-12, msg=f"rank {rank}, {name}")
+        assert grads["never_used.weight"] is None
+        assert [s[0] for s in stats] == pytest.approx(ref_losses, rel=1e-10)
