@@ -71,6 +71,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("first_bucket_bytes_cap"))
       .def("begin_weighted_step", &Engine::begin_weighted_step, py::arg("scalars"),
            py::arg("ref_weight"), release_gil())
+      .def("step_scalars", &Engine::step_scalars, release_gil())
       .def("finalize_if_pending", &Engine::finalize_if_pending, release_gil())
       .def("set_sync", &Engine::set_sync, py::arg("enabled"))
       .def("broadcast_coalesced", &Engine::broadcast_coalesced, py::arg("tensors"), py::arg("root"),

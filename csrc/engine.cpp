@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include <torch/csrc/autograd/engine.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <map>
@@ -136,10 +137,33 @@ void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& re
                   ref_weight.device() == device_,
               "the reference weight must be a float64 scalar on ", device_);
   comm_->all_reduce_sum(scalars);
-  comm_->synchronize();
-  const at::Tensor total = scalars.select(0, 0);
-  pack_scale_ = at::where(total > 0, ref_weight.reshape({}) / total, at::zeros_like(total));
+  step_scalars_ = scalars;
+  ref_weight_ = ref_weight.reshape({});
+  pack_scale_resolved_ = false;
   start_step();
+}
+
+void Engine::resolve_pack_scale() {
+  if (pack_scale_resolved_) return;
+  comm_->synchronize();
+  const at::Tensor total = step_scalars_.select(0, 0);
+  pack_scale_ = at::where(total > 0, ref_weight_ / total, at::zeros_like(total));
+  if (device_.is_cuda()) {
+    step_scalars_host_ = at::empty(step_scalars_.sizes(), step_scalars_.options().device(at::kCPU).pinned_memory(true));
+    step_scalars_host_.copy_(step_scalars_, /*non_blocking=*/true);
+    step_scalars_copied_.emplace(device_.type());
+    step_scalars_copied_->record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
+  }
+  pack_scale_resolved_ = true;
+}
+
+at::Tensor Engine::step_scalars() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  HSYNC_CHECK(step_scalars_.defined(), "no weighted step has run yet");
+  resolve_pack_scale();
+  if (!device_.is_cuda()) return step_scalars_;
+  step_scalars_copied_->synchronize();
+  return step_scalars_host_;
 }
 
 void Engine::on_gradient_ready(size_t index) {
@@ -149,6 +173,7 @@ void Engine::on_gradient_ready(size_t index) {
     pack_scale_ = plain_scale_;
     start_step();
   }
+  resolve_pack_scale();
   if (!finalize_queued_) {
     // Runs when this backward completes (as c10d's reducer does), so a plain
     // loss.backward() finishes the reduction with no call from the user.
@@ -193,6 +218,7 @@ void Engine::finalize() {
   finalize_queued_ = false;
   if (!in_step_) return;
   const at::NoGradGuard no_grad;
+  resolve_pack_scale();
   // Parameters no hook delivered in this backward: see Note [Step lifecycle].
   for (size_t i = 0; i < params_.size(); ++i) {
     if (ready_[i]) continue;

@@ -4,7 +4,8 @@
 // Rank r holds n_r examples and a local mean loss with gradient g_r; the gradient of the global
 // mean is g = sum_r (n_r / N) g_r with N = sum_r n_r. A weighted step starts with one fused
 // all-reduce of the per-step scalars (slot 0 is n_r; the others are the caller's, see
-// hsync/stats.py), which gives N before any gradient is packed. Each gradient is then packed
+// hsync/stats.py), which gives N before any gradient is packed. It is waited for only when the
+// first gradient is ready, so its latency hides behind the start of backward. Each gradient is then packed
 // scaled by ref_r / N (Note [Fused scale-and-pack]), where ref_r is the weight the local
 // gradient is expressed in (the caller divides micro-step losses by it under no_sync), and the
 // buckets are SUM-reduced. A plain loss.backward() uses the scale 1 / world_size: torch DDP.
@@ -22,7 +23,10 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <c10/core/Event.h>
+
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -59,6 +63,10 @@ class Engine {
   // in place and packs gradients with the scale ref_weight / scalars[0].
   void begin_weighted_step(const at::Tensor& scalars, const at::Tensor& ref_weight);
 
+  // The reduced scalars of the last weighted step, on the host. On GPU this waits for their
+  // copy, which was queued right after their all-reduce, not for the rest of the step.
+  at::Tensor step_scalars();
+
   // Completes the current step if autograd did not (no hook fired in this backward).
   void finalize_if_pending();
 
@@ -80,6 +88,7 @@ class Engine {
   void build_buckets(const std::vector<int64_t>& order);
   void on_gradient_ready(size_t index);
   void start_step();                       // caller holds mutex_
+  void resolve_pack_scale();               // caller holds mutex_
   void pack(size_t index, const at::Tensor& grad);
   void launch_complete_buckets();
   void finalize();
@@ -109,6 +118,11 @@ class Engine {
   std::vector<int64_t> ready_order_;        // recorded until the buckets are rebuilt
   bool rebuilt_ = false;
   at::Tensor pack_scale_;                   // 0-dim float64 on device_
+  bool pack_scale_resolved_ = true;         // false from begin_weighted_step to the first pack
+  at::Tensor step_scalars_;                 // the weighted step's scalars, reduced in place
+  at::Tensor step_scalars_host_;            // their copy on the host (GPU only)
+  std::optional<c10::Event> step_scalars_copied_;
+  at::Tensor ref_weight_;
   at::Tensor plain_scale_;                  // 1 / world_size
   at::Tensor last_grad_nonfinite_;
 };

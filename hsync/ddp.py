@@ -151,12 +151,10 @@ class WeightedDDP(nn.Module):
         scalars[BAD_RANK_SUM] = scalars[BAD_RANKS] * (self.rank + 1)
 
         self._engine.begin_weighted_step(scalars, window.ref)
-        host, ready = _to_host(scalars)
         if w is not None:
             self._backprop(loss, w, window.ref)
         self._engine.finalize_if_pending()
-        if ready is not None:
-            ready.synchronize()
+        host = self._engine.step_scalars()
         if host[BAD_RANKS] > 0:
             raise ValueError(_bad_input_message(host, window.problem, self.rank))
         return StepStats(host, self._engine.last_grad_nonfinite(), self.metric_names)
@@ -230,20 +228,6 @@ def _describe(value) -> str:
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     text = repr(value)
     return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
-
-
-def _to_host(scalars: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """Starts copying the reduced scalars to the host; returns the copy and an event to wait on.
-
-    Waiting on that event (not on the device) lets the host check the scalars after backward
-    was launched without draining the GPU's queue."""
-    if scalars.device.type != "cuda":
-        return scalars, None
-    host = torch.empty(scalars.shape, dtype=scalars.dtype, pin_memory=True)
-    host.copy_(scalars, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return host, event
 
 
 def _bad_input_message(host: torch.Tensor, own_problem: str | None, rank: int) -> str:
