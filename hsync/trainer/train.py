@@ -1,0 +1,253 @@
+"""BERT pretraining (masked LM + next-sentence prediction) across mixed GPUs.
+
+    torchrun --nproc_per_node 4 examples/bert.py --preset tiny --max-steps 200
+    torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:PORT --nproc_per_node 4 examples/bert.py --preset base
+
+Each rank's micro-batch size follows its measured speed (--balance auto), and each rank's
+gradient is weighted by its number of masked tokens, so every update is exactly the one a single
+GPU would make on the whole global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hsync
+from hsync import balance, data
+from hsync.trainer import checkpoint
+from hsync.trainer.config import ModelPreset, TrainConfig, parse_args
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, preset = parse_args(argv, description=__doc__).resolved()
+    device = init_distributed(cfg.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    slowdown = balance.parse_rank_values(cfg.simulate_slowdown, world, "--simulate-slowdown", 1.0)[rank]
+    examples, vocab = prepare_data(cfg, preset)
+    micro_batch = cfg.global_batch_size // cfg.update_freq
+    plan = initial_plan(cfg, micro_batch, world)
+
+    torch.manual_seed(cfg.seed)
+    model = hsync.WeightedDDP(build_model(preset, vocab).to(device), broadcast_buffers=False,
+                              metric_names=per_rank_metrics(world))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / cfg.warmup_steps,
+                                                                         max(0.0, (cfg.max_steps - s) / cfg.max_steps)))
+    sampler = data.UnevenDistributedSampler(len(examples), seed=cfg.seed)
+    meta = {"preset": asdict(preset), "world_size": world, "examples": len(examples)}
+    step = 0
+    if cfg.resume:
+        state = checkpoint.load(Path(cfg.save_dir), meta)
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        sampler.load_state_dict(state["sampler"])
+        plan, step = state["plan"], state["step"]
+    log = Logger(cfg, rank, world)
+    window = balance.SpeedWindow()
+    report(rank, f"batch plan (micro-batch per rank): {plan} x {cfg.update_freq} micro-steps")
+
+    while step < cfg.max_steps:
+        started = time.perf_counter()
+        for micro in range(cfg.update_freq):
+            indices, epoch = sampler.next_step(plan, rank)
+            batch = {k: v.to(device) for k, v in vocab.collate(examples, indices or [0], cfg.seed, epoch).items()}
+            with contextlib.nullcontext() if micro == cfg.update_freq - 1 else model.no_sync():
+                stats = train_micro_step(model, batch, len(indices), slowdown, device, rank, world)
+        if stats.finite:
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        window.add(*rank_speeds(stats, world))
+        log.step(step, stats, plan, window, time.perf_counter() - started, schedule.get_last_lr()[0])
+        if cfg.balance == "auto" and (step == cfg.measure_steps or step % cfg.rebalance_every == 0):
+            plan = replan(plan, micro_batch, window, rank)
+            window = balance.SpeedWindow()
+        if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.max_steps):
+            checkpoint.save(Path(cfg.save_dir), step, {
+                "model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                "schedule": schedule.state_dict(), "sampler": sampler.state_dict(), "plan": plan, "meta": meta})
+    log.close()
+    dist.destroy_process_group()
+
+
+def train_micro_step(model, batch, examples: int, slowdown: float, device, rank: int, world: int):
+    """Forward, loss and backward of one micro-batch; the weight is its number of masked tokens."""
+    started = time.perf_counter()
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        out = model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                    attention_mask=batch["attention_mask"])
+        masked = batch["labels"] != -100
+        mlm = nn.functional.cross_entropy(out.prediction_logits[masked].float(), batch["labels"][masked])
+        nsp = nn.functional.cross_entropy(out.seq_relationship_logits.float(), batch["next_sentence_label"])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    forward = time.perf_counter() - started
+    # Compute time estimated from the forward pass, the only part free of waiting for other ranks.
+    compute = forward * (1 + balance.BACKWARD_TO_FORWARD)
+    if slowdown > 1:
+        time.sleep((slowdown - 1) * compute)
+        compute *= slowdown
+    masked_tokens = int(masked.sum()) if examples else 0
+    tokens = float(batch["attention_mask"].sum()) if examples else 0.0
+    metrics = {f"examples/{rank}": examples, f"seconds/{rank}": compute, f"tokens/{rank}": tokens}
+    return model.backward(mlm + nsp, weight=masked_tokens, metrics=metrics)
+
+
+def per_rank_metrics(world: int) -> tuple[str, ...]:
+    return tuple(f"{name}/{r}" for name in ("examples", "seconds", "tokens") for r in range(world))
+
+
+def rank_speeds(stats: hsync.StepStats, world: int) -> tuple[list[float], list[float]]:
+    m = stats.metrics
+    return [m[f"examples/{r}"] for r in range(world)], [m[f"seconds/{r}"] for r in range(world)]
+
+
+def initial_plan(cfg: TrainConfig, micro_batch: int, world: int) -> list[int]:
+    if cfg.global_batch_size % cfg.update_freq:
+        raise ValueError(f"--global-batch-size {cfg.global_batch_size} is not a multiple of --update-freq "
+                         f"{cfg.update_freq}")
+    if cfg.balance != "manual":
+        return data.split_proportionally(micro_batch, [1] * world)
+    plan = [int(x) for x in cfg.rank_batch_sizes.split(",")]
+    if len(plan) != world or sum(plan) != micro_batch or min(plan) < 0:
+        raise ValueError(f"--rank-batch-sizes {cfg.rank_batch_sizes} does not add up: it needs {world} "
+                         f"non-negative sizes summing to {micro_batch} (global batch {cfg.global_batch_size} / "
+                         f"update freq {cfg.update_freq})")
+    return plan
+
+
+def replan(plan: list[int], micro_batch: int, window: balance.SpeedWindow, rank: int) -> list[int]:
+    """A plan proportional to the window's speeds; every rank computes the same from the same sums."""
+    speeds = window.speeds()
+    new = balance.plan_batch_sizes(micro_batch, speeds)
+    if rank == 0:
+        shown = ", ".join(f"rank {r}: {s:.1f} ex/s" for r, s in enumerate(speeds))
+        report(rank, f"measured {shown}; batch plan {plan} -> {new}")
+    return new
+
+
+class Logger:
+    """tqdm progress and JSON lines on rank 0; numbers come from the step's fused stats."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, world: int) -> None:
+        self.every, self.world, self.enabled = cfg.log_every, world, rank == 0
+        self.file = open(cfg.log_file, "a") if cfg.log_file and self.enabled else None  # noqa: SIM115
+        self.bar = None
+        if self.enabled:
+            from tqdm import tqdm
+
+            # A bar only on a terminal: in a log file its redraws would bury the JSON lines.
+            self.bar = tqdm(total=cfg.max_steps, dynamic_ncols=True, file=sys.stderr, disable=not sys.stderr.isatty())
+
+    def step(self, step, stats, plan, window, seconds, lr) -> None:
+        if not self.enabled:
+            return
+        self.bar.update(step - self.bar.n)
+        self.bar.set_postfix(loss=f"{stats.loss:.3f}", refresh=False)
+        if step % self.every and step != self.bar.total:
+            return
+        tokens = [stats.metrics[f"tokens/{r}"] for r in range(self.world)]
+        compute = [stats.metrics[f"seconds/{r}"] for r in range(self.world)]
+        record = {"step": step, "loss": round(stats.loss, 5), "lr": lr, "finite": stats.finite,
+                  "masked_tokens": stats.weight, "step_seconds": round(seconds, 4),
+                  "tokens_per_s": round(sum(tokens) / seconds, 1),
+                  "rank_tokens_per_s": [round(t / c, 1) if c else 0.0 for t, c in zip(tokens, compute, strict=True)],
+                  "plan": plan}
+        tqdm_write = self.bar.write if not self.bar.disable else print
+        tqdm_write(json.dumps(record))
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+        if self.file:
+            self.file.close()
+
+
+def report(rank: int, message: str) -> None:
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def init_distributed(device_choice: str) -> torch.device:
+    """torchrun's environment (RANK, WORLD_SIZE, ...), or a world of one for a plain `python` run."""
+    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl")
+        return torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+class Vocabulary:
+    """The trained WordPiece vocabulary and what collating needs of it."""
+
+    def __init__(self, path: Path) -> None:
+        tokens = path.read_text(encoding="utf-8").splitlines()
+        self.path, self.size = path, len(tokens)
+        ids = {t: i for i, t in enumerate(tokens)}
+        self.pad, self.mask = ids["[PAD]"], ids["[MASK]"]
+        self.special = {ids[t] for t in ("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]")}
+
+    def collate(self, examples: data.PretrainingExamples, indices: list[int], seed: int, epoch: int):
+        return data.collate(examples, indices, self.size, self.special, self.mask, self.pad, seed, epoch)
+
+
+def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> tuple[data.PretrainingExamples, Vocabulary]:
+    """Corpus and vocabulary (rank 0 prepares, the others wait), then the examples on every rank."""
+    data_dir = Path(cfg.data_dir)
+    corpus = Path(cfg.corpus) if cfg.corpus else data_dir / "kjv.txt"
+    vocab_dir = data_dir / f"vocab-{corpus.stem}-{preset.vocab_size}"
+    problem = None
+    if dist.get_rank() == 0:
+        try:
+            if not cfg.corpus:
+                data.prepare_bible_corpus(corpus)
+            data.read_documents(corpus)  # a missing or empty corpus fails here, before any work
+            data.train_wordpiece_vocab(corpus, preset.vocab_size, vocab_dir)
+        except (OSError, ValueError, RuntimeError) as error:
+            problem = f"{type(error).__name__}: {error}"
+    shared = [problem]
+    dist.broadcast_object_list(shared, src=0)
+    if shared[0]:
+        raise SystemExit(f"hsync: cannot prepare the data: {shared[0]}")
+    vocab = Vocabulary(vocab_dir / "vocab.txt")
+    examples = data.build_examples(data.read_documents(corpus), vocab.path, preset.max_seq_len, cfg.seed)
+    return examples, vocab
+
+
+def build_model(preset: ModelPreset, vocab: Vocabulary) -> nn.Module:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import BertConfig, BertForPreTraining
+
+    config = BertConfig(vocab_size=vocab.size, hidden_size=preset.hidden_size,
+                        num_hidden_layers=preset.num_layers, num_attention_heads=preset.num_heads,
+                        intermediate_size=preset.intermediate_size, max_position_embeddings=preset.max_seq_len,
+                        pad_token_id=vocab.pad)
+    return BertForPreTraining(config)
+
+
+if __name__ == "__main__":
+    main()
