@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
@@ -118,6 +119,7 @@ std::vector<std::vector<int64_t>> Engine::bucket_params() const {
 
 void Engine::start_step() {
   in_step_ = true;
+  step_task_id_ = -1;
   next_bucket_ = 0;
   std::fill(ready_.begin(), ready_.end(), false);
   for (Bucket& bucket : buckets_) {
@@ -141,6 +143,7 @@ void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& re
   ref_weight_ = ref_weight.reshape({});
   pack_scale_resolved_ = false;
   start_step();
+  plain_step_ = false;
 }
 
 void Engine::resolve_pack_scale() {
@@ -167,24 +170,31 @@ at::Tensor Engine::step_scalars() {
 }
 
 void Engine::on_gradient_ready(size_t index) {
-  if (!sync_enabled_) return;
+  if (!sync_enabled_.load()) return;
   std::lock_guard<std::mutex> lock(mutex_);
   if (!in_step_) {
     pack_scale_ = plain_scale_;
     start_step();
+    plain_step_ = true;
   }
-  resolve_pack_scale();
-  if (!finalize_queued_) {
-    // Runs when this backward completes (as c10d's reducer does), so a plain
-    // loss.backward() finishes the reduction with no call from the user.
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
-    finalize_queued_ = true;
+  const int task = torch::autograd::get_current_graph_task_id();
+  HSYNC_CHECK(step_task_id_ == -1 || step_task_id_ == task,
+              "a new backward started before the previous gradient reduction finished (an earlier backward "
+              "was interrupted, or a nested backward such as reentrant activation checkpointing reached "
+              "the wrapped parameters); rebuild the model wrapper");
+  if (step_task_id_ == -1) {
+    step_task_id_ = task;
+    if (plain_step_) {
+      // Runs when this backward completes (as c10d's reducer does), so a plain
+      // loss.backward() finishes the reduction with no call from the user.
+      torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+    }
   }
   HSYNC_CHECK(!ready_[index], "the gradient of '", names_[index],
-              "' became ready twice in one backward (a second backward pass, or reentrant "
-              "activation checkpointing, before the reduction finished)");
+              "' became ready twice in one backward; hsync reduces each gradient once per step");
   ready_[index] = true;
   if (!rebuilt_) ready_order_.push_back(static_cast<int64_t>(index));
+  resolve_pack_scale();
   pack(index, params_[index].grad());
   launch_complete_buckets();
 }
@@ -210,12 +220,11 @@ void Engine::launch_complete_buckets() {
 }
 
 void Engine::finalize_if_pending() {
-  if (sync_enabled_ && in_step_) finalize();
+  if (sync_enabled_.load() && in_step_) finalize();
 }
 
 void Engine::finalize() {
   std::lock_guard<std::mutex> lock(mutex_);
-  finalize_queued_ = false;
   if (!in_step_) return;
   const at::NoGradGuard no_grad;
   resolve_pack_scale();
@@ -241,6 +250,7 @@ void Engine::finalize() {
 
   if (!rebuilt_) rebuild_from_ready_order();
   in_step_ = false;
+  plain_step_ = false;
 }
 
 void Engine::write_back() {

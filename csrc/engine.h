@@ -17,7 +17,11 @@
 // backward, finalize() packs what no hook delivered (parameters unused on this rank: their
 // accumulated gradient if they have one, zeros otherwise), launches the remaining buckets,
 // waits, and writes the reduced gradients back. A parameter with no gradient on any rank keeps
-// no gradient, as with DDP's find_unused_parameters.
+// no gradient, as with DDP's find_unused_parameters. finalize() runs as an autograd callback at
+// the end of a plain loss.backward(); a weighted step is finalized by its caller after
+// backward returns, so a nested backward (reentrant checkpointing) cannot end the step early.
+// Hooks of a second graph task within one step are refused: that backward would feed
+// gradients of the wrong step.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -25,6 +29,7 @@
 
 #include <c10/core/Event.h>
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <mutex>
@@ -71,7 +76,7 @@ class Engine {
   void finalize_if_pending();
 
   // While false (no_sync), hooks leave gradients to accumulate locally.
-  void set_sync(bool enabled) { sync_enabled_ = enabled; }
+  void set_sync(bool enabled) { sync_enabled_.store(enabled); }
 
   // Broadcasts `tensors` in place from `root`, one collective per dtype.
   void broadcast_coalesced(const std::vector<at::Tensor>& tensors, int root);
@@ -110,9 +115,10 @@ class Engine {
   std::vector<std::pair<size_t, size_t>> locator_;  // param -> (bucket, position in bucket)
 
   std::mutex mutex_;
-  bool sync_enabled_ = true;
+  std::atomic<bool> sync_enabled_{true};  // written by Python, read by autograd's threads
   bool in_step_ = false;
-  bool finalize_queued_ = false;
+  bool plain_step_ = false;                // begun by a hook: finalize runs as an autograd callback
+  int step_task_id_ = -1;                  // the autograd graph task whose hooks feed this step
   size_t next_bucket_ = 0;                  // next bucket to launch, Note [Step lifecycle]
   std::vector<bool> ready_;
   std::vector<int64_t> ready_order_;        // recorded until the buckets are rebuilt

@@ -104,7 +104,8 @@ class WeightedDDP(nn.Module):
         self._window: _Window | None = None
 
     def forward(self, *args, **kwargs):
-        if self._syncing and self._buffers_to_sync:
+        # Not under no_grad: evaluating on one rank alone must not start a collective.
+        if self._syncing and self._buffers_to_sync and torch.is_grad_enabled():
             self._engine.broadcast_coalesced(self._buffers_to_sync, 0)
         return self.module(*args, **kwargs)
 
@@ -136,7 +137,7 @@ class WeightedDDP(nn.Module):
         self._window = window
         w = self._add_micro_step(window, loss, weight, metrics or {})
         if not self._syncing:
-            if w is not None:
+            if w is not None and loss.requires_grad:
                 self._backprop(loss, w, window.ref)
             return None
 
@@ -151,9 +152,13 @@ class WeightedDDP(nn.Module):
         scalars[BAD_RANK_SUM] = scalars[BAD_RANKS] * (self.rank + 1)
 
         self._engine.begin_weighted_step(scalars, window.ref)
-        if w is not None:
-            self._backprop(loss, w, window.ref)
-        self._engine.finalize_if_pending()
+        try:
+            if w is not None and loss.requires_grad:
+                self._backprop(loss, w, window.ref)
+        finally:
+            # Also after a failed backward (out of memory, say): this rank still completes the
+            # step's collectives, so its peers are not left waiting.
+            self._engine.finalize_if_pending()
         host = self._engine.step_scalars()
         if host[BAD_RANKS] > 0:
             raise ValueError(_bad_input_message(host, window.problem, self.rank))
@@ -169,12 +174,13 @@ class WeightedDDP(nn.Module):
         """Adds this micro-step to the window; returns its weight, or None if its input is bad."""
         w, kind, problem = _as_weight(weight, self.device)
         if kind is None and not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
-            kind = BadInput.LOSS_NOT_A_SCALAR
-            problem = f"loss must be a scalar floating-point tensor, got {_describe(loss)}"
-        unknown = sorted(set(metrics) - set(self.metric_names))
-        if kind is None and unknown:
-            kind = BadInput.UNKNOWN_METRIC
-            problem = f"metrics {unknown} were not declared in WeightedDDP(metric_names={self.metric_names})"
+            kind, problem = BadInput.BAD_LOSS, f"loss must be a scalar floating-point tensor, got {_describe(loss)}"
+        elif kind is None and not loss.requires_grad and not (isinstance(weight, numbers.Real) and weight == 0):
+            # Only a rank with nothing to contribute may pass a constant loss.
+            kind, problem = BadInput.BAD_LOSS, "loss does not require a gradient (computed under no_grad, or detached?)"
+        values, metric_problem = self._metric_values(metrics)
+        if kind is None and metric_problem:
+            kind, problem = BadInput.BAD_METRIC, metric_problem
         if kind is not None:
             if window.problem is None:
                 window.problem, window.problem_kind = problem, kind
@@ -188,12 +194,33 @@ class WeightedDDP(nn.Module):
         lossd = loss.detach().reshape(()).to(torch.float64)
         local = window.local
         local[WEIGHT] += w
-        local[LOSS_SUM] += w * lossd
+        # A rank without data adds nothing to the loss, but its non-finite values still count.
+        local[LOSS_SUM] += torch.where(w > 0, w * lossd, 0.0)
         local[LOSS_NONFINITE] += (~torch.isfinite(lossd)).to(torch.float64)
-        for i, name in enumerate(self.metric_names):
-            if name in metrics:
-                local[NUM_SLOTS + i] += torch.as_tensor(metrics[name], dtype=torch.float64, device=self.device)
+        if values is not None:
+            local[NUM_SLOTS:] += values
         return w
+
+    def _metric_values(self, metrics: Mapping) -> tuple[torch.Tensor | None, str | None]:
+        """The declared metrics as one float64 vector, or why they cannot be."""
+        unknown = sorted(set(metrics) - set(self.metric_names))
+        if unknown:
+            return None, f"metrics {unknown} were not declared in WeightedDDP(metric_names={self.metric_names})"
+        if not metrics:
+            return None, None
+        values: list[torch.Tensor | float] = []
+        for name in self.metric_names:
+            value = metrics.get(name, 0.0)
+            if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+                values.append(value.detach().reshape(()).to(device=self.device, dtype=torch.float64))
+            elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+                values.append(float(value))
+            else:
+                return None, f"metric '{name}' must be a real number, got {_describe(value)}"
+        if all(isinstance(v, float) for v in values):
+            return _to_device(values, self.device), None
+        as_tensors = [v if isinstance(v, torch.Tensor) else _to_device([v], self.device)[0] for v in values]
+        return torch.stack(as_tensors), None
 
     @staticmethod
     def _backprop(loss: torch.Tensor, weight: torch.Tensor, ref: torch.Tensor) -> None:
@@ -206,6 +233,12 @@ class WeightedDDP(nn.Module):
     def bucket_params(self) -> list[list[int]]:
         """Each bucket's parameters (indices into the parameters that require grad), in launch order."""
         return self._engine.bucket_params()
+
+
+def _to_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """Host numbers as a float64 tensor on `device`, without waiting for the device's queue."""
+    host = torch.tensor(values, dtype=torch.float64)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def _as_weight(weight, device: torch.device) -> tuple[torch.Tensor, BadInput | None, str | None]:

@@ -19,15 +19,15 @@ class BadInput(enum.IntEnum):
 
     WEIGHT_OUT_OF_RANGE = 1
     WEIGHT_NOT_A_NUMBER = 2
-    LOSS_NOT_A_SCALAR = 3
-    UNKNOWN_METRIC = 4
+    BAD_LOSS = 3
+    BAD_METRIC = 4
 
     def describe(self) -> str:
         return {
             BadInput.WEIGHT_OUT_OF_RANGE: "a weight that is negative, NaN or infinite",
             BadInput.WEIGHT_NOT_A_NUMBER: "a weight that is not a real number",
-            BadInput.LOSS_NOT_A_SCALAR: "a loss that is not a scalar floating-point tensor",
-            BadInput.UNKNOWN_METRIC: "a metric not declared in WeightedDDP(metric_names=...)",
+            BadInput.BAD_LOSS: "a loss that is not a scalar floating-point tensor with a gradient",
+            BadInput.BAD_METRIC: "a metric that is not a number or not declared in WeightedDDP(metric_names=...)",
         }[self]
 
 

@@ -3,6 +3,8 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <thread>
+
 #include "checks.h"
 
 namespace hsync {
@@ -39,7 +41,10 @@ std::string nccl_version() {
          std::to_string(version % 100);
 }
 
-StreamEvent::StreamEvent() { HSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
+StreamEvent::StreamEvent(int device_index) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+  HSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+}
 
 StreamEvent::~StreamEvent() {
   if (event_ != nullptr) cudaEventDestroy(event_);  // destructors must not throw
@@ -54,7 +59,9 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int d
     : rank_(rank),
       world_size_(world_size),
       device_index_(device_index),
-      stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_index)) {
+      stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_index)),
+      enter_event_(device_index),
+      exit_event_(device_index) {
   ncclUniqueId id;
   HSYNC_CHECK(unique_id.size() == sizeof(id.internal), "NCCL unique id has ", unique_id.size(),
               " bytes, expected ", sizeof(id.internal));
@@ -65,7 +72,21 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int d
 }
 
 NcclComm::~NcclComm() {
-  if (comm_ != nullptr) ncclCommAbort(comm_);
+  if (comm_ == nullptr) return;
+  // Destructors must not throw: errors here only choose between destroy and abort.
+  const auto deadline = std::chrono::steady_clock::now() + kDrainTimeout;
+  cudaError_t state = cudaStreamQuery(stream_.stream());
+  ncclResult_t peer = ncclSuccess;
+  while (state == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline &&
+         ncclCommGetAsyncError(comm_, &peer) == ncclSuccess && (peer == ncclSuccess || peer == ncclInProgress)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    state = cudaStreamQuery(stream_.stream());
+  }
+  if (state == cudaSuccess) {
+    ncclCommDestroy(comm_);
+  } else {
+    ncclCommAbort(comm_);
+  }
 }
 
 void NcclComm::enter(const at::Tensor& tensor) {

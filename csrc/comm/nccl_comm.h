@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <chrono>
 #include <string>
 
 #include "comm/communicator.h"
@@ -24,10 +25,10 @@ namespace hsync {
 std::string nccl_unique_id();
 std::string nccl_version();
 
-// An event for ordering streams, destroyed with its owner.
+// An event for ordering streams on one device, destroyed with its owner.
 class StreamEvent {
  public:
-  StreamEvent();
+  explicit StreamEvent(int device_index);  // CUDA events belong to the device current at creation
   ~StreamEvent();
   StreamEvent(const StreamEvent&) = delete;
   StreamEvent& operator=(const StreamEvent&) = delete;
@@ -42,7 +43,9 @@ class StreamEvent {
 class NcclComm final : public Communicator {
  public:
   NcclComm(const std::string& unique_id, int rank, int world_size, int device_index);
-  ~NcclComm() override;  // aborts the communicator: never blocks on a dead peer
+  // Lets collectives in flight finish (for at most kDrainTimeout) and destroys the communicator;
+  // aborts it instead if a peer failed or the drain timed out, so it never blocks for long.
+  ~NcclComm() override;
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
 
@@ -58,6 +61,8 @@ class NcclComm final : public Communicator {
   // Orders the communicator's stream after the caller's and keeps `tensor`'s memory from being
   // reused by the caching allocator until the collective is done.
   void enter(const at::Tensor& tensor);
+
+  static constexpr std::chrono::seconds kDrainTimeout{10};
 
   int rank_;
   int world_size_;

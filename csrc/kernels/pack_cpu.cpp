@@ -35,9 +35,6 @@ bool scale_and_pack_range(const T* in, T* out, int64_t begin, int64_t end, doubl
 
 void scale_and_pack_cpu(const at::Tensor& grad, const at::Tensor& out, double scale,
                         const at::Tensor& nonfinite_flag, const at::Tensor& used_flag) {
-  HSYNC_CHECK(grad.numel() == out.numel() && grad.scalar_type() == out.scalar_type(),
-              "pack: gradient (", grad.numel(), " ", grad.scalar_type(), ") does not fit its slot (",
-              out.numel(), " ", out.scalar_type(), ")");
   const at::Tensor in = grad.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "scale_and_pack_cpu", [&] {
     const scalar_t* src = in.const_data_ptr<scalar_t>();
@@ -58,8 +55,17 @@ void scale_and_pack_cpu(const at::Tensor& grad, const at::Tensor& out, double sc
 void scale_and_pack(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& scale,
                     const at::Tensor& nonfinite_flag, const at::Tensor& used_flag) {
   HSYNC_CHECK(grad.layout() == at::kStrided, "sparse gradients are not supported");
+  HSYNC_CHECK(grad.numel() == out.numel() && grad.scalar_type() == out.scalar_type(),
+              "pack: gradient (", grad.numel(), " ", grad.scalar_type(), ") does not fit its slot (",
+              out.numel(), " ", out.scalar_type(), ")");
   HSYNC_CHECK(grad.device() == out.device(), "pack: gradient on ", grad.device(),
               " but its bucket is on ", out.device());
+  for (const at::Tensor* flag : {&nonfinite_flag, &used_flag}) {
+    HSYNC_CHECK(flag->numel() == 1 && flag->scalar_type() == out.scalar_type() && flag->device() == out.device(),
+                "pack: flags must be one-element tensors of the bucket's dtype and device");
+  }
+  HSYNC_CHECK(scale.numel() == 1 && scale.scalar_type() == at::kDouble && scale.device() == out.device(),
+              "pack: the scale must be a float64 scalar on ", out.device());
 #ifdef HSYNC_WITH_CUDA
   if (out.is_cuda()) {
     scale_and_pack_cuda(grad, out, scale, nonfinite_flag, used_flag);
@@ -68,8 +74,6 @@ void scale_and_pack(const at::Tensor& grad, const at::Tensor& out, const at::Ten
 #endif
   HSYNC_CHECK(out.is_cpu(), "pack: this build of hsync has no CUDA support, got a ", out.device(),
               " bucket");
-  HSYNC_CHECK(scale.is_cpu() && scale.scalar_type() == at::kDouble && scale.numel() == 1,
-              "pack: the scale must be a float64 scalar on the CPU");
   // A raw read, not item(): this runs once per gradient and must stay cheap.
   scale_and_pack_cpu(grad, out, *scale.const_data_ptr<double>(), nonfinite_flag, used_flag);
 }

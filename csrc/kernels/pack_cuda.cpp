@@ -26,8 +26,6 @@ void scale_and_pack_cuda(const at::Tensor& grad, const at::Tensor& out, const at
   HSYNC_CHECK(grad.numel() == out.numel() && grad.scalar_type() == out.scalar_type(),
               "pack: gradient (", grad.numel(), " ", grad.scalar_type(), ") does not fit its slot (",
               out.numel(), " ", out.scalar_type(), ")");
-  HSYNC_CHECK(scale.device() == out.device() && scale.scalar_type() == at::kDouble,
-              "pack: the scale must be a float64 scalar on ", out.device());
   const c10::cuda::CUDAGuard guard(out.device());
   const at::Tensor in = grad.contiguous();
   launch_scale_and_pack(kernel_dtype(out.scalar_type()), in.const_data_ptr(), out.data_ptr(),

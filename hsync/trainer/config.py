@@ -55,7 +55,9 @@ class TrainConfig:
     data_dir: str = "data"
     """Where the prepared corpus and the trained vocabulary are cached."""
     max_steps: int = 200
-    """Optimizer steps to run (in total, counting those before a resume)."""
+    """Optimizer steps of the whole run, counting those before a resume; the LR schedule spans them."""
+    stop_at: int = 0
+    """Stop after this step (with a checkpoint, if --save-dir is set) to continue later with --resume; 0: never."""
     global_batch_size: int | None = None
     """Examples per optimizer step over all ranks and micro-steps."""
     balance: str = "auto"

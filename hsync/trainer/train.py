@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     window = balance.SpeedWindow()
     report(rank, f"batch plan (micro-batch per rank): {plan} x {cfg.update_freq} micro-steps")
 
-    while step < cfg.max_steps:
+    last_step = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
+    while step < last_step:
         started = time.perf_counter()
         for micro in range(cfg.update_freq):
             indices, epoch = sampler.next_step(plan, rank)
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.balance == "auto" and (step == cfg.measure_steps or step % cfg.rebalance_every == 0):
             plan = replan(plan, micro_batch, window, rank)
             window = balance.SpeedWindow()
-        if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.max_steps):
+        if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last_step):
             checkpoint.save(Path(cfg.save_dir), step, {
                 "model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                 "schedule": schedule.state_dict(), "sampler": sampler.state_dict(), "plan": plan, "meta": meta})

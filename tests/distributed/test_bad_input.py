@@ -44,9 +44,12 @@ def bad_step_then_good_step(rank: int, world_size: int, bad: dict) -> tuple[str,
         ({"weight": "three"}, "rank 1 passed a weight that is not a real number", "got str 'three'"),
         ({"weight": torch.ones(2)}, "rank 1 passed a weight that is not a real number", "shape (2,)"),
         ({"loss": torch.ones(3)}, "rank 1 passed a loss that is not a scalar", "shape (3,)"),
-        ({"metrics": {"typo": 1.0}}, "rank 1 passed a metric not declared", "['typo']"),
+        ({"loss": torch.tensor(0.5)}, "rank 1 passed a loss that is not a scalar", "does not require a gradient"),
+        ({"metrics": {"typo": 1.0}}, "rank 1 passed a metric that is not a number or not declared", "['typo']"),
+        ({"metrics": {"ok": "x"}}, "rank 1 passed a metric that is not a number", "metric 'ok' must be a real"),
     ],
-    ids=["negative", "nan", "inf", "negative-tensor", "string", "vector", "vector-loss", "metric"],
+    ids=["negative", "nan", "inf", "negative-tensor", "string", "vector", "vector-loss", "constant-loss",
+         "metric-name", "metric-value"],
 )
 def test_bad_input_raises_on_every_rank(bad, shared, own):
     results = run_ranks(bad_step_then_good_step, 3, bad, timeout=60)
@@ -109,7 +112,36 @@ def test_models_that_cannot_be_wrapped_fail_on_every_rank(variant, expected):
         assert expected in text, text
 
 
-def interrupted_backward(rank: int, world_size: int) -> None:
+def failing_backward(rank: int, world_size: int, failing_ranks: set[int]) -> tuple[str | None, float]:
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0))
+    _, _, slices = global_batch(0, [4] * world_size)
+    x, y = slices[rank]
+
+    def fail(grad):
+        raise RuntimeError("simulated failure inside backward")
+
+    hook = model.module.inp.weight.register_hook(fail) if rank in failing_ranks else None
+    error = None
+    try:
+        model.backward(mse(model(x), y), weight=4)
+    except RuntimeError as e:
+        error = str(e)
+    if hook:
+        hook.remove()
+    model.module.zero_grad()
+    return error, model.backward(mse(model(x), y), weight=4).weight
+
+
+@pytest.mark.parametrize("failing_ranks", [{0, 1}, {1}], ids=["all-ranks", "one-rank"])
+def test_a_failed_weighted_backward_still_completes_the_step_on_every_rank(failing_ranks):
+    for rank, (error, next_weight) in enumerate(run_ranks(failing_backward, 2, failing_ranks)):
+        assert ("simulated failure" in error) if rank in failing_ranks else error is None
+        assert next_weight == 8, "the next step runs on every rank"
+
+
+def interrupted_plain_backward(rank: int, world_size: int) -> None:
     import hsync
 
     model = hsync.WeightedDDP(make_net(seed=0))
@@ -121,13 +153,13 @@ def interrupted_backward(rank: int, world_size: int) -> None:
 
     hook = model.module.inp.weight.register_hook(fail)
     try:
-        model.backward(mse(model(x), y), weight=4)
+        mse(model(x), y).backward()
     except RuntimeError as error:
         assert "simulated failure" in str(error)
     hook.remove()
-    model.backward(mse(model(x), y), weight=4)
+    mse(model(x), y).backward()
 
 
-def test_backward_after_an_interrupted_reduction_is_refused():
-    for text in run_ranks_expecting_errors(interrupted_backward, 2):
+def test_a_plain_backward_after_an_interrupted_one_is_refused():
+    for text in run_ranks_expecting_errors(interrupted_plain_backward, 2):
         assert "a new backward started before the previous gradient reduction finished" in text
