@@ -97,11 +97,15 @@ class PretrainingExamples:
         return len(self.input_ids)
 
 
-def build_examples(documents: list[list[str]], vocab: Path, max_seq_len: int, seed: int = 0) -> PretrainingExamples:
-    """Packs consecutive sentences into A/B pairs of at most max_seq_len tokens, as BERT's data builder does."""
+def build_examples(
+    documents: list[list[str]], tokens: list[str], max_seq_len: int, seed: int = 0
+) -> PretrainingExamples:
+    """Packs consecutive sentences into A/B pairs of at most max_seq_len tokens, as BERT's data builder does.
+
+    `tokens` is the WordPiece vocabulary, one token per id."""
     from tokenizers import BertWordPieceTokenizer
 
-    tokenizer = BertWordPieceTokenizer(str(vocab), lowercase=True)
+    tokenizer = BertWordPieceTokenizer({token: i for i, token in enumerate(tokens)}, lowercase=True)
     cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
     encoded = [[tokenizer.encode(s, add_special_tokens=False).ids for s in doc] for doc in documents]
     rng = random.Random(seed)

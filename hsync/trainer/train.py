@@ -11,9 +11,11 @@ GPU would make on the whole global batch.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -205,9 +207,8 @@ def init_distributed(device_choice: str) -> torch.device:
 class Vocabulary:
     """The trained WordPiece vocabulary and what collating needs of it."""
 
-    def __init__(self, path: Path) -> None:
-        tokens = path.read_text(encoding="utf-8").splitlines()
-        self.path, self.size = path, len(tokens)
+    def __init__(self, tokens: list[str]) -> None:
+        self.tokens, self.size = tokens, len(tokens)
         ids = {t: i for i, t in enumerate(tokens)}
         self.pad, self.mask = ids["[PAD]"], ids["[MASK]"]
         self.special = {ids[t] for t in ("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]")}
@@ -217,26 +218,46 @@ class Vocabulary:
 
 
 def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> tuple[data.PretrainingExamples, Vocabulary]:
-    """Corpus and vocabulary (rank 0 prepares, the others wait), then the examples on every rank."""
+    """The corpus, prepared once per machine (by its local rank 0: nodes need not share a disk), and
+    rank 0's vocabulary, sent to every rank. Any rank's problem stops every rank before training."""
     data_dir = Path(cfg.data_dir)
     corpus = Path(cfg.corpus) if cfg.corpus else data_dir / "kjv.txt"
-    vocab_dir = data_dir / f"vocab-{corpus.stem}-{preset.vocab_size}"
-    problem = None
-    if dist.get_rank() == 0:
-        try:
-            if not cfg.corpus:
-                data.prepare_bible_corpus(corpus)
-            data.read_documents(corpus)  # a missing or empty corpus fails here, before any work
-            data.train_wordpiece_vocab(corpus, preset.vocab_size, vocab_dir)
-        except (OSError, ValueError, RuntimeError) as error:
-            problem = f"{type(error).__name__}: {error}"
-    shared = [problem]
+    problem, tokens = None, None
+    try:
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not cfg.corpus:
+            data.prepare_bible_corpus(corpus)
+        dist.barrier()
+        documents = data.read_documents(corpus)  # a missing or empty corpus fails here, before any work
+        if dist.get_rank() == 0:
+            vocab_dir = data_dir / f"vocab-{corpus.stem}-{preset.vocab_size}"
+            tokens = data.train_wordpiece_vocab(corpus, preset.vocab_size, vocab_dir).read_text("utf-8").splitlines()
+    except (OSError, ValueError, RuntimeError, subprocess.CalledProcessError) as error:
+        problem = f"{type(error).__name__}: {error}"
+    fail_together(problem, "cannot prepare the data")
+    # The same text everywhere, or ranks would train on different data without knowing it.
+    fail_together(None if agree(hashlib.sha256(corpus.read_bytes()).hexdigest()) else
+                  f"the corpus {corpus} differs between machines", "cannot prepare the data")
+    # WordPiece training breaks ties differently from run to run: every rank takes rank 0's.
+    shared = [tokens]
     dist.broadcast_object_list(shared, src=0)
-    if shared[0]:
-        raise SystemExit(f"hsync: cannot prepare the data: {shared[0]}")
-    vocab = Vocabulary(vocab_dir / "vocab.txt")
-    examples = data.build_examples(data.read_documents(corpus), vocab.path, preset.max_seq_len, cfg.seed)
-    return examples, vocab
+    vocab = Vocabulary(shared[0])
+    return data.build_examples(documents, vocab.tokens, preset.max_seq_len, cfg.seed), vocab
+
+
+def agree(value) -> bool:
+    """Collective: whether every rank holds the same value."""
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return all(v == values[0] for v in values)
+
+
+def fail_together(problem: str | None, what: str) -> None:
+    """Collective: exits every rank with the first rank's problem, if any rank has one."""
+    problems: list = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    first = next(((rank, p) for rank, p in enumerate(problems) if p), None)
+    if first:
+        raise SystemExit(f"hsync: {what} (rank {first[0]}): {first[1]}")
 
 
 def build_model(preset: ModelPreset, vocab: Vocabulary) -> nn.Module:

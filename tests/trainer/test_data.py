@@ -73,12 +73,11 @@ def test_missing_and_empty_corpora_are_named(tmp_path):
 def test_examples_and_masks_are_well_formed_and_reproducible(tmp_path):
     documents = data.read_documents(SLICE)
     assert len(documents) == 50  # Genesis: one document per chapter
-    vocab = data.train_wordpiece_vocab(SLICE, 2000, tmp_path)
-    examples = data.build_examples(documents, vocab, max_seq_len=64)
+    tokens = data.train_wordpiece_vocab(SLICE, 2000, tmp_path).read_text().splitlines()
+    examples = data.build_examples(documents, tokens, max_seq_len=64)
     assert len(examples) > 500
     assert max(map(len, examples.input_ids)) <= 64
     assert 0.3 < sum(examples.is_random_next) / len(examples) < 0.7
-    tokens = vocab.read_text().splitlines()
     ids = {t: i for i, t in enumerate(tokens)}
     special = {ids[t] for t in ("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]")}
 
