@@ -39,6 +39,11 @@ def plan_batch_sizes(global_batch: int, speeds: list[float], max_sizes: list[int
     return sizes
 
 
+def step_time(plan: list[int], speeds: list[float]) -> float:
+    """How long a step of this plan takes at these speeds: the slowest rank's time."""
+    return max(n / s for n, s in zip(plan, speeds, strict=True))
+
+
 def parse_rank_values(text: str, world_size: int, what: str, default: float) -> list[float]:
     """'1=2.0,3=1.5' as a list of one value per rank (the others get `default`)."""
     values = [default] * world_size

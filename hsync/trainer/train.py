@@ -30,6 +30,8 @@ from hsync import balance, data
 from hsync.trainer import checkpoint
 from hsync.trainer.config import ModelPreset, TrainConfig, parse_args
 
+REPLAN_GAIN = 0.05  # a new batch plan must promise steps at least this much shorter
+
 
 def main(argv: list[str] | None = None) -> None:
     cfg, preset = parse_args(argv, description=__doc__).resolved()
@@ -44,8 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     model = hsync.WeightedDDP(build_model(preset, vocab).to(device), broadcast_buffers=False,
                               metric_names=per_rank_metrics(world))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / cfg.warmup_steps,
-                                                                         max(0.0, (cfg.max_steps - s) / cfg.max_steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
     sampler = data.UnevenDistributedSampler(len(examples), seed=cfg.seed)
     meta = {"preset": asdict(preset), "world_size": world, "examples": len(examples)}
     step = 0
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
             indices, epoch = sampler.next_step(plan, rank)
             batch = {k: v.to(device) for k, v in vocab.collate(examples, indices or [0], cfg.seed, epoch).items()}
             with contextlib.nullcontext() if micro == cfg.update_freq - 1 else model.no_sync():
-                stats = train_micro_step(model, batch, len(indices), slowdown, device, rank, world)
+                stats = train_micro_step(model, batch, len(indices), slowdown, device, rank)
         if stats.finite:
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -75,8 +76,9 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.zero_grad(set_to_none=True)
         step += 1
         window.add(*rank_speeds(stats, world))
-        log.step(step, stats, plan, window, time.perf_counter() - started, schedule.get_last_lr()[0])
-        if cfg.balance == "auto" and (step == cfg.measure_steps or step % cfg.rebalance_every == 0):
+        log.step(step, stats, plan, time.perf_counter() - started, schedule.get_last_lr()[0])
+        measured = step == cfg.measure_steps or step % cfg.rebalance_every == 0
+        if cfg.balance == "auto" and measured and step < last_step:
             plan = replan(plan, micro_batch, window, rank)
             window = balance.SpeedWindow()
         if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last_step):
@@ -87,7 +89,13 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
 
 
-def train_micro_step(model, batch, examples: int, slowdown: float, device, rank: int, world: int):
+def lr_factor(step: int, warmup_steps: int, max_steps: int) -> float:
+    """Linear warm-up, then linear decay to zero at max_steps."""
+    return min((step + 1) / warmup_steps, max(0.0, (max_steps - step) / max_steps))
+
+
+def train_micro_step(model: hsync.WeightedDDP, batch: dict[str, torch.Tensor], examples: int, slowdown: float,
+                     device: torch.device, rank: int) -> hsync.StepStats | None:
     """Forward, loss and backward of one micro-batch; the weight is its number of masked tokens."""
     started = time.perf_counter()
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -134,9 +142,12 @@ def initial_plan(cfg: TrainConfig, micro_batch: int, world: int) -> list[int]:
 
 
 def replan(plan: list[int], micro_batch: int, window: balance.SpeedWindow, rank: int) -> list[int]:
-    """A plan proportional to the window's speeds; every rank computes the same from the same sums."""
+    """A plan proportional to the window's speeds, kept only if it is predicted to be clearly faster
+    (measurements are noisy); every rank computes the same from the same sums."""
     speeds = window.speeds()
     new = balance.plan_batch_sizes(micro_batch, speeds)
+    if balance.step_time(new, speeds) > (1 - REPLAN_GAIN) * balance.step_time(plan, speeds):
+        new = plan
     if rank == 0:
         shown = ", ".join(f"rank {r}: {s:.1f} ex/s" for r, s in enumerate(speeds))
         report(rank, f"measured {shown}; batch plan {plan} -> {new}")
@@ -156,7 +167,7 @@ class Logger:
             # A bar only on a terminal: in a log file its redraws would bury the JSON lines.
             self.bar = tqdm(total=cfg.max_steps, dynamic_ncols=True, file=sys.stderr, disable=not sys.stderr.isatty())
 
-    def step(self, step, stats, plan, window, seconds, lr) -> None:
+    def step(self, step: int, stats: hsync.StepStats, plan: list[int], seconds: float, lr: float) -> None:
         if not self.enabled:
             return
         self.bar.update(step - self.bar.n)
