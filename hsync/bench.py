@@ -1,0 +1,430 @@
+"""Benchmarks hsync.WeightedDDP against torch DDP and against no synchronisation, side by side.
+
+    python -m hsync.bench --device cpu --world-size 2 --json results.json --plot results.png
+    python -m hsync.bench --device cuda --world-size 1 ...      # one GPU per rank, NCCL
+
+Every workload times interleaved rounds of the three variants in the same processes, on the same
+model, data and seed, so machine noise falls on all of them alike. It spawns the ranks itself,
+or runs under torchrun when RANK is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import hsync
+from hsync.balance import plan_batch_sizes
+
+MIB = 1024 * 1024
+VARIANTS = ("hsync", "ddp", "nosync")
+
+
+@dataclass
+class Result:
+    """One workload's numbers; step times are medians and 90th percentiles over timed steps."""
+
+    workload: str
+    hsync_step_s: float
+    ddp_step_s: float
+    nosync_step_s: float
+    hsync_p90_s: float
+    ddp_p90_s: float
+    nosync_p90_s: float
+    samples_per_step: int
+    ratio_vs_ddp: float = 0.0
+    hsync_overhead_vs_nosync: float = 0.0
+    ddp_overhead_vs_nosync: float = 0.0
+    peak_memory_mb: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.ratio_vs_ddp = self.hsync_step_s / self.ddp_step_s
+        self.hsync_overhead_vs_nosync = self.hsync_step_s / self.nosync_step_s - 1
+        self.ddp_overhead_vs_nosync = self.ddp_step_s / self.nosync_step_s - 1
+
+
+@dataclass
+class Workload:
+    name: str
+    make_model: Callable[[], nn.Module]
+    make_batch: Callable[[torch.Generator], tuple]
+    loss: Callable[[nn.Module, tuple], torch.Tensor]
+    samples: int
+    bucket_cap_mb: float = 25.0
+
+
+def bert_workload(name: str, hidden: int, layers: int, batch: int, seq: int, device: torch.device,
+                  bucket_cap_mb: float = 25.0) -> Workload:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import BertConfig, BertForPreTraining
+
+    vocab = 8000
+    config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                        num_attention_heads=max(1, hidden // 64), intermediate_size=4 * hidden,
+                        max_position_embeddings=seq)
+
+    def make_batch(g: torch.Generator) -> tuple:
+        return masked_batch(g, batch, seq, vocab, device)
+
+    def loss(model: nn.Module, b: tuple) -> torch.Tensor:
+        # Masked LM + next-sentence prediction, as in pretraining: every parameter gets a gradient.
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = model(input_ids=b[0])
+        mlm = nn.functional.cross_entropy(out.prediction_logits.float().flatten(0, 1), b[1].flatten())
+        return mlm + nn.functional.cross_entropy(out.seq_relationship_logits.float(), b[2])
+
+    return Workload(name, lambda: BertForPreTraining(config).to(device), make_batch, loss, batch, bucket_cap_mb)
+
+
+def masked_batch(g: torch.Generator, batch: int, seq: int, vocab: int, device: torch.device) -> tuple:
+    """Random token ids, 15% of them to predict, and random next-sentence labels."""
+    ids = torch.randint(vocab, (batch, seq), generator=g)
+    labels = torch.where(torch.rand(batch, seq, generator=g) < 0.15, ids, -100)
+    nsp = torch.randint(2, (batch,), generator=g)
+    return ids.to(device), labels.to(device), nsp.to(device)
+
+
+class GradientMover(nn.Module):
+    """Many parameter tensors of mixed sizes and little compute: per-gradient overhead dominates."""
+
+    def __init__(self, count: int = 600) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(4 + (i * 37) % 250) * 0.01) for i in range(count))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum((w.sum() for w in self.weights), x.sum())
+
+
+def mover_workload(device: torch.device, count: int) -> Workload:
+    return Workload(f"gradient-mover-{count}", lambda: GradientMover(count).to(device),
+                    lambda g: (torch.randn(8, generator=g).to(device),), lambda m, b: m(b[0]), 8)
+
+
+def time_variants(workload: Workload, rounds: int, steps: int, rank: int, device: torch.device) -> Result:
+    """Interleaved rounds: each round runs `steps` timed steps of every variant in turn."""
+    models = {}
+    for variant in VARIANTS:
+        torch.manual_seed(0)
+        net = workload.make_model()
+        if variant == "hsync":
+            net = hsync.WeightedDDP(net, bucket_cap_mb=workload.bucket_cap_mb)
+        elif variant == "ddp":
+            net = DistributedDataParallel(net, bucket_cap_mb=workload.bucket_cap_mb,
+                                          device_ids=[device.index] if device.type == "cuda" else None)
+        models[variant] = (net, torch.optim.SGD(net.parameters(), lr=1e-4))
+    g = torch.Generator().manual_seed(rank)
+    batches = [workload.make_batch(g) for _ in range(4)]
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    peak: dict[str, float] = {}
+    for round_index in range(rounds + 1):  # round 0 warms up (and lets hsync rebuild its buckets)
+        for variant, (net, opt) in models.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            for step in range(steps):
+                batch = batches[step % len(batches)]
+                dist.barrier()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                started = time.perf_counter()
+                loss = workload.loss(net, batch)
+                if variant == "hsync":
+                    net.backward(loss, weight=workload.samples)
+                else:
+                    loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if round_index:
+                    times[variant].append(time.perf_counter() - started)
+            if device.type == "cuda":
+                peak[variant] = torch.cuda.max_memory_allocated(device) / MIB
+    # Every rank's step is as slow as the slowest rank's: take the max over ranks, step by step.
+    stacked = torch.tensor([times[v] for v in VARIANTS], dtype=torch.float64)
+    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    med = {v: statistics.median(stacked[i].tolist()) for i, v in enumerate(VARIANTS)}
+    p90 = {v: statistics.quantiles(stacked[i].tolist(), n=10)[-1] for i, v in enumerate(VARIANTS)}
+    return Result(workload.name, med["hsync"], med["ddp"], med["nosync"], p90["hsync"], p90["ddp"], p90["nosync"],
+                  workload.samples * dist.get_world_size(), peak_memory_mb=peak)
+
+
+def comm_path(device: torch.device, megabytes: float, rounds: int) -> Result:
+    """Reduction alone: hsync's hooks + pack + all-reduce + unpack of a model's gradients (backward of a
+    loss whose gradients cost nothing), against torch's all-reduce of the same tensors (one flat
+    tensor: the best torch can do) and, on GPU, a device-to-device copy of the same bytes."""
+    numel = int(megabytes * MIB / 4)
+    sizes = [numel // 64] * 64
+    params = [nn.Parameter(torch.zeros(n, device=device)) for n in sizes]
+    model = hsync.WeightedDDP(nn.ParameterList(params))
+    grads = [torch.ones(n, device=device) for n in sizes]
+    flat = torch.cat(grads)
+    copy_src, copy_dst = flat.clone(), torch.empty_like(flat)
+
+    def hsync_step() -> None:
+        loss = sum((p * g).sum() for p, g in zip(params, grads, strict=True))
+        model.backward(loss, weight=1)
+        for p in params:
+            p.grad = None
+
+    def torch_step() -> None:
+        dist.all_reduce(flat)
+
+    def copy_step() -> None:
+        copy_dst.copy_(copy_src)
+
+    def floor_step() -> None:  # the same backward without synchronisation
+        loss = sum((p * g).sum() for p, g in zip(params, grads, strict=True))
+        torch.autograd.backward(loss, inputs=params)
+        for p in params:
+            p.grad = None
+
+    steps = {"hsync": hsync_step, "ddp": torch_step, "nosync": floor_step}
+    if device.type == "cuda":
+        steps["copy"] = copy_step
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for round_index in range(rounds + 1):
+        for name, fn in steps.items():
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if round_index:
+                times[name].append(time.perf_counter() - started)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    p90 = {k: statistics.quantiles(v, n=10)[-1] for k, v in times.items()}
+    gbytes = numel * 4 / 1e9
+    extra = {"hsync_gb_per_s": gbytes / max(med["hsync"] - med["nosync"], 1e-9),
+             "torch_allreduce_gb_per_s": gbytes / med["ddp"]}
+    if "copy" in med:
+        extra["device_copy_gb_per_s"] = 2 * gbytes / med["copy"]  # read + write
+    return Result(f"comm-path-{megabytes:g}MiB", med["hsync"], med["ddp"], med["nosync"], p90["hsync"], p90["ddp"],
+                  p90["nosync"], 0, extra=extra)
+
+
+def mixed_speeds(device: torch.device, slowdown: float, rounds: int, steps: int) -> Result:
+    """Two ranks, rank 1 `slowdown` times slower (it sleeps in proportion to its compute): hsync with a
+    batch plan from measured speeds against DDP with equal batches, in samples per second."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    factor = slowdown if rank == 1 else 1.0
+    workload = bert_workload("mixed", 128, 2, 16, 64, device)
+    global_batch = workload.samples * world
+    g = torch.Generator().manual_seed(rank)
+
+    def run(net, sizes: list[int], weighted: bool) -> tuple[list[float], float]:
+        """Step times, and this rank's measured speed in samples per second of compute."""
+        opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+        times, compute_total = [], 0.0
+        for _ in range(steps):
+            mine = sizes[rank]
+            batch = masked_batch(g, mine, 64, 8000, device)
+            dist.barrier()
+            started = time.perf_counter()
+            loss = workload.loss(net, batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            compute = 3 * (time.perf_counter() - started)  # forward + backward ~ 3x forward, as the trainer
+            time.sleep((factor - 1) * compute)
+            compute_total += factor * compute
+            if weighted:
+                net.backward(loss, weight=mine)
+            else:
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - started)
+        return times, mine * steps / compute_total
+
+    torch.manual_seed(0)
+    ours = hsync.WeightedDDP(workload.make_model())
+    torch.manual_seed(0)
+    theirs = DistributedDataParallel(workload.make_model())
+    equal = [global_batch // world] * world
+    # Warm-up on equal batches doubles as the speed measurement, as in the trainer's --balance auto.
+    _, speed = run(ours, equal, True)
+    speeds = torch.zeros(world, dtype=torch.float64)
+    speeds[rank] = speed
+    dist.all_reduce(speeds)
+    plan = plan_batch_sizes(global_batch, speeds.tolist())
+    run(theirs, equal, False)
+    times = {"hsync": [], "ddp": []}
+    for _ in range(rounds):
+        times["hsync"] += run(ours, plan, True)[0]
+        times["ddp"] += run(theirs, equal, False)[0]
+    stacked = torch.tensor([times["hsync"], times["ddp"]], dtype=torch.float64)
+    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    hs, dd = (statistics.median(row.tolist()) for row in stacked)
+    factors = [1.0, slowdown]
+    extra = {"hsync_samples_per_s": global_batch / hs, "ddp_samples_per_s": global_batch / dd,
+             "speedup_vs_ddp": dd / hs, "ideal_speedup": slowdown * sum(1 / f for f in factors) / world,
+             "plan_rank0": plan[0], "plan_rank1": plan[1]}
+    return Result(f"mixed-speeds-{slowdown:g}x", hs, dd, float("nan"), hs, dd, float("nan"), global_batch,
+                  extra=extra)
+
+
+def environment(device: torch.device) -> dict:
+    env = {"torch": torch.__version__, "hsync": hsync.__version__, "python": platform.python_version(),
+           "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+           "world_size": dist.get_world_size(), "backend": dist.get_backend(), "device": device.type,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    try:
+        with open("/proc/cpuinfo") as f:
+            env["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if device.type == "cuda":
+        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                   nccl=hsync._C.nccl_version())
+    return env
+
+
+def run_all(args: argparse.Namespace) -> None:
+    rank = dist.get_rank()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if args.quick:
+        plan = [("bert", dict(name="bert-micro", hidden=32, layers=1, batch=4, seq=32)), ("mover", 50)]
+        caps, comm_mb = [1.0], [1.0]
+    elif device.type == "cuda":
+        plan = [("bert", dict(name="bert-base", hidden=768, layers=12, batch=32, seq=128)), ("mover", 600)]
+        caps, comm_mb = [1, 5, 25, 100], [64.0, 256.0]
+    else:
+        plan = [("bert", dict(name="bert-tiny", hidden=64, layers=2, batch=8, seq=64)),
+                ("bert", dict(name="bert-mini", hidden=256, layers=4, batch=8, seq=64)), ("mover", 600)]
+        caps, comm_mb = [1, 5, 25, 100], [16.0]
+    results = []
+    for kind, spec in plan:
+        workload = bert_workload(device=device, **spec) if kind == "bert" else mover_workload(device, spec)
+        results.append(time_variants(workload, args.rounds, args.steps, rank, device))
+        report(rank, results[-1])
+    sweep_spec = dict(plan[0][1]) if args.quick else (dict(name="", hidden=256, layers=4, batch=8, seq=64)
+                                                       if device.type == "cpu" else dict(plan[0][1]))
+    for cap in caps:
+        sweep_spec["name"] = f"bucket-cap-{cap:g}MiB"
+        results.append(time_variants(bert_workload(device=device, bucket_cap_mb=cap, **sweep_spec),
+                                     args.rounds, args.steps, rank, device))
+        report(rank, results[-1])
+    for mb in comm_mb:
+        results.append(comm_path(device, mb, args.rounds * args.steps))
+        report(rank, results[-1])
+    if dist.get_world_size() == 2:
+        results.append(mixed_speeds(device, 2.0, args.rounds, args.steps))
+        report(rank, results[-1])
+    if rank == 0:
+        output = {"env": environment(device), "results": [asdict(r) for r in results]}
+        print_table(output)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(output, f, indent=1)
+        if args.plot:
+            plot(output, args.plot)
+
+
+def report(rank: int, result: Result) -> None:
+    if rank == 0:
+        print(f"  {result.workload}: hsync {result.hsync_step_s * 1e3:.2f} ms, ddp {result.ddp_step_s * 1e3:.2f} ms "
+              f"(ratio {result.ratio_vs_ddp:.3f})", flush=True)
+
+
+def print_table(output: dict) -> None:
+    env = output["env"]
+    print(f"\nhsync {env['hsync']}, torch {env['torch']}, {env['backend']}, {env['world_size']} ranks, "
+          f"{env.get('gpu', env['cpu'])}")
+    print("| workload | hsync p50 (p90) ms | DDP p50 (p90) ms | no-sync ms | hsync/DDP | hsync over floor | "
+          "DDP over floor | notes |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in output["results"]:
+        notes = ", ".join(f"{k} {v:.3g}" for k, v in r["extra"].items())
+        if r["peak_memory_mb"]:
+            notes += ", peak MiB " + "/".join(f"{r['peak_memory_mb'][v]:.0f}" for v in VARIANTS)
+        floor = r["nosync_step_s"]
+        print(f"| {r['workload']} | {r['hsync_step_s'] * 1e3:.2f} ({r['hsync_p90_s'] * 1e3:.2f}) | "
+              f"{r['ddp_step_s'] * 1e3:.2f} ({r['ddp_p90_s'] * 1e3:.2f}) | "
+              f"{'-' if floor != floor else f'{floor * 1e3:.2f}'} | {r['ratio_vs_ddp']:.3f} | "
+              f"{_pct(r['hsync_overhead_vs_nosync'])} | {_pct(r['ddp_overhead_vs_nosync'])} | {notes} |")
+
+
+def _pct(x: float) -> str:
+    return "-" if x != x else f"{100 * x:+.1f}%"
+
+
+def plot(output: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in output["results"] if r["nosync_step_s"] == r["nosync_step_s"]]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
+    width = 0.27
+    for i, variant in enumerate(VARIANTS):
+        ax.bar([x + (i - 1) * width for x in range(len(rows))],
+               [r[f"{variant}_step_s"] / r["nosync_step_s"] for r in rows], width, label=variant)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(rows)), [r["workload"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("step time / no-sync step time")
+    env = output["env"]
+    ax.set_title(f"{env['world_size']} ranks, {env['backend']}, {env.get('gpu', env['cpu'])[:40]}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    try:
+        run_all(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the models run")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per workload (plus a warm-up)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per variant and round")
+    parser.add_argument("--quick", action="store_true", help="tiny workloads: checks the suite runs, measures little")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plot", help="write a PNG of the step times here")
+    args = parser.parse_args(argv)
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        try:
+            run_all(args)
+        finally:
+            dist.destroy_process_group()
+        return
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args.world_size, port, args), nprocs=args.world_size)
+
+
+if __name__ == "__main__":
+    main()

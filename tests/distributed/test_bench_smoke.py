@@ -1,0 +1,31 @@
+"""python -m hsync.bench runs end to end on CPU and writes valid JSON and a plot (timings not judged)."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+
+def test_quick_benchmark_writes_results(tmp_path):
+    out, png = tmp_path / "results.json", tmp_path / "results.png"
+    cmd = [sys.executable, "-m", "hsync.bench", "--device", "cpu", "--world-size", "2", "--quick", "--rounds", "2",
+           "--steps", "2", "--json", str(out), "--plot", str(png)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert {"torch", "hsync", "cpu", "world_size", "backend"} <= set(data["env"])
+    names = [r["workload"] for r in data["results"]]
+    assert names[:2] == ["bert-micro", "gradient-mover-50"]
+    assert any(n.startswith("bucket-cap-") for n in names) and any(n.startswith("comm-path-") for n in names)
+    assert names[-1] == "mixed-speeds-2x"
+    for r in data["results"]:
+        assert r["hsync_step_s"] > 0 and r["ddp_step_s"] > 0
+        assert math.isclose(r["ratio_vs_ddp"], r["hsync_step_s"] / r["ddp_step_s"])
+    mixed = data["results"][-1]["extra"]
+    assert mixed["plan_rank0"] > mixed["plan_rank1"], "the slowed rank must get the smaller batch"
+    assert png.stat().st_size > 1000
+    assert "| workload |" in result.stdout
