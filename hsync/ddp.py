@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import math
 import numbers
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -80,20 +81,23 @@ class WeightedDDP(nn.Module):
         if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
             raise ValueError(f"bucket caps must be positive, got {bucket_cap_mb} and {first_bucket_cap_mb} MiB")
         self.module = module
-        self.process_group = process_group or dist.group.WORLD
-        self.rank = dist.get_rank(self.process_group)
-        self.world_size = dist.get_world_size(self.process_group)
+        group = process_group or dist.group.WORLD
+        # Weakly, like the engine: destroy_process_group() must be able to free the group (and join
+        # its threads) while the model lives on; a group freed at interpreter exit aborts it.
+        self._group = weakref.ref(group)
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
         self.metric_names = tuple(metric_names)
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        _verify_same_model(self.process_group, module)
+        _verify_same_model(group, module)
         self.device = named[0][1].device if named else torch.device("cpu")
         self._params = [p for _, p in named]
         self._buffers_to_sync = [b for b in module.buffers() if b.numel() > 0] if broadcast_buffers else []
         self._engine = _C.Engine(
             self._params,
             [name for name, _ in named],
-            _make_comm(self.process_group, self.device),
+            _make_comm(group, self.device),
             int(bucket_cap_mb * _MIB),
             int(first_bucket_cap_mb * _MIB),
         )
@@ -102,6 +106,11 @@ class WeightedDDP(nn.Module):
         self._engine.broadcast_coalesced([t.detach() for t in state], 0)
         self._syncing = True
         self._window: _Window | None = None
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group gradients are reduced over (None once it was destroyed)."""
+        return self._group()
 
     def forward(self, *args, **kwargs):
         # Not under no_grad: evaluating on one rank alone must not start a collective.

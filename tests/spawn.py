@@ -72,6 +72,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
             if p.is_alive():
                 p.kill()
                 p.join()
+    # A rank that returned its result and then crashed on the way out still fails the test.
+    crashed = {rank: p.exitcode for rank, p in enumerate(procs) if p.exitcode != 0}
+    if crashed:
+        raise AssertionError(f"ranks exited abnormally after finishing (rank: exit code) {crashed}")
     return [values[r] for r in range(world_size)]
 
 
