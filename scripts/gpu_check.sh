@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call: build the extension against the machine's own torch,
 # run the GPU tests (CUDA kernels against torch ops, the NCCL path with several ranks on one GPU)
-# and the rest of the suite, and write a report with the hardware and versions.
+# and the rest of the suite, run the GPU benchmarks, and write a report with the hardware and versions.
 #
 #   scripts/gpu_check.sh [REPORT_DIR]      (default: benchmarks/results)
 #
@@ -33,5 +33,12 @@ PY
   echo '```'
   python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit tests/distributed 2>&1 | tail -n 30
   echo '```'
+  echo
+  echo '## Benchmarks (one GPU, one rank)'
+  echo
+  plot=()
+  python3 -c "import matplotlib" 2>/dev/null && plot=(--plot "$report_dir/gpu-bench.png")
+  python3 -m hsync.bench --device cuda --world-size 1 --json "$report_dir/gpu-bench.json" "${plot[@]}" 2>&1 \
+    | grep -v '^  '
 } | tee "$report"
 echo "report: $report"
