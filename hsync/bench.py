@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import hsync
-from hsync.balance import plan_batch_sizes
+from hsync.balance import BACKWARD_TO_FORWARD, plan_batch_sizes
 
 MIB = 1024 * 1024
 VARIANTS = ("hsync", "ddp", "nosync")
@@ -112,6 +112,19 @@ def mover_workload(device: torch.device, count: int) -> Workload:
                     lambda g: (torch.randn(8, generator=g).to(device),), lambda m, b: m(b[0]), 8)
 
 
+def finish_step(net: nn.Module, loss: torch.Tensor, weight: int | None, opt: torch.optim.Optimizer,
+                device: torch.device) -> None:
+    """Backward (weighted through hsync when a weight is given), optimizer step, and on GPU a sync."""
+    if weight is None:
+        loss.backward()
+    else:
+        net.backward(loss, weight=weight)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_variants(workload: Workload, rounds: int, steps: int, rank: int, device: torch.device) -> Result:
     """Interleaved rounds: each round runs `steps` timed steps of every variant in turn."""
     models = {}
@@ -139,14 +152,7 @@ def time_variants(workload: Workload, rounds: int, steps: int, rank: int, device
                     torch.cuda.synchronize(device)
                 started = time.perf_counter()
                 loss = workload.loss(net, batch)
-                if variant == "hsync":
-                    net.backward(loss, weight=workload.samples)
-                else:
-                    loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                finish_step(net, loss, workload.samples if variant == "hsync" else None, opt, device)
                 if round_index:
                     times[variant].append(time.perf_counter() - started)
             if device.type == "cuda":
@@ -232,17 +238,10 @@ def mixed_speeds(device: torch.device, slowdown: float, rounds: int, steps: int)
             loss = workload.loss(net, batch)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            compute = 3 * (time.perf_counter() - started)  # forward + backward ~ 3x forward, as the trainer
+            compute = (1 + BACKWARD_TO_FORWARD) * (time.perf_counter() - started)  # estimated as the trainer does
             time.sleep((factor - 1) * compute)
             compute_total += factor * compute
-            if weighted:
-                net.backward(loss, weight=mine)
-            else:
-                loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            finish_step(net, loss, mine if weighted else None, opt, device)
             times.append(time.perf_counter() - started)
         return times, mine * steps / compute_total
 
