@@ -343,8 +343,8 @@ def print_table(output: dict) -> None:
     print(f"\nhsync {env['hsync']}, torch {env['torch']}, {env['backend']}, {env['world_size']} ranks, "
           f"{env.get('gpu', env['cpu'])}")
     print("| workload | hsync p50 (p90) ms | DDP p50 (p90) ms | no-sync ms | hsync/DDP | hsync over floor | "
-          "DDP over floor | notes |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "DDP over floor | hsync samples/s | notes |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in output["results"]:
         notes = ", ".join(f"{k} {v:.3g}" for k, v in r["extra"].items())
         if r["peak_memory_mb"]:
@@ -353,7 +353,8 @@ def print_table(output: dict) -> None:
         print(f"| {r['workload']} | {r['hsync_step_s'] * 1e3:.2f} ({r['hsync_p90_s'] * 1e3:.2f}) | "
               f"{r['ddp_step_s'] * 1e3:.2f} ({r['ddp_p90_s'] * 1e3:.2f}) | "
               f"{'-' if floor != floor else f'{floor * 1e3:.2f}'} | {r['ratio_vs_ddp']:.3f} | "
-              f"{_pct(r['hsync_overhead_vs_nosync'])} | {_pct(r['ddp_overhead_vs_nosync'])} | {notes} |")
+              f"{_pct(r['hsync_overhead_vs_nosync'])} | {_pct(r['ddp_overhead_vs_nosync'])} | "
+              f"{r['samples_per_step'] / r['hsync_step_s'] if r['samples_per_step'] else 0:.0f} | {notes} |")
 
 
 def _pct(x: float) -> str:

@@ -31,6 +31,7 @@ from hsync.trainer import checkpoint
 from hsync.trainer.config import ModelPreset, TrainConfig, parse_args
 
 REPLAN_GAIN = 0.05  # a new batch plan must promise steps at least this much shorter
+MEMORY_FRACTION = 0.9  # of a GPU's memory that a batch plan may fill
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         plan, step = state["plan"], state["step"]
     log = Logger(cfg, rank, world)
     window = balance.SpeedWindow()
+    capacity = 0.0  # examples this rank's memory could hold per micro-batch, from the last step (0: unknown)
     report(rank, f"batch plan (micro-batch per rank): {plan} x {cfg.update_freq} micro-steps")
 
     last_step = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
             indices, epoch = sampler.next_step(plan, rank)
             batch = {k: v.to(device) for k, v in vocab.collate(examples, indices or [0], cfg.seed, epoch).items()}
             with contextlib.nullcontext() if micro == cfg.update_freq - 1 else model.no_sync():
-                stats = train_micro_step(model, batch, len(indices), slowdown, device, rank)
+                stats, capacity = train_micro_step(model, batch, len(indices), slowdown, device, rank, capacity)
         if stats.finite:
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         log.step(step, stats, plan, time.perf_counter() - started, schedule.get_last_lr()[0])
         measured = step == cfg.measure_steps or step % cfg.rebalance_every == 0
         if cfg.balance == "auto" and measured and step < last_step:
-            plan = replan(plan, micro_batch, window, rank)
+            plan = replan(plan, micro_batch, window, capacities(stats, world, cfg.update_freq), rank)
             window = balance.SpeedWindow()
         if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last_step):
             checkpoint.save(Path(cfg.save_dir), step, {
@@ -95,8 +97,14 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int) -> float:
 
 
 def train_micro_step(model: hsync.WeightedDDP, batch: dict[str, torch.Tensor], examples: int, slowdown: float,
-                     device: torch.device, rank: int) -> hsync.StepStats | None:
-    """Forward, loss and backward of one micro-batch; the weight is its number of masked tokens."""
+                     device: torch.device, rank: int, capacity: float) -> tuple[hsync.StepStats | None, float]:
+    """Forward, loss and backward of one micro-batch; the weight is its number of masked tokens.
+
+    Also returns how many examples this rank's GPU could take per micro-batch, from this step's peak
+    memory; it travels to the other ranks with the next step's scalars (0 on CPU: no limit known)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        resident = torch.cuda.memory_allocated(device)
     started = time.perf_counter()
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         out = model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
@@ -114,12 +122,25 @@ def train_micro_step(model: hsync.WeightedDDP, batch: dict[str, torch.Tensor], e
         compute *= slowdown
     masked_tokens = int(masked.sum()) if examples else 0
     tokens = float(batch["attention_mask"].sum()) if examples else 0.0
-    metrics = {f"examples/{rank}": examples, f"seconds/{rank}": compute, f"tokens/{rank}": tokens}
-    return model.backward(mlm + nsp, weight=masked_tokens, metrics=metrics)
+    metrics = {f"examples/{rank}": examples, f"seconds/{rank}": compute, f"tokens/{rank}": tokens,
+               f"capacity/{rank}": capacity}
+    stats = model.backward(mlm + nsp, weight=masked_tokens, metrics=metrics)
+    if device.type == "cuda" and examples:
+        per_example = (torch.cuda.max_memory_allocated(device) - resident) / examples
+        total = torch.cuda.get_device_properties(device).total_memory
+        capacity = max(1.0, (MEMORY_FRACTION * total - resident) / per_example) if per_example > 0 else capacity
+    return stats, capacity
 
 
 def per_rank_metrics(world: int) -> tuple[str, ...]:
-    return tuple(f"{name}/{r}" for name in ("examples", "seconds", "tokens") for r in range(world))
+    return tuple(f"{name}/{r}" for name in ("examples", "seconds", "tokens", "capacity") for r in range(world))
+
+
+def capacities(stats: hsync.StepStats, world: int, micro_steps: int) -> list[int] | None:
+    """Each rank's largest micro-batch by memory, when every rank measured one (GPUs). Every
+    micro-step of the step reported it, and metrics add up over micro-steps."""
+    caps = [int(stats.metrics[f"capacity/{r}"] / micro_steps) for r in range(world)]
+    return caps if all(c > 0 for c in caps) else None
 
 
 def rank_speeds(stats: hsync.StepStats, world: int) -> tuple[list[float], list[float]]:
@@ -141,16 +162,21 @@ def initial_plan(cfg: TrainConfig, micro_batch: int, world: int) -> list[int]:
     return plan
 
 
-def replan(plan: list[int], micro_batch: int, window: balance.SpeedWindow, rank: int) -> list[int]:
-    """A plan proportional to the window's speeds, kept only if it is predicted to be clearly faster
-    (measurements are noisy); every rank computes the same from the same sums."""
+def replan(plan: list[int], micro_batch: int, window: balance.SpeedWindow, max_sizes: list[int] | None,
+           rank: int) -> list[int]:
+    """A plan proportional to the window's speeds within each rank's memory, kept only if it is
+    predicted to be clearly faster (measurements are noisy); every rank computes the same from the
+    same sums."""
     speeds = window.speeds()
-    new = balance.plan_batch_sizes(micro_batch, speeds)
+    if max_sizes and sum(max_sizes) < micro_batch:
+        max_sizes = None  # the current plan runs, so the estimate is too cautious: speed alone decides
+    new = balance.plan_batch_sizes(micro_batch, speeds, max_sizes)
     if balance.step_time(new, speeds) > (1 - REPLAN_GAIN) * balance.step_time(plan, speeds):
         new = plan
     if rank == 0:
         shown = ", ".join(f"rank {r}: {s:.1f} ex/s" for r, s in enumerate(speeds))
-        report(rank, f"measured {shown}; batch plan {plan} -> {new}")
+        room = f", memory for at most {max_sizes}" if max_sizes else ""
+        report(rank, f"measured {shown}{room}; batch plan {plan} -> {new}")
     return new
 
 
