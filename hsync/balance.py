@@ -69,4 +69,7 @@ class SpeedWindow:
         self.seconds = [a + b for a, b in zip(self.seconds, seconds, strict=True)]
 
     def speeds(self) -> list[float]:
-        return [n / t if t > 0 else 0.0 for n, t in zip(self.examples, self.seconds, strict=True)]
+        """Examples per second of compute; a rank that had no examples gets the mean of the others."""
+        measured = [n / t if n > 0 and t > 0 else None for n, t in zip(self.examples, self.seconds, strict=True)]
+        known = [s for s in measured if s is not None] or [1.0]
+        return [s if s is not None else sum(known) / len(known) for s in measured]

@@ -264,11 +264,12 @@ def mixed_speeds(device: torch.device, slowdown: float, rounds: int, steps: int)
     stacked = torch.tensor([times["hsync"], times["ddp"]], dtype=torch.float64)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
     hs, dd = (statistics.median(row.tolist()) for row in stacked)
+    hs90, dd90 = (statistics.quantiles(row.tolist(), n=10)[-1] for row in stacked)
     factors = [1.0, slowdown]
     extra = {"hsync_samples_per_s": global_batch / hs, "ddp_samples_per_s": global_batch / dd,
              "speedup_vs_ddp": dd / hs, "ideal_speedup": slowdown * sum(1 / f for f in factors) / world,
              "plan_rank0": plan[0], "plan_rank1": plan[1]}
-    return Result(f"mixed-speeds-{slowdown:g}x", hs, dd, float("nan"), hs, dd, float("nan"), global_batch,
+    return Result(f"mixed-speeds-{slowdown:g}x", hs, dd, float("nan"), hs90, dd90, float("nan"), global_batch,
                   extra=extra)
 
 
@@ -323,7 +324,9 @@ def run_all(args: argparse.Namespace) -> None:
         results.append(mixed_speeds(device, 2.0, args.rounds, args.steps))
         report(rank, results[-1])
     if rank == 0:
-        output = {"env": environment(device), "results": [asdict(r) for r in results]}
+        # NaN (no floor for this workload) is not JSON: it is written as null.
+        output = {"env": environment(device),
+                  "results": [{k: None if v != v else v for k, v in asdict(r).items()} for r in results]}
         print_table(output)
         if args.json:
             with open(args.json, "w") as f:
@@ -352,13 +355,17 @@ def print_table(output: dict) -> None:
         floor = r["nosync_step_s"]
         print(f"| {r['workload']} | {r['hsync_step_s'] * 1e3:.2f} ({r['hsync_p90_s'] * 1e3:.2f}) | "
               f"{r['ddp_step_s'] * 1e3:.2f} ({r['ddp_p90_s'] * 1e3:.2f}) | "
-              f"{'-' if floor != floor else f'{floor * 1e3:.2f}'} | {r['ratio_vs_ddp']:.3f} | "
+              f"{'-' if _missing(floor) else f'{floor * 1e3:.2f}'} | {r['ratio_vs_ddp']:.3f} | "
               f"{_pct(r['hsync_overhead_vs_nosync'])} | {_pct(r['ddp_overhead_vs_nosync'])} | "
               f"{r['samples_per_step'] / r['hsync_step_s'] if r['samples_per_step'] else 0:.0f} | {notes} |")
 
 
-def _pct(x: float) -> str:
-    return "-" if x != x else f"{100 * x:+.1f}%"
+def _missing(x: float | None) -> bool:
+    return x is None or x != x  # NaN in memory, null in JSON
+
+
+def _pct(x: float | None) -> str:
+    return "-" if _missing(x) else f"{100 * x:+.1f}%"
 
 
 def plot(output: dict, path: str) -> None:
@@ -368,7 +375,7 @@ def plot(output: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     # Training steps only: the comm path and mixed-speed rows measure other things.
-    rows = [r for r in output["results"] if r["samples_per_step"] and r["nosync_step_s"] == r["nosync_step_s"]]
+    rows = [r for r in output["results"] if r["samples_per_step"] and not _missing(r["nosync_step_s"])]
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
     width = 0.27
     for i, variant in enumerate(VARIANTS):

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hsync.trainer.consensus import fail_together
+
 PREFIX, SUFFIX = "step-", ".pt"
 KEEP = 2  # the newest complete checkpoints kept on disk
 
@@ -39,29 +41,38 @@ def save(save_dir: Path, step: int, state: dict[str, Any]) -> Path | None:
     rngs: list = [None] * dist.get_world_size()
     dist.all_gather_object(rngs, rng_state())
     path = save_dir / f"{PREFIX}{step:08d}{SUFFIX}"
+    problem = None
     if dist.get_rank() == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save({**state, "step": step, "rng": rngs}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: a reader sees the old set of files or the new one
-        for old in sorted(save_dir.glob(f"{PREFIX}*{SUFFIX}"))[:-KEEP]:
-            old.unlink()
-    dist.barrier()
+        try:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "wb") as f:
+                torch.save({**state, "step": step, "rng": rngs}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)  # atomic: a reader sees the old set of files or the new one
+            for old in sorted(save_dir.glob(f"{PREFIX}*{SUFFIX}"))[:-KEEP]:
+                old.unlink()
+        except OSError as error:
+            problem = f"{type(error).__name__}: {error}"
+    fail_together(problem, f"cannot write checkpoint {path}")
     return path
 
 
 def load(save_dir: Path, expected: dict[str, Any]) -> dict[str, Any]:
-    """The latest checkpoint, refused with a clear error if written for another model or world size."""
-    path = latest(save_dir)
-    if path is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {save_dir}")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    for key, value in expected.items():
-        if state["meta"].get(key) != value:
-            raise ValueError(f"--resume: {path} was written with {key}={state['meta'].get(key)!r}, "
-                             f"this run has {key}={value!r}; start a new --save-dir or match the run")
+    """The latest checkpoint; collective: every rank stops with the same error if any rank cannot
+    read it or it was written for another run (model, world size, data, vocabulary, batch)."""
+    path, state, problem = latest(save_dir), None, None
+    try:
+        if path is None:
+            raise FileNotFoundError(f"no checkpoint in {save_dir}")
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        for key, value in expected.items():
+            if state["meta"].get(key) != value:
+                raise ValueError(f"{path} was written with {key}={state['meta'].get(key)!r}, this run has "
+                                 f"{key}={value!r}; start a new --save-dir or match the run")
+    except (OSError, ValueError, RuntimeError, KeyError) as error:
+        problem = str(error)
+    fail_together(problem, "cannot --resume")
     set_rng_state(state["rng"][dist.get_rank()])
     return state

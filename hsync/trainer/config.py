@@ -108,8 +108,11 @@ class TrainConfig:
             raise ValueError(f"--balance must be equal, auto or manual, got {filled.balance!r}")
         if filled.balance == "manual" and not filled.rank_batch_sizes:
             raise ValueError("--balance manual needs --rank-batch-sizes")
-        if filled.update_freq < 1 or filled.max_steps < 1:
-            raise ValueError("--update-freq and --max-steps must be at least 1")
+        for flag in ("update_freq", "max_steps", "log_every", "rebalance_every", "measure_steps"):
+            if getattr(filled, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+        if filled.warmup_steps < 0 or filled.save_every < 0 or filled.stop_at < 0:
+            raise ValueError("--warmup-steps, --save-every and --stop-at cannot be negative")
         if filled.resume and not filled.save_dir:
             raise ValueError("--resume needs --save-dir")
         return filled, preset

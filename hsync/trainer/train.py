@@ -4,8 +4,10 @@
     torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:PORT --nproc_per_node 4 examples/bert.py --preset base
 
 Each rank's micro-batch size follows its measured speed (--balance auto), and each rank's
-gradient is weighted by its number of masked tokens, so every update is exactly the one a single
-GPU would make on the whole global batch.
+gradient is weighted by its number of masked tokens, so the masked-LM part of every update is
+exactly the one a single GPU would make on the whole global batch. (The next-sentence term, a
+mean over examples, rides on the same weights: exact when ranks mask alike per example, which
+BERT's 15% masking makes nearly so.)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import hsync
 from hsync import balance, data
 from hsync.trainer import checkpoint
 from hsync.trainer.config import ModelPreset, TrainConfig, parse_args
+from hsync.trainer.consensus import agree, fail_together
 
 REPLAN_GAIN = 0.05  # a new batch plan must promise steps at least this much shorter
 MEMORY_FRACTION = 0.9  # of a GPU's memory that a batch plan may fill
@@ -46,10 +49,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(cfg.seed)
     model = hsync.WeightedDDP(build_model(preset, vocab).to(device), broadcast_buffers=False,
                               metric_names=per_rank_metrics(world))
+    torch.manual_seed(cfg.seed + rank)  # rank 0's weights everywhere, but each rank its own dropout
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
     sampler = data.UnevenDistributedSampler(len(examples), seed=cfg.seed)
-    meta = {"preset": asdict(preset), "world_size": world, "examples": len(examples)}
+    meta = {"preset": asdict(preset), "world_size": world, "examples": len(examples), "seed": cfg.seed,
+            "vocab_sha256": hashlib.sha256("\n".join(vocab.tokens).encode()).hexdigest(),
+            "global_batch_size": cfg.global_batch_size, "update_freq": cfg.update_freq}
     step = 0
     if cfg.resume:
         state = checkpoint.load(Path(cfg.save_dir), meta)
@@ -71,14 +77,16 @@ def main(argv: list[str] | None = None) -> None:
             batch = {k: v.to(device) for k, v in vocab.collate(examples, indices or [0], cfg.seed, epoch).items()}
             with contextlib.nullcontext() if micro == cfg.update_freq - 1 else model.no_sync():
                 stats, capacity = train_micro_step(model, batch, len(indices), slowdown, device, rank, capacity)
+        lr = optimizer.param_groups[0]["lr"]
         if stats.finite:
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             schedule.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        window.add(*rank_speeds(stats, world))
-        log.step(step, stats, plan, time.perf_counter() - started, schedule.get_last_lr()[0])
+        if step > 1:  # the first step pays one-off costs (allocation, GPU warm-up)
+            window.add(*rank_speeds(stats, world))
+        log.step(step, stats, plan, time.perf_counter() - started, lr)
         measured = step == cfg.measure_steps or step % cfg.rebalance_every == 0
         if cfg.balance == "auto" and measured and step < last_step:
             plan = replan(plan, micro_batch, window, capacities(stats, world, cfg.update_freq), rank)
@@ -92,8 +100,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int) -> float:
-    """Linear warm-up, then linear decay to zero at max_steps."""
-    return min((step + 1) / warmup_steps, max(0.0, (max_steps - step) / max_steps))
+    """Linear warm-up to the peak, then linear decay to zero at max_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    return max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps))
 
 
 def train_micro_step(model: hsync.WeightedDDP, batch: dict[str, torch.Tensor], examples: int, slowdown: float,
@@ -103,6 +113,7 @@ def train_micro_step(model: hsync.WeightedDDP, batch: dict[str, torch.Tensor], e
     Also returns how many examples this rank's GPU could take per micro-batch, from this step's peak
     memory; it travels to the other ranks with the next step's scalars (0 on CPU: no limit known)."""
     if device.type == "cuda":
+        torch.cuda.synchronize(device)  # time this forward alone, not queued work before it
         torch.cuda.reset_peak_memory_stats(device)
         resident = torch.cuda.memory_allocated(device)
     started = time.perf_counter()
@@ -185,7 +196,13 @@ class Logger:
 
     def __init__(self, cfg: TrainConfig, rank: int, world: int) -> None:
         self.every, self.world, self.enabled = cfg.log_every, world, rank == 0
-        self.file = open(cfg.log_file, "a") if cfg.log_file and self.enabled else None  # noqa: SIM115
+        self.file, problem = None, None
+        if cfg.log_file and self.enabled:
+            try:
+                self.file = open(cfg.log_file, "a")  # noqa: SIM115 - open for the whole run
+            except OSError as error:
+                problem = str(error)
+        fail_together(problem, "cannot open --log-file")
         self.bar = None
         if self.enabled:
             from tqdm import tqdm
@@ -260,15 +277,18 @@ def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> tuple[data.Pretrainin
     data_dir = Path(cfg.data_dir)
     corpus = Path(cfg.corpus) if cfg.corpus else data_dir / "kjv.txt"
     problem, tokens = None, None
-    try:
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not cfg.corpus:
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not cfg.corpus:
+        try:
             data.prepare_bible_corpus(corpus)
-        dist.barrier()
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
+            problem = f"{type(error).__name__}: {error}"
+    fail_together(problem, "cannot prepare the data")  # also waits for every machine's corpus
+    try:
         documents = data.read_documents(corpus)  # a missing or empty corpus fails here, before any work
         if dist.get_rank() == 0:
             vocab_dir = data_dir / f"vocab-{corpus.stem}-{preset.vocab_size}"
             tokens = data.train_wordpiece_vocab(corpus, preset.vocab_size, vocab_dir).read_text("utf-8").splitlines()
-    except (OSError, ValueError, RuntimeError, subprocess.CalledProcessError) as error:
+    except (OSError, ValueError, RuntimeError) as error:
         problem = f"{type(error).__name__}: {error}"
     fail_together(problem, "cannot prepare the data")
     # The same text everywhere, or ranks would train on different data without knowing it.
@@ -279,22 +299,6 @@ def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> tuple[data.Pretrainin
     dist.broadcast_object_list(shared, src=0)
     vocab = Vocabulary(shared[0])
     return data.build_examples(documents, vocab.tokens, preset.max_seq_len, cfg.seed), vocab
-
-
-def agree(value) -> bool:
-    """Collective: whether every rank holds the same value."""
-    values: list = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return all(v == values[0] for v in values)
-
-
-def fail_together(problem: str | None, what: str) -> None:
-    """Collective: exits every rank with the first rank's problem, if any rank has one."""
-    problems: list = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    first = next(((rank, p) for rank, p in enumerate(problems) if p), None)
-    if first:
-        raise SystemExit(f"hsync: {what} (rank {first[0]}): {first[1]}")
 
 
 def build_model(preset: ModelPreset, vocab: Vocabulary) -> nn.Module:

@@ -93,3 +93,11 @@ def test_examples_and_masks_are_well_formed_and_reproducible(tmp_path):
     ratio = labelled.sum() / first["attention_mask"].sum()
     assert 0.08 < ratio < 0.25
     assert not torch.isin(first["labels"][labelled], torch.tensor(sorted(special))).any()
+
+
+def test_a_rank_without_examples_in_the_window_gets_the_mean_speed():
+    from hsync.balance import SpeedWindow
+
+    window = SpeedWindow()
+    window.add([30.0, 0.0, 10.0], [1.0, 0.0, 1.0])
+    assert window.speeds() == [30.0, 20.0, 10.0]
