@@ -77,7 +77,5 @@ PYBIND11_MODULE(_C, m) {
       .def("broadcast_coalesced", &Engine::broadcast_coalesced, py::arg("tensors"), py::arg("root"),
            release_gil())
       .def("last_grad_nonfinite", &Engine::last_grad_nonfinite)
-      .def("bucket_params", &Engine::bucket_params)
-      .def_property_readonly("buckets_rebuilt", &Engine::buckets_rebuilt)
-      .def_property_readonly("comm", &Engine::comm);
+      .def("bucket_params", &Engine::bucket_params);
 }

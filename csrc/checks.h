@@ -7,11 +7,6 @@
 // Argument checks: a TORCH_CHECK that prefixes the message with "hsync: ".
 #define HSYNC_CHECK(cond, ...) TORCH_CHECK((cond), "hsync: ", __VA_ARGS__)
 
-#define HSYNC_CHECK_TENSOR(t, name, device_type)                                      \
-  HSYNC_CHECK((t).device().type() == (device_type) && (t).is_contiguous(),            \
-              name, " must be a contiguous ", c10::DeviceTypeName(device_type),       \
-              " tensor, got ", (t).device(), (t).is_contiguous() ? "" : " (non-contiguous)")
-
 #ifdef HSYNC_WITH_CUDA
 #include <cuda_runtime.h>
 #include <nccl.h>

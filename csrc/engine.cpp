@@ -101,7 +101,8 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
     bucket.buffer = at::zeros({numel + tail}, first.options().requires_grad(false));
     bucket.params = indices;
     for (size_t k = 0; k < indices.size(); ++k) {
-      bucket.slots.push_back(bucket.buffer.narrow(0, offsets[k], params_[indices[k]].numel()));
+      const at::Tensor& param = params_[indices[k]];
+      bucket.slots.push_back(bucket.buffer.narrow(0, offsets[k], param.numel()).view(param.sizes()));
       bucket.used.push_back(bucket.buffer.narrow(0, numel + 1 + static_cast<int64_t>(k), 1));
       locator_[indices[k]] = {buckets_.size(), k};
     }
@@ -258,7 +259,7 @@ void Engine::write_back() {
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       at::Tensor& param = params_[bucket.params[k]];
       at::Tensor& grad = param.mutable_grad();
-      const at::Tensor reduced = bucket.slots[k].view(param.sizes());
+      const at::Tensor& reduced = bucket.slots[k];
       if (grad.defined()) {
         grad.copy_(reduced);
       } else if (bucket.used[k].item<double>() > 0) {

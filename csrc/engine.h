@@ -48,7 +48,7 @@ namespace hsync {
 struct Bucket {
   at::Tensor buffer;
   std::vector<int64_t> params;     // indices into Engine::params_
-  std::vector<at::Tensor> slots;   // per param: a flat view of its slot
+  std::vector<at::Tensor> slots;   // per param: its slot, viewed in the parameter's shape
   at::Tensor nonfinite_flag;       // one element
   std::vector<at::Tensor> used;    // per param: its one-element used flag
   at::Tensor tail;                 // nonfinite flag and used flags, zeroed at each step
@@ -86,8 +86,6 @@ class Engine {
   at::Tensor last_grad_nonfinite() const { return last_grad_nonfinite_; }
 
   std::vector<std::vector<int64_t>> bucket_params() const;
-  bool buckets_rebuilt() const { return rebuilt_; }
-  const std::shared_ptr<Communicator>& comm() const { return comm_; }
 
  private:
   void build_buckets(const std::vector<int64_t>& order);

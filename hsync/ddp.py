@@ -92,10 +92,9 @@ class WeightedDDP(nn.Module):
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         _verify_same_model(group, module)
         self.device = named[0][1].device if named else torch.device("cpu")
-        self._params = [p for _, p in named]
         self._buffers_to_sync = [b for b in module.buffers() if b.numel() > 0] if broadcast_buffers else []
         self._engine = _C.Engine(
-            self._params,
+            [p for _, p in named],
             [name for name, _ in named],
             _make_comm(group, self.device),
             int(bucket_cap_mb * _MIB),
