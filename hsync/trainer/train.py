@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
             schedule.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        if step > 1:  # the first step pays one-off costs (allocation, GPU warm-up)
+        if step > 1 or cfg.measure_steps == 1:  # step 1 pays one-off costs (allocation, GPU warm-up)
             window.add(*rank_speeds(stats, world))
         log.step(step, stats, plan, time.perf_counter() - started, lr)
         measured = step == cfg.measure_steps or step % cfg.rebalance_every == 0
