@@ -47,21 +47,31 @@ PYBIND11_MODULE(_C, m) {
         py::arg("nonfinite_flag"), py::arg("used_flag"),
         "out = grad * scale; raises the flags as the engine's pack does (see kernels/pack.h).");
 
+  py::class_<hsync::FaultOptions>(m, "FaultOptions",
+                                  "How a communicator detects and reports failures (comm/communicator.h).")
+      .def(py::init([](c10::intrusive_ptr<c10d::Store> store, std::string key, double timeout_s, bool debug) {
+             return hsync::FaultOptions{std::move(store), std::move(key),
+                                        std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)), debug};
+           }),
+           py::arg("store"), py::arg("key"), py::arg("timeout_s"), py::arg("debug") = false);
+
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("world_size", &Communicator::world_size)
-      .def_property_readonly("backend", &Communicator::backend);
+      .def_property_readonly("backend", &Communicator::backend)
+      .def_property_readonly("timeout_s", [](const Communicator& c) { return c.timeout().count() / 1000.0; });
 
   py::class_<hsync::ProcessGroupComm, Communicator, std::shared_ptr<hsync::ProcessGroupComm>>(
       m, "ProcessGroupComm")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"));
+      .def(py::init<const c10::intrusive_ptr<c10d::ProcessGroup>&, const hsync::FaultOptions&>(),
+           py::arg("process_group"), py::arg("faults"));
 
 #ifdef HSYNC_WITH_CUDA
   m.def("nccl_unique_id", []() { return py::bytes(hsync::nccl_unique_id()); });
   m.def("nccl_version", &hsync::nccl_version);
   py::class_<hsync::NcclComm, Communicator, std::shared_ptr<hsync::NcclComm>>(m, "NcclComm")
-      .def(py::init<const std::string&, int, int, int>(), py::arg("unique_id"), py::arg("rank"),
-           py::arg("world_size"), py::arg("device_index"), release_gil());
+      .def(py::init<const std::string&, int, int, int, const hsync::FaultOptions&>(), py::arg("unique_id"),
+           py::arg("rank"), py::arg("world_size"), py::arg("device_index"), py::arg("faults"), release_gil());
 #endif
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")

@@ -139,7 +139,7 @@ void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& re
   HSYNC_CHECK(ref_weight.numel() == 1 && ref_weight.scalar_type() == at::kDouble &&
                   ref_weight.device() == device_,
               "the reference weight must be a float64 scalar on ", device_);
-  comm_->all_reduce_sum(scalars);
+  comm_->all_reduce_sum(scalars, Purpose::kStepScalars);
   step_scalars_ = scalars;
   ref_weight_ = ref_weight.reshape({});
   pack_scale_resolved_ = false;
@@ -167,6 +167,7 @@ at::Tensor Engine::step_scalars() {
   resolve_pack_scale();
   if (!device_.is_cuda()) return step_scalars_;
   step_scalars_copied_->synchronize();
+  comm_->check();  // a failure after the copy was queued: the values may be garbage (Note [NCCL failures])
   return step_scalars_host_;
 }
 
@@ -215,7 +216,7 @@ void Engine::pack(size_t index, const at::Tensor& grad) {
 
 void Engine::launch_complete_buckets() {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
-    comm_->all_reduce_sum(buckets_[next_bucket_].buffer);
+    comm_->all_reduce_sum(buckets_[next_bucket_].buffer, Purpose::kBucket, static_cast<int64_t>(next_bucket_));
     ++next_bucket_;
   }
 }
@@ -281,7 +282,7 @@ void Engine::rebuild_from_ready_order() {
     if (!listed[i]) order.push_back(static_cast<int64_t>(i));
   }
   at::Tensor shared = at::tensor(order, at::kLong).to(device_);
-  comm_->broadcast(shared, 0);
+  comm_->broadcast(shared, 0, Purpose::kBucketOrder);
   comm_->synchronize();
   shared = shared.cpu();
   order.assign(shared.const_data_ptr<int64_t>(), shared.const_data_ptr<int64_t>() + shared.numel());
@@ -302,7 +303,7 @@ void Engine::broadcast_coalesced(const std::vector<at::Tensor>& tensors, int roo
     std::vector<at::Tensor> flat_parts;
     for (const at::Tensor& t : group) flat_parts.push_back(t.reshape({-1}));
     at::Tensor flat = at::cat(flat_parts);
-    comm_->broadcast(flat, root);
+    comm_->broadcast(flat, root, Purpose::kBroadcast);
     flats.emplace_back(std::move(flat), std::move(group));
   }
   comm_->synchronize();

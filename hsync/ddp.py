@@ -7,9 +7,11 @@ wires a module to it and turns `backward(loss, weight)` into the engine's per-st
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import math
 import numbers
+import os
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -32,7 +34,12 @@ from hsync.stats import (
 )
 
 _MIB = 1024 * 1024
-_instances = itertools.count()  # same sequence on every rank: names the NCCL bootstrap key
+_instances = itertools.count()  # same sequence on every rank: names this wrapper's store keys
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+"""Collective deadline unless WeightedDDP(timeout=...) or HSYNC_TIMEOUT (seconds) says otherwise: longer
+than any sane step or checkpoint write, half of torch's NCCL default, and a dead peer is usually seen
+far sooner (its sockets close, or a peer posts the failure)."""
 
 
 @dataclass
@@ -64,6 +71,12 @@ class WeightedDDP(nn.Module):
         first_bucket_cap_mb: cap of the first bucket, kept small so communication starts early.
         broadcast_buffers: broadcast rank 0's buffers before each synchronised forward, as DDP does.
         metric_names: names of the extra sums that backward(..., metrics={...}) may report.
+        timeout: how long any one collective may take before this rank gives up with an error naming it
+            (default: HSYNC_TIMEOUT seconds, else DEFAULT_TIMEOUT). It spans the skew between ranks,
+            so it must exceed the longest time one rank may run ahead of another.
+
+    Set HSYNC_DEBUG_COLLECTIVES=1 to compare every collective across ranks before it runs ("collective
+    mismatch: ..." instead of a hang when ranks make different calls); it slows every step.
     """
 
     def __init__(
@@ -74,6 +87,7 @@ class WeightedDDP(nn.Module):
         first_bucket_cap_mb: float = _C.default_first_bucket_bytes_cap / _MIB,
         broadcast_buffers: bool = True,
         metric_names: tuple[str, ...] = (),
+        timeout: datetime.timedelta | None = None,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -96,7 +110,7 @@ class WeightedDDP(nn.Module):
         self._engine = _C.Engine(
             [p for _, p in named],
             [name for name, _ in named],
-            _make_comm(group, self.device),
+            _make_comm(group, self.device, _resolve_timeout(timeout)),
             int(bucket_cap_mb * _MIB),
             int(first_bucket_cap_mb * _MIB),
         )
@@ -282,17 +296,37 @@ def _bad_input_message(host: torch.Tensor, own_problem: str | None, rank: int) -
     return f"hsync: WeightedDDP.backward: {who}{mine}. The step was not applied; no rank took it."
 
 
-def _make_comm(group: dist.ProcessGroup, device: torch.device):
+def _resolve_timeout(timeout: datetime.timedelta | None) -> float:
+    """The collective deadline in seconds, from the argument, else HSYNC_TIMEOUT, else DEFAULT_TIMEOUT."""
+    if timeout is None:
+        text = os.environ.get("HSYNC_TIMEOUT")
+        try:
+            seconds = float(text) if text else DEFAULT_TIMEOUT.total_seconds()
+        except ValueError:
+            raise ValueError(f"HSYNC_TIMEOUT must be a number of seconds, got {text!r}") from None
+    elif isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    else:
+        raise TypeError(f"timeout must be a datetime.timedelta, got {_describe(timeout)}")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"the collective timeout must be positive and finite, got {seconds} s")
+    return seconds
+
+
+def _make_comm(group: dist.ProcessGroup, device: torch.device, timeout_s: float):
     """The engine's communicator: NCCL of our own on GPU (Note [NCCL bootstrap]), the process group on CPU."""
-    instance = next(_instances)
-    if device.type != "cuda":
-        return _C.ProcessGroupComm(group)
+    # Keys unique to this wrapper and this attempt: torchrun may restart workers on the same store.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"hsync/{attempt}/{dist.distributed_c10d._get_process_group_name(group)}/{next(_instances)}"
     store = dist.distributed_c10d._get_default_store()
-    key = f"hsync/nccl/{dist.distributed_c10d._get_process_group_name(group)}/{instance}"
+    debug = os.environ.get("HSYNC_DEBUG_COLLECTIVES", "0") not in ("", "0")
+    faults = _C.FaultOptions(store, f"{prefix}/failure", timeout_s, debug)
+    if device.type != "cuda":
+        return _C.ProcessGroupComm(group, faults)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     if rank == 0:
-        store.set(key, _C.nccl_unique_id())
-    return _C.NcclComm(bytes(store.get(key)), rank, world_size, device.index)
+        store.set(f"{prefix}/nccl-id", _C.nccl_unique_id())
+    return _C.NcclComm(bytes(store.get(f"{prefix}/nccl-id")), rank, world_size, device.index, faults)
 
 
 def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:

@@ -7,14 +7,17 @@ hangs fails the test instead of stalling the suite.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -42,11 +45,7 @@ def _entry(rank: int, world_size: int, port: int, backend: str, env: dict[str, s
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-              timeout: float = 90.0, env: dict[str, str] | None = None) -> list[Any]:
-    """Calls fn(rank, world_size, *args) on each rank; returns the results in rank order.
-
-    `env` is set in each rank before anything else; "{rank}" in a value becomes the rank."""
+def _start(fn: Callable, world_size: int, args: tuple, backend: str, env: dict[str, str] | None):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -54,6 +53,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
              for r in range(world_size)]
     for p in procs:
         p.start()
+    return procs, results
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+              timeout: float = 90.0, env: dict[str, str] | None = None) -> list[Any]:
+    """Calls fn(rank, world_size, *args) on each rank; returns the results in rank order.
+
+    `env` is set in each rank before anything else; "{rank}" in a value becomes the rank."""
+    procs, results = _start(fn, world_size, args, backend, env)
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
     try:
@@ -91,6 +99,49 @@ def _capture_error(rank: int, world_size: int, fn: Callable, *args: Any) -> str:
     except Exception:  # noqa: BLE001 - the error is the result
         return traceback.format_exc()
     raise AssertionError(f"rank {rank} raised no error")
+
+
+@dataclass
+class Survivor:
+    """How one rank other than the victim ended."""
+
+    error: str | None
+    """Its traceback, if fn raised (None if it returned)."""
+    exitcode: int | None
+    """The process's exit code; None if it was still running when the harness gave up and killed it."""
+    exited_after: float | None
+    """Seconds from the start of the run to the process's exit, to within 50 ms."""
+
+
+def run_ranks_with_victim(fn: Callable[..., Any], world_size: int, victim: int, *args: Any, timeout: float = 60.0,
+                          backend: str = "gloo", env: dict[str, str] | None = None) -> dict[int, Survivor]:
+    """Runs fn on every rank while the `victim` rank kills or stops itself; reports on the others.
+
+    Waits until every other rank's process has exited (or `timeout`), then kills whatever is left,
+    the victim included, so nothing outlives the test."""
+    procs, results = _start(fn, world_size, args, backend, env)
+    started = time.monotonic()
+    exited: dict[int, float] = {}
+    errors: dict[int, str | None] = {}
+    others = [r for r in range(world_size) if r != victim]
+    try:
+        while time.monotonic() - started < timeout and not all(r in exited for r in others):
+            for r in others:
+                if r not in exited and not procs[r].is_alive():
+                    exited[r] = time.monotonic() - started
+            with contextlib.suppress(queue.Empty):
+                rank, ok, payload = results.get(timeout=0.05)
+                errors[rank] = None if ok else payload
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)  # also ends a stopped process
+            p.join()
+    with contextlib.suppress(queue.Empty):
+        while True:
+            rank, ok, payload = results.get(timeout=0.5)
+            errors[rank] = None if ok else payload
+    return {r: Survivor(errors.get(r), procs[r].exitcode if r in exited else None, exited.get(r)) for r in others}
 
 
 class RankError(AssertionError):

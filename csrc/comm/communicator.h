@@ -1,32 +1,79 @@
 // The communicator interface the engine talks to. One implementation per backend, in its own file
 // (as in Horovod's horovod/common/ops): the engine itself never names gloo or NCCL.
+//
+// Every collective gets a sequence number and a deadline; a failure (a peer died or froze, a
+// backend error) is raised on this rank and posted to its peers, see Note [Failing fast]. After
+// a failure the communicator refuses further collectives: the ranks' collective streams no
+// longer line up.
+//
+// Note [Collective fingerprints]
+// In debug mode (HSYNC_DEBUG_COLLECTIVES=1) each collective is preceded by an all-reduce of
+// every rank's fingerprint of it (sequence, kind, purpose, bucket, size, dtype), each rank in its
+// own row. The fingerprint has the same size on every rank, so ranks that are about to issue
+// different collectives get "collective mismatch" naming both sides, instead of a hang or a
+// silently wrong sum. It costs a host synchronisation per collective: debugging only.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <chrono>
+#include <memory>
 #include <string>
+
+#include "comm/fault_monitor.h"
 
 namespace hsync {
 
+// How a communicator detects and reports failures.
+struct FaultOptions {
+  c10::intrusive_ptr<c10d::Store> store;  // the failure board; may be null
+  std::string key;                        // the board's key, unique to this communicator and run
+  std::chrono::milliseconds timeout{300'000};
+  bool debug = false;                     // Note [Collective fingerprints]
+};
+
 class Communicator {
  public:
+  Communicator(int rank, int world_size, std::string backend, const FaultOptions& options);
   virtual ~Communicator() = default;
 
-  virtual int rank() const = 0;
-  virtual int world_size() const = 0;
-  virtual std::string backend() const = 0;
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  const std::string& backend() const { return backend_; }
+  std::chrono::milliseconds timeout() const { return monitor_->timeout(); }
 
   // Enqueues an in-place SUM all-reduce of `tensor`. Returns at once; collectives run in the
   // order they were issued, overlapping the caller's work. `tensor` must stay untouched until
-  // synchronize() returns.
-  virtual void all_reduce_sum(const at::Tensor& tensor) = 0;
+  // synchronize() returns. `index` is the bucket, for Purpose::kBucket.
+  void all_reduce_sum(const at::Tensor& tensor, Purpose purpose, int64_t index = -1);
 
   // Enqueues an in-place broadcast of `tensor` from `root`.
-  virtual void broadcast(const at::Tensor& tensor, int root) = 0;
+  void broadcast(const at::Tensor& tensor, int root, Purpose purpose);
 
   // Orders the caller after every collective issued so far: blocks the calling thread on CPU,
-  // makes the current CUDA stream wait on GPU (no host synchronisation).
+  // makes the current CUDA stream wait on GPU (no host synchronisation). Throws a failure.
   virtual void synchronize() = 0;
+
+  // Throws if a collective of this communicator failed here or on a peer.
+  void check() const { monitor_->check(); }
+
+ protected:
+  // Issues `collective` on `tensor`.
+  virtual void launch(const at::Tensor& tensor, const Collective& collective) = 0;
+
+  FaultMonitor& monitor() { return *monitor_; }
+
+ private:
+  void issue(const at::Tensor& tensor, int root, Purpose purpose, int64_t index);
+  void verify_fingerprint(const at::Tensor& tensor, const Collective& collective);
+
+  int rank_;
+  int world_size_;
+  std::string backend_;
+  bool debug_;
+  uint64_t next_seq_ = 0;
+  std::unique_ptr<FaultMonitor> monitor_;
 };
 
 }  // namespace hsync

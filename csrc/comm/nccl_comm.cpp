@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <thread>
+#include <utility>
 
 #include "checks.h"
 
@@ -55,9 +56,9 @@ void StreamEvent::order(cudaStream_t signaller, cudaStream_t waiter) {
   HSYNC_CUDA_CHECK(cudaStreamWaitEvent(waiter, event_, 0));
 }
 
-NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int device_index)
-    : rank_(rank),
-      world_size_(world_size),
+NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int device_index,
+                   const FaultOptions& options)
+    : Communicator(rank, world_size, "nccl", options),
       device_index_(device_index),
       stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_index)),
       enter_event_(device_index),
@@ -65,27 +66,58 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int d
   ncclUniqueId id;
   HSYNC_CHECK(unique_id.size() == sizeof(id.internal), "NCCL unique id has ", unique_id.size(),
               " bytes, expected ", sizeof(id.internal));
-  HSYNC_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " is outside world size ", world_size);
   std::copy(unique_id.begin(), unique_id.end(), id.internal);
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
-  HSYNC_NCCL_CHECK(ncclCommInitRank(&comm_, world_size, id, rank));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  HSYNC_NCCL_CHECK_ASYNC(ncclCommInitRankConfig(&comm_, world_size, id, rank, &config));
+  wait_ready("NCCL communicator initialisation (ncclCommInitRankConfig)");
+  monitor().set_hooks([this] { return poll(); }, [this] { abort(); });
 }
 
 NcclComm::~NcclComm() {
+  monitor().clear_hooks();
   if (comm_ == nullptr) return;
   // Destructors must not throw: errors here only choose between destroy and abort.
-  const auto deadline = std::chrono::steady_clock::now() + kDrainTimeout;
-  cudaError_t state = cudaStreamQuery(stream_.stream());
-  ncclResult_t peer = ncclSuccess;
-  while (state == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline &&
-         ncclCommGetAsyncError(comm_, &peer) == ncclSuccess && (peer == ncclSuccess || peer == ncclInProgress)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    state = cudaStreamQuery(stream_.stream());
+  bool clean = !aborted_;
+  const auto deadline = Clock::now() + kDrainTimeout;
+  ncclResult_t state = ncclSuccess;
+  const auto healthy = [&] {
+    return ncclCommGetAsyncError(comm_, &state) == ncclSuccess && (state == ncclSuccess || state == ncclInProgress);
+  };
+  if (clean) {
+    cudaError_t drained = cudaStreamQuery(stream_.stream());
+    while (drained == cudaErrorNotReady && Clock::now() < deadline && healthy()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      drained = cudaStreamQuery(stream_.stream());
+    }
+    clean = drained == cudaSuccess && ncclCommFinalize(comm_) != ncclInternalError;
+    while (clean && healthy() && state == ncclInProgress && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    clean = clean && state == ncclSuccess;
   }
-  if (state == cudaSuccess) {
+  if (clean) {
     ncclCommDestroy(comm_);
-  } else {
+  } else if (!aborted_) {
     ncclCommAbort(comm_);
+  }
+  for (InFlight& f : in_flight_) cudaEventDestroy(f.done);
+}
+
+void NcclComm::wait_ready(const std::string& what) {
+  const auto deadline = Clock::now() + timeout();
+  ncclResult_t state = ncclInProgress;
+  while (true) {
+    HSYNC_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state));
+    if (state != ncclInProgress) break;
+    if (Clock::now() > deadline) {
+      monitor().fail(what + " did not finish within the " + seconds(timeout()) + " deadline");
+    }
+    std::this_thread::yield();
+  }
+  if (state != ncclSuccess) {
+    monitor().fail(what + " failed: NCCL " + ncclGetErrorString(state) + " (" + ncclGetLastError(comm_) + ")");
   }
 }
 
@@ -98,23 +130,68 @@ void NcclComm::enter(const at::Tensor& tensor) {
   c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), stream_);
 }
 
-void NcclComm::all_reduce_sum(const at::Tensor& tensor) {
+void NcclComm::launch(const at::Tensor& tensor, const Collective& collective) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
   enter(tensor);
-  HSYNC_NCCL_CHECK(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
-                                 nccl_dtype(tensor.scalar_type()), ncclSum, comm_, stream_.stream()));
-}
-
-void NcclComm::broadcast(const at::Tensor& tensor, int root) {
-  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-  enter(tensor);
-  HSYNC_NCCL_CHECK(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
-                                 nccl_dtype(tensor.scalar_type()), root, comm_, stream_.stream()));
+  const std::lock_guard<std::mutex> lock(mutex_);
+  if (aborted_) monitor().check();  // aborted since issue() checked: raise the reason
+  const ncclDataType_t dtype = nccl_dtype(tensor.scalar_type());
+  if (collective.root < 0) {
+    HSYNC_NCCL_CHECK_ASYNC(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype, ncclSum,
+                                         comm_, stream_.stream()));
+  } else {
+    HSYNC_NCCL_CHECK_ASYNC(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype,
+                                         collective.root, comm_, stream_.stream()));
+  }
+  wait_ready(collective.describe());
+  cudaEvent_t done = nullptr;
+  HSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  in_flight_.push_back({collective, done});
+  HSYNC_CUDA_CHECK(cudaEventRecord(done, stream_.stream()));
 }
 
 void NcclComm::synchronize() {
+  monitor().check();
   const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device_index_).stream();
   exit_event_.order(stream_.stream(), caller);
+}
+
+std::optional<std::string> NcclComm::poll() {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  if (aborted_) return std::nullopt;
+  while (!in_flight_.empty()) {
+    const cudaError_t state = cudaEventQuery(in_flight_.front().done);
+    if (state == cudaErrorNotReady) break;
+    if (state != cudaSuccess) {
+      return in_flight_.front().collective.describe() + " failed: CUDA " + cudaGetErrorString(state);
+    }
+    cudaEventDestroy(in_flight_.front().done);
+    in_flight_.pop_front();
+  }
+  ncclResult_t state = ncclSuccess;
+  const ncclResult_t queried = ncclCommGetAsyncError(comm_, &state);
+  if (queried != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
+    const std::string during = in_flight_.empty() ? "" : " during " + in_flight_.front().collective.describe();
+    return "NCCL reported " + std::string(ncclGetErrorString(queried != ncclSuccess ? queried : state)) + " (" +
+           ncclGetLastError(comm_) + ")" + during + ". A peer probably exited (killed, crashed or out of memory)";
+  }
+  if (!in_flight_.empty()) {
+    const Collective& oldest = in_flight_.front().collective;
+    const auto waited = Clock::now() - oldest.issued;
+    if (waited > timeout()) {
+      return oldest.describe() + " did not complete within the " + seconds(timeout()) + " deadline (" +
+             seconds(waited) + " since it was issued): a peer is stopped, hung, or far slower than this rank. "
+             "If steps legitimately differ this much, raise WeightedDDP(timeout=...)";
+    }
+  }
+  return std::nullopt;
+}
+
+void NcclComm::abort() {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  if (aborted_) return;
+  aborted_ = true;
+  ncclCommAbort(comm_);  // ends kernels that wait on dead peers; their events then complete
 }
 
 }  // namespace hsync

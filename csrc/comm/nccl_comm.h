@@ -16,6 +16,9 @@
 #include <nccl.h>
 
 #include <chrono>
+#include <deque>
+#include <mutex>
+#include <optional>
 #include <string>
 
 #include "comm/communicator.h"
@@ -40,37 +43,51 @@ class StreamEvent {
   cudaEvent_t event_ = nullptr;
 };
 
+// Note [NCCL failures]
+// The communicator is non-blocking (ncclConfig_t::blocking = 0): no NCCL call can hang the host.
+// Each collective records an event when it completes. The fault monitor's thread polls those
+// events and ncclCommGetAsyncError; on an error, a passed deadline or a peer's posted failure it
+// aborts the communicator, which ends the kernels waiting on dead peers. The error is raised on
+// the host at the next call into the communicator and when the engine reads the step scalars.
 class NcclComm final : public Communicator {
  public:
-  NcclComm(const std::string& unique_id, int rank, int world_size, int device_index);
+  NcclComm(const std::string& unique_id, int rank, int world_size, int device_index,
+           const FaultOptions& options);
   // Lets collectives in flight finish (for at most kDrainTimeout) and destroys the communicator;
-  // aborts it instead if a peer failed or the drain timed out, so it never blocks for long.
+  // aborts it instead if it failed or the drain timed out, so it never blocks for long.
   ~NcclComm() override;
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
 
-  int rank() const override { return rank_; }
-  int world_size() const override { return world_size_; }
-  std::string backend() const override { return "nccl"; }
-
-  void all_reduce_sum(const at::Tensor& tensor) override;
-  void broadcast(const at::Tensor& tensor, int root) override;
   void synchronize() override;
 
+ protected:
+  void launch(const at::Tensor& tensor, const Collective& collective) override;
+
  private:
+  struct InFlight {
+    Collective collective;
+    cudaEvent_t done;
+  };
+
   // Orders the communicator's stream after the caller's and keeps `tensor`'s memory from being
   // reused by the caching allocator until the collective is done.
   void enter(const at::Tensor& tensor);
+  // Waits while the non-blocking communicator is still busy with the last call (at most the deadline).
+  void wait_ready(const std::string& what);
+  std::optional<std::string> poll();  // on the fault monitor's thread
+  void abort();                       // on the fault monitor's thread
 
   static constexpr std::chrono::seconds kDrainTimeout{10};
 
-  int rank_;
-  int world_size_;
   int device_index_;
   ncclComm_t comm_ = nullptr;
   c10::cuda::CUDAStream stream_;
   StreamEvent enter_event_;
   StreamEvent exit_event_;
+  std::mutex mutex_;  // guards comm_ calls, in_flight_ and aborted_ against the monitor's thread
+  std::deque<InFlight> in_flight_;
+  bool aborted_ = false;
 };
 
 }  // namespace hsync

@@ -1,17 +1,35 @@
 #include "comm/process_group_comm.h"
 
+#include <algorithm>
+
 #include "checks.h"
 
 namespace hsync {
+namespace {
 
-ProcessGroupComm::ProcessGroupComm(c10::intrusive_ptr<c10d::ProcessGroup> group) : group_(group) {
+// Gloo's own deadline comes a little after ours, so a stuck collective is reported as ours (with
+// the collective's name) and gloo's thread is still freed right after.
+constexpr std::chrono::milliseconds kBackendGrace{1000};
+
+const c10::intrusive_ptr<c10d::ProcessGroup>& checked(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
   HSYNC_CHECK(group, "process group is None (call torch.distributed.init_process_group first)");
-  rank_ = group->getRank();
-  world_size_ = group->getSize();
-  backend_ = group->getBackendName();
+  return group;
 }
 
-std::string ProcessGroupComm::backend() const { return backend_; }
+// The backend's message without the C++ backtrace that c10::Error carries.
+std::string reason(const std::exception& error) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
+  std::string text = c10_error ? c10_error->what_without_backtrace() : error.what();
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+  return text;
+}
+
+}  // namespace
+
+ProcessGroupComm::ProcessGroupComm(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                   const FaultOptions& options)
+    : Communicator(checked(group)->getRank(), group->getSize(), group->getBackendName(), options),
+      group_(group) {}
 
 c10::intrusive_ptr<c10d::ProcessGroup> ProcessGroupComm::group() const {
   auto group = group_.lock();
@@ -20,26 +38,55 @@ c10::intrusive_ptr<c10d::ProcessGroup> ProcessGroupComm::group() const {
   return group;
 }
 
-void ProcessGroupComm::all_reduce_sum(const at::Tensor& tensor) {
+void ProcessGroupComm::launch(const at::Tensor& tensor, const Collective& collective) {
   std::vector<at::Tensor> tensors{tensor};
-  c10d::AllreduceOptions options;
-  options.reduceOp = c10d::ReduceOp::SUM;
-  pending_.push_back(group()->allreduce(tensors, options));
-}
-
-void ProcessGroupComm::broadcast(const at::Tensor& tensor, int root) {
-  std::vector<at::Tensor> tensors{tensor};
-  c10d::BroadcastOptions options;
-  options.rootRank = root;
-  pending_.push_back(group()->broadcast(tensors, options));
+  c10::intrusive_ptr<c10d::Work> work;
+  if (collective.root < 0) {
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    options.timeout = timeout() + kBackendGrace;
+    work = group()->allreduce(tensors, options);
+  } else {
+    c10d::BroadcastOptions options;
+    options.rootRank = collective.root;
+    options.timeout = timeout() + kBackendGrace;
+    work = group()->broadcast(tensors, options);
+  }
+  work->getFuture()->addCallback([completion = completion_](c10::ivalue::Future&) {
+    const std::lock_guard<std::mutex> lock(completion->mutex);
+    completion->done.notify_all();
+  });
+  pending_.push_back({std::move(work), collective});
 }
 
 void ProcessGroupComm::synchronize() {
-  // Clear first: if a wait throws (a peer died), the failed work must not be waited on again.
+  // Clear first: after a failure nothing must be waited on again.
   auto pending = std::move(pending_);
   pending_.clear();
-  for (auto& work : pending) {
-    work->wait();
+  for (const Pending& p : pending) wait(p);
+}
+
+void ProcessGroupComm::wait(const Pending& p) {
+  const Clock::time_point deadline = p.collective.issued + timeout();
+  {
+    std::unique_lock<std::mutex> lock(completion_->mutex);
+    while (!p.work->isCompleted()) {
+      monitor().check(&p.collective);
+      const Clock::time_point now = Clock::now();
+      if (now >= deadline) {
+        lock.unlock();
+        monitor().fail(p.collective.describe() + " did not complete within the " + seconds(timeout()) +
+                       " deadline: a peer is stopped, hung, or far slower than this rank. If steps "
+                       "legitimately differ this much, raise WeightedDDP(timeout=...)");
+      }
+      completion_->done.wait_for(lock, std::min<Clock::duration>(FaultMonitor::kPollInterval, deadline - now));
+    }
+  }
+  try {
+    p.work->wait();
+  } catch (const std::exception& error) {
+    monitor().fail(p.collective.describe() + " failed after " + seconds(Clock::now() - p.collective.issued) +
+                   ": " + reason(error) + ". A peer probably exited (killed, crashed or out of memory)");
   }
 }
 

@@ -4,10 +4,17 @@
 // It holds the group weakly: torch.distributed owns it, and destroy_process_group() must be able
 // to tear it down then. A group kept alive by us until interpreter exit is destroyed after its
 // threads' runtime is gone, which aborts the process.
+//
+// Deadlines: gloo gets the collective timeout too, so a collective stuck on a frozen peer frees
+// gloo's thread at the deadline and the process can exit; synchronize() waits on each collective
+// until it completes, fails, passes its deadline or a peer posts a failure (Note [Failing fast]).
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -16,24 +23,31 @@ namespace hsync {
 
 class ProcessGroupComm final : public Communicator {
  public:
-  explicit ProcessGroupComm(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  ProcessGroupComm(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const FaultOptions& options);
 
-  int rank() const override { return rank_; }
-  int world_size() const override { return world_size_; }
-  std::string backend() const override;
-
-  void all_reduce_sum(const at::Tensor& tensor) override;
-  void broadcast(const at::Tensor& tensor, int root) override;
   void synchronize() override;
 
+ protected:
+  void launch(const at::Tensor& tensor, const Collective& collective) override;
+
  private:
+  struct Pending {
+    c10::intrusive_ptr<c10d::Work> work;
+    Collective collective;
+  };
+  // Signalled by each work's future when it completes; shared because a callback may run after
+  // the communicator is gone.
+  struct Completion {
+    std::mutex mutex;
+    std::condition_variable done;
+  };
+
   c10::intrusive_ptr<c10d::ProcessGroup> group() const;
+  void wait(const Pending& pending);
 
   c10::weak_intrusive_ptr<c10d::ProcessGroup> group_;
-  int rank_;
-  int world_size_;
-  std::string backend_;
-  std::vector<c10::intrusive_ptr<c10d::Work>> pending_;
+  std::shared_ptr<Completion> completion_ = std::make_shared<Completion>();
+  std::vector<Pending> pending_;
 };
 
 }  // namespace hsync

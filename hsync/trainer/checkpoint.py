@@ -36,6 +36,18 @@ def latest(save_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def should_resume(save_dir: str, asked: bool) -> bool:
+    """Collective: whether to load the latest checkpoint. Asked for (--resume), or a worker restarted by
+    torchrun with a checkpoint to go back to; rank 0's view of the directory decides for every rank."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    decision = [asked or bool(restarted and save_dir and latest(Path(save_dir)))]
+    dist.broadcast_object_list(decision, src=0)
+    if decision[0] and not asked and dist.get_rank() == 0:
+        print(f"hsync: restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from {latest(Path(save_dir))}",
+              flush=True)
+    return decision[0]
+
+
 def save(save_dir: Path, step: int, state: dict[str, Any]) -> Path | None:
     """Writes `state` plus every rank's RNG state; collective (every rank calls it), rank 0 writes."""
     rngs: list = [None] * dist.get_world_size()
@@ -51,7 +63,8 @@ def save(save_dir: Path, step: int, state: dict[str, Any]) -> Path | None:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)  # atomic: a reader sees the old set of files or the new one
-            for old in sorted(save_dir.glob(f"{PREFIX}*{SUFFIX}"))[:-KEEP]:
+            stale = sorted(save_dir.glob(f"{PREFIX}*{SUFFIX}"))[:-KEEP] + list(save_dir.glob(f"{PREFIX}*{SUFFIX}.tmp"))
+            for old in stale:  # and what a save killed midway left
                 old.unlink()
         except OSError as error:
             problem = f"{type(error).__name__}: {error}"

@@ -81,7 +81,11 @@ class TrainConfig:
     save_every: int = 0
     """Write a checkpoint every N steps (and at the end); 0: only at the end."""
     resume: bool = False
-    """Continue from the latest checkpoint in --save-dir."""
+    """Continue from the latest checkpoint in --save-dir, which must exist. Workers that torchrun restarts
+    (--max-restarts) continue from it without this flag, if there is one."""
+    collective_timeout: float = 0.0
+    """Seconds any one gradient collective may take before every rank stops with an error naming it;
+    0: hsync's default (HSYNC_TIMEOUT, else 300)."""
     log_file: str = ""
     """JSON lines, one per logged step (rank 0)."""
     log_every: int = 10
@@ -111,6 +115,8 @@ class TrainConfig:
         for flag in ("update_freq", "max_steps", "log_every", "rebalance_every", "measure_steps"):
             if getattr(filled, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+        if filled.collective_timeout < 0:
+            raise ValueError(f"--collective-timeout cannot be negative, got {filled.collective_timeout}")
         if filled.warmup_steps < 0 or filled.save_every < 0 or filled.stop_at < 0:
             raise ValueError("--warmup-steps, --save-every and --stop-at cannot be negative")
         if filled.resume and not filled.save_dir:

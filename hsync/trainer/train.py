@@ -13,6 +13,7 @@ BERT's 15% masking makes nearly so.)
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import os
@@ -47,8 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     plan = initial_plan(cfg, micro_batch, world)
 
     torch.manual_seed(cfg.seed)
+    timeout = datetime.timedelta(seconds=cfg.collective_timeout) if cfg.collective_timeout else None
     model = hsync.WeightedDDP(build_model(preset, vocab).to(device), broadcast_buffers=False,
-                              metric_names=per_rank_metrics(world))
+                              metric_names=per_rank_metrics(world), timeout=timeout)
     torch.manual_seed(cfg.seed + rank)  # rank 0's weights everywhere, but each rank its own dropout
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
             "vocab_sha256": hashlib.sha256("\n".join(vocab.tokens).encode()).hexdigest(),
             "global_batch_size": cfg.global_batch_size, "update_freq": cfg.update_freq}
     step = 0
-    if cfg.resume:
+    if checkpoint.should_resume(cfg.save_dir, cfg.resume):
         state = checkpoint.load(Path(cfg.save_dir), meta)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -252,10 +254,13 @@ def init_distributed(device_choice: str) -> torch.device:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl")
-        return torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
+    # torchrun's agent keeps one store across restarts, so workers of a new attempt could read the
+    # addresses that the dead workers of the last one posted (seen with gloo: connecting to a dead
+    # port, or hanging). Each attempt gets keys of its own.
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    attempt = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group("nccl" if use_cuda else "gloo", store=attempt, rank=rank, world_size=world_size)
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
 class Vocabulary:

@@ -7,8 +7,9 @@ makes them look like separate hosts that talk over sockets. Good for correctness
 import pytest
 import torch
 
+from tests.distributed.test_faults import DEADLINE_S, VICTIM, noticed_after, train_until_victim_strikes
 from tests.distributed.workloads import reference_training, train_weighted
-from tests.spawn import run_ranks
+from tests.spawn import run_ranks, run_ranks_with_victim
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -33,3 +34,17 @@ def test_nccl_ranks_on_one_gpu_match_one_process(world_size):
             torch.testing.assert_close(params[name], value, rtol=1e-10, atol=1e-12, msg=f"rank {rank}, {name}")
         assert grads["never_used.weight"] is None
         assert [s[0] for s in stats] == pytest.approx(ref_losses, rel=1e-10)
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_nccl_survivors_of_a_lost_peer_abort_and_raise(how):
+    # On GPU the failure surfaces at the next call into hsync after the watchdog saw it (Note [NCCL failures]).
+    survivors = run_ranks_with_victim(train_until_victim_strikes, 3, VICTIM, how, {}, "cuda", backend="nccl",
+                                      env=SOCKET_ENV, timeout=120)
+    for rank, survivor in survivors.items():
+        assert survivor.error is not None, f"rank {rank} raised nothing"
+        assert f"hsync: rank {rank} (nccl): " in survivor.error, survivor.error
+        if how == "stop":
+            assert "deadline" in survivor.error or "a peer failed first" in survivor.error, survivor.error
+        assert noticed_after(survivor.error) < DEADLINE_S + 5, survivor.error
+        assert survivor.exitcode == 0, f"rank {rank}: {survivor}"

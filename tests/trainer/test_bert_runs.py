@@ -16,13 +16,15 @@ pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).parents[2]
 SLICE = ROOT / "tests" / "data" / "kjv-genesis.txt"
+CRASH_ONCE = ROOT / "tests" / "trainer" / "crash_once.py"
 
 
 def torchrun(tmp_path: Path, *args: str, nproc: int = 2, launcher: tuple[str, ...] = ("--standalone",),
-             timeout: float = 180) -> subprocess.CompletedProcess:
+             timeout: float = 180, script: Path = ROOT / "examples" / "bert.py",
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, f"--nproc_per_node={nproc}",
-           str(ROOT / "examples" / "bert.py"), "--corpus", str(SLICE), "--data-dir", str(tmp_path / "data"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+           str(script), "--corpus", str(SLICE), "--data-dir", str(tmp_path / "data"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env)
 
 
@@ -69,6 +71,22 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path
     straight, resumed = model_state(tmp_path / "straight"), model_state(tmp_path / "split")
     for name, value in straight.items():
         assert torch.equal(value, resumed[name]), name
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path):
+    common = ("--max-steps", "8", "--balance", "manual", "--rank-batch-sizes", "20,12", "--save-every", "2")
+    ok(torchrun(tmp_path, *common, "--save-dir", str(tmp_path / "straight")))
+    # Rank 1 is killed in step 6 of the first attempt; torchrun restarts both workers, which resume
+    # from the checkpoint of step 4 and redo steps 5 and 6.
+    crashed = ok(torchrun(tmp_path, *common, "--save-dir", str(tmp_path / "crashed"),
+                          launcher=("--standalone", "--max-restarts", "1"), script=CRASH_ONCE,
+                          env={"CRASH_RANK": "1", "CRASH_AT_STEP": "6"}))
+    output = crashed.stdout + crashed.stderr
+    assert "killed rank 1 in step 6" in output and "restart 1: resuming from" in output, output[-3000:]
+    assert "step-00000004.pt" in output.split("restart 1: resuming from")[1].splitlines()[0]
+    straight, restarted = model_state(tmp_path / "straight"), model_state(tmp_path / "crashed")
+    for name, value in straight.items():
+        assert torch.equal(value, restarted[name]), name
 
 
 def test_bad_input_fails_before_any_work_and_overwrites_nothing(tmp_path):

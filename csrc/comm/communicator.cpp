@@ -1,0 +1,89 @@
+#include "comm/communicator.h"
+
+#include <algorithm>
+
+#include "checks.h"
+
+namespace hsync {
+namespace {
+
+// seq, root + 1 (0: an all-reduce), purpose, index, numel, dtype: exact in float64.
+constexpr int64_t kFingerprintFields = 6;
+
+void write_fingerprint(const Collective& c, double* row) {
+  const double fields[kFingerprintFields] = {
+      static_cast<double>(c.seq), static_cast<double>(c.root + 1), static_cast<double>(c.purpose),
+      static_cast<double>(c.index), static_cast<double>(c.numel), static_cast<double>(c.dtype)};
+  std::copy(fields, fields + kFingerprintFields, row);
+}
+
+Collective read_fingerprint(const double* row) {
+  Collective c;
+  c.seq = static_cast<uint64_t>(row[0]);
+  c.root = static_cast<int>(row[1]) - 1;
+  c.purpose = static_cast<Purpose>(static_cast<int>(row[2]));
+  c.index = static_cast<int64_t>(row[3]);
+  c.numel = static_cast<int64_t>(row[4]);
+  c.dtype = static_cast<at::ScalarType>(static_cast<int>(row[5]));
+  return c;
+}
+
+}  // namespace
+
+Communicator::Communicator(int rank, int world_size, std::string backend, const FaultOptions& options)
+    : rank_(rank),
+      world_size_(world_size),
+      backend_(std::move(backend)),
+      debug_(options.debug),
+      monitor_(std::make_unique<FaultMonitor>(options.store, options.key, rank, backend_, options.timeout)) {
+  HSYNC_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " is outside world size ", world_size);
+}
+
+void Communicator::all_reduce_sum(const at::Tensor& tensor, Purpose purpose, int64_t index) {
+  issue(tensor, -1, purpose, index);
+}
+
+void Communicator::broadcast(const at::Tensor& tensor, int root, Purpose purpose) {
+  HSYNC_CHECK(root >= 0 && root < world_size_, "broadcast root ", root, " is outside world size ", world_size_);
+  issue(tensor, root, purpose, -1);
+}
+
+void Communicator::issue(const at::Tensor& tensor, int root, Purpose purpose, int64_t index) {
+  monitor_->check();
+  Collective collective;
+  collective.seq = next_seq_++;
+  collective.root = root;
+  collective.purpose = purpose;
+  collective.index = index;
+  collective.numel = tensor.numel();
+  collective.dtype = tensor.scalar_type();
+  if (debug_) verify_fingerprint(tensor, collective);
+  collective.issued = Clock::now();
+  launch(tensor, collective);
+}
+
+void Communicator::verify_fingerprint(const at::Tensor& tensor, const Collective& collective) {
+  at::Tensor table = at::zeros({world_size_, kFingerprintFields}, at::kDouble);
+  write_fingerprint(collective, table[rank_].data_ptr<double>());
+  table = table.to(tensor.device());
+  Collective gather;
+  gather.seq = collective.seq;
+  gather.purpose = Purpose::kFingerprint;
+  gather.numel = table.numel();
+  gather.dtype = at::kDouble;
+  gather.issued = Clock::now();
+  launch(table, gather);
+  synchronize();
+  table = table.cpu();
+  const double* rows = table.const_data_ptr<double>();
+  for (int r = 1; r < world_size_; ++r) {
+    const double* row = rows + r * kFingerprintFields;
+    if (std::equal(rows, rows + kFingerprintFields, row)) continue;
+    monitor_->fail("collective mismatch: rank 0 issues " + read_fingerprint(rows).describe() + ", rank " +
+                   std::to_string(r) + " issues " + read_fingerprint(row).describe() +
+                   ". Every rank must make the same calls in the same order: WeightedDDP.backward or "
+                   "loss.backward alike, the same no_sync, metric_names and model");
+  }
+}
+
+}  // namespace hsync

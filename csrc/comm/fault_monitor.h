@@ -1,0 +1,87 @@
+// Failure detection shared by every communicator: the collective deadline, this rank's first
+// failure, and a board in the torch.distributed store on which ranks post their failures.
+//
+// Note [Failing fast]
+// A rank that sees a collective fail (a peer's socket closed, a deadline passed, an NCCL async
+// error) records the failure here and posts it under a key of the store that torchrun (or
+// init_process_group) already set up. A background thread polls that key, so peers waiting on a
+// collective of their own stop within a poll interval instead of waiting out their deadline, and
+// the error they raise names the rank that saw the failure first. The thread also runs the
+// communicator's own poll (NCCL: completion and async errors) and its abort on failure. Store
+// calls run only on that thread: a store whose host is frozen must not freeze the training loop.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+namespace hsync {
+
+using Clock = std::chrono::steady_clock;
+
+// What a collective is for; named in errors and compared across ranks in debug mode.
+enum class Purpose : int { kStepScalars = 1, kBucket = 2, kBucketOrder = 3, kBroadcast = 4, kFingerprint = 5 };
+
+// One collective as issued by this rank.
+struct Collective {
+  uint64_t seq = 0;          // counts this communicator's collectives, the same on every rank
+  int root = -1;             // a broadcast's root; -1: a SUM all-reduce
+  Purpose purpose = Purpose::kBucket;
+  int64_t index = -1;        // the bucket, for kBucket
+  int64_t numel = 0;
+  at::ScalarType dtype = at::kFloat;
+  Clock::time_point issued;
+
+  // For example "all-reduce #12 of bucket 3 (262144 x Float)".
+  std::string describe() const;
+};
+
+std::string seconds(Clock::duration elapsed);  // "2.31 s"
+
+class FaultMonitor {
+ public:
+  // `store` may be null (no board: each rank relies on its own deadline). `key` must be unique to
+  // one communicator of one run (the caller includes torchrun's restart count).
+  FaultMonitor(c10::intrusive_ptr<c10d::Store> store, std::string key, int rank, std::string backend,
+               std::chrono::milliseconds timeout);
+  // Stops the thread; a thread stuck in a frozen store is left behind rather than waited for.
+  ~FaultMonitor();
+  FaultMonitor(const FaultMonitor&) = delete;
+  FaultMonitor& operator=(const FaultMonitor&) = delete;
+
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // Records this rank's failure (the first one wins), posts it for the peers and throws it.
+  [[noreturn]] void fail(const std::string& what);
+
+  // Throws if this rank failed or a peer posted a failure; `waiting_for` names what was being waited on.
+  void check(const Collective* waiting_for = nullptr) const;
+
+  // Set once by the communicator, before the first collective: `poll` runs on the monitor's thread
+  // every kPollInterval and returns what failed if it sees a failure; `abort` runs once on the
+  // first failure, this rank's or a peer's.
+  void set_hooks(std::function<std::optional<std::string>()> poll, std::function<void()> abort);
+  // Removes them, waiting for a run in progress: the communicator's destructor calls it first.
+  void clear_hooks();
+
+  static constexpr std::chrono::milliseconds kPollInterval{50};
+  static constexpr std::chrono::milliseconds kStorePollInterval{200};
+
+ private:
+  struct State;  // shared with the thread, which may outlive the monitor (see the destructor)
+  static void watch(const std::shared_ptr<State>& state);
+
+  std::shared_ptr<State> state_;
+  std::chrono::milliseconds timeout_;
+  std::thread thread_;
+};
+
+}  // namespace hsync

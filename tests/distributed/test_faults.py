@@ -1,0 +1,106 @@
+"""A peer that dies, freezes or runs different collectives: every other rank stops within the
+deadline (plus seconds) with an error naming the rank, the collective and the time, and exits."""
+
+import datetime
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.distributed.workloads import TINY_BUCKET_MB, make_net, mse
+from tests.spawn import run_ranks_expecting_errors, run_ranks_with_victim
+
+pytestmark = pytest.mark.distributed
+
+DEADLINE_S = 3.0
+VICTIM = 2
+
+
+def train_until_victim_strikes(rank: int, world_size: int, how: str, deadlines: dict[int, float],
+                               device: str = "cpu") -> None:
+    """Trains; at step 3 the victim kills or stops itself in the middle of backward, after some
+    buckets went out. The others raise, with the seconds they took to notice."""
+    import hsync
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    timeout = datetime.timedelta(seconds=deadlines.get(rank, DEADLINE_S))
+    model = hsync.WeightedDDP(make_net(seed=0).to(device), bucket_cap_mb=TINY_BUCKET_MB, timeout=timeout)
+    if rank == VICTIM:
+        strike = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[how]
+        step = {"now": 0}
+        model.module.inp.weight.register_hook(lambda g: os.kill(os.getpid(), strike) if step["now"] == 3 else None)
+    for step_index in range(6):
+        if rank == VICTIM:
+            step["now"] = step_index
+        x = torch.randn(4, 4, dtype=torch.float64, device=device)
+        loss = mse(model(x), torch.zeros(4, dtype=torch.float64, device=device))
+        started = time.monotonic()
+        try:
+            model.backward(loss, weight=4)
+        except RuntimeError as error:
+            raise RuntimeError(f"noticed after {time.monotonic() - started:.2f} s at step {step_index}: "
+                               f"{error}") from None
+    raise AssertionError(f"rank {rank} finished training although rank {VICTIM} was gone")
+
+
+def noticed_after(error: str) -> float:
+    return float(re.search(r"noticed after ([0-9.]+) s", error).group(1))
+
+
+def test_killed_peer_fails_every_survivor_at_once():
+    survivors = run_ranks_with_victim(train_until_victim_strikes, 4, VICTIM, "kill", {}, timeout=60)
+    for rank, survivor in survivors.items():
+        assert survivor.error is not None, f"rank {rank} raised nothing"
+        assert f"hsync: rank {rank} (gloo): all-reduce #" in survivor.error, survivor.error
+        assert "A peer probably exited" in survivor.error or "a peer failed first" in survivor.error, survivor.error
+        assert noticed_after(survivor.error) < 2.0, survivor.error
+        assert survivor.exitcode == 0, f"rank {rank}: {survivor}"  # the harness reported the error and exited
+
+
+def test_frozen_peer_fails_every_survivor_at_the_deadline():
+    survivors = run_ranks_with_victim(train_until_victim_strikes, 3, VICTIM, "stop", {}, timeout=60)
+    for rank, survivor in survivors.items():
+        assert survivor.error is not None, f"rank {rank} raised nothing"
+        assert "did not complete within the 3.00 s deadline" in survivor.error, survivor.error
+        assert "at step 3" in survivor.error, survivor.error
+        assert DEADLINE_S - 0.1 < noticed_after(survivor.error) < DEADLINE_S + 2, survivor.error
+        # Gloo's own deadline frees its thread, so the process exits instead of hanging in teardown.
+        assert survivor.exitcode == 0 and survivor.exited_after is not None, f"rank {rank}: {survivor}"
+
+
+def test_a_rank_that_gives_up_tells_its_peers():
+    # Rank 0 gives up on the frozen rank after 2 s; rank 1 would wait 60 s, but reads rank 0's post.
+    survivors = run_ranks_with_victim(train_until_victim_strikes, 3, VICTIM, "stop", {0: 2.0, 1: 60.0}, timeout=8)
+    first, told = survivors[0].error, survivors[1].error
+    assert first is not None and "did not complete within the 2.00 s deadline" in first, first
+    assert told is not None and "hsync: rank 1 (gloo): stopped waiting for all-reduce #" in told, told
+    assert "a peer failed first. hsync: rank 0 (gloo)" in told, told
+    assert noticed_after(told) < 2.0 + 1.0, told
+
+
+def mismatched_calls(rank: int, world_size: int, case: str) -> None:
+    import hsync
+
+    names = ("extra",) if case == "metrics" and rank == 1 else ()
+    model = hsync.WeightedDDP(make_net(seed=0), metric_names=names, timeout=datetime.timedelta(seconds=20))
+    loss = mse(model(torch.randn(4, 4, dtype=torch.float64)), torch.zeros(4, dtype=torch.float64))
+    if case == "plain-vs-weighted" and rank == 1:
+        loss.backward()
+    else:
+        model.backward(loss, weight=4)
+
+
+@pytest.mark.parametrize(("case", "rank1_issues"), [
+    ("plain-vs-weighted", "all-reduce #1 of bucket 0"),
+    ("metrics", "all-reduce #1 of the step scalars (7 x Double)"),
+])
+def test_debug_mode_names_a_collective_mismatch(case, rank1_issues, monkeypatch):
+    monkeypatch.setenv("HSYNC_DEBUG_COLLECTIVES", "1")  # inherited by the spawned ranks
+    errors = run_ranks_expecting_errors(mismatched_calls, 2, case, timeout=60)
+    for error in errors:
+        assert "collective mismatch: rank 0 issues all-reduce #1 of the step scalars (6 x Double)" in error, error
+        assert f"rank 1 issues {rank1_issues}" in error, error

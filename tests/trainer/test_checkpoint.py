@@ -1,0 +1,48 @@
+"""A checkpoint write killed midway never leaves a file that --resume would load, and the next
+save clears what it left."""
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.spawn import run_ranks, run_ranks_with_victim
+
+pytestmark = pytest.mark.distributed
+
+
+class KilledWhileSaved:
+    """Kills its process when torch.save reaches it: after the file was opened, before it was complete."""
+
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_then_die_saving(rank: int, world_size: int, save_dir: str) -> None:
+    from hsync.trainer import checkpoint
+
+    checkpoint.save(Path(save_dir), 1, {"model": {"w": torch.arange(1000.0)}})
+    checkpoint.save(Path(save_dir), 2, {"model": {"w": torch.arange(1000.0) + 1}, "half": KilledWhileSaved()})
+
+
+def save_once_more(rank: int, world_size: int, save_dir: str) -> list[str]:
+    from hsync.trainer import checkpoint
+
+    checkpoint.save(Path(save_dir), 3, {"model": {"w": torch.zeros(1)}})
+    return sorted(p.name for p in Path(save_dir).iterdir())
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_as_the_latest(tmp_path):
+    from hsync.trainer import checkpoint
+
+    survivors = run_ranks_with_victim(save_then_die_saving, 2, 0, str(tmp_path), timeout=60)
+    assert survivors[1].error is not None, "rank 1 did not notice that rank 0 died while saving"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001.pt", "step-00000002.pt.tmp"]
+    latest = checkpoint.latest(tmp_path)
+    assert latest is not None and latest.name == "step-00000001.pt"
+    assert torch.equal(torch.load(latest, weights_only=False)["model"]["w"], torch.arange(1000.0))
+
+    files = run_ranks(save_once_more, 1, str(tmp_path), timeout=60)[0]
+    assert files == ["step-00000001.pt", "step-00000003.pt"]
