@@ -131,6 +131,7 @@ void Engine::start_step() {
 
 void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& ref_weight) {
   std::lock_guard<std::mutex> lock(mutex_);
+  comm_->check();  // after a failed collective, say so rather than that a step was interrupted
   HSYNC_CHECK(!in_step_, "a new backward started before the previous gradient reduction "
               "finished (an earlier backward was interrupted); rebuild the model wrapper");
   HSYNC_CHECK(scalars.dim() == 1 && scalars.numel() >= 1 && scalars.scalar_type() == at::kDouble &&
@@ -180,6 +181,7 @@ void Engine::on_gradient_ready(size_t index) {
     plain_step_ = true;
   }
   const int task = torch::autograd::get_current_graph_task_id();
+  if (step_task_id_ != -1 && step_task_id_ != task) comm_->check();  // the likelier reason, if it holds
   HSYNC_CHECK(step_task_id_ == -1 || step_task_id_ == task,
               "a new backward started before the previous gradient reduction finished (an earlier backward "
               "was interrupted, or a nested backward such as reentrant activation checkpointing reached "
