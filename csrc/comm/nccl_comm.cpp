@@ -71,7 +71,12 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int d
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   HSYNC_NCCL_CHECK_ASYNC(ncclCommInitRankConfig(&comm_, world_size, id, rank, &config));
-  wait_ready("NCCL communicator initialisation (ncclCommInitRankConfig)");
+  try {
+    wait_ready("NCCL communicator initialisation (ncclCommInitRankConfig)");
+  } catch (...) {
+    ncclCommAbort(comm_);  // no destructor runs for a constructor that throws
+    throw;
+  }
   monitor().set_hooks([this] { return poll(); }, [this] { abort(); });
 }
 
@@ -91,7 +96,12 @@ NcclComm::~NcclComm() {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
       drained = cudaStreamQuery(stream_.stream());
     }
-    clean = drained == cudaSuccess && ncclCommFinalize(comm_) != ncclInternalError;
+    if (drained == cudaSuccess) {
+      const ncclResult_t finalized = ncclCommFinalize(comm_);  // non-blocking: completes in the background
+      clean = finalized == ncclSuccess || finalized == ncclInProgress;
+    } else {
+      clean = false;
+    }
     while (clean && healthy() && state == ncclInProgress && Clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -157,6 +167,7 @@ void NcclComm::synchronize() {
 }
 
 std::optional<std::string> NcclComm::poll() {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
   const std::lock_guard<std::mutex> lock(mutex_);
   if (aborted_) return std::nullopt;
   while (!in_flight_.empty()) {
