@@ -87,5 +87,6 @@ PYBIND11_MODULE(_C, m) {
       .def("broadcast_coalesced", &Engine::broadcast_coalesced, py::arg("tensors"), py::arg("root"),
            release_gil())
       .def("last_grad_nonfinite", &Engine::last_grad_nonfinite)
+      .def("check", &Engine::check)
       .def("bucket_params", &Engine::bucket_params);
 }

@@ -87,6 +87,10 @@ class Engine {
 
   std::vector<std::vector<int64_t>> bucket_params() const;
 
+  // Throws if a collective failed here or on a peer. On GPU a bucket's failure is known only once
+  // the host has waited for the step (StepStats.finite does): call this after such a wait.
+  void check() const { comm_->check(); }
+
  private:
   void build_buckets(const std::vector<int64_t>& order);
   void on_gradient_ready(size_t index);

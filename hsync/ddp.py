@@ -34,6 +34,7 @@ from hsync.stats import (
 )
 
 _MIB = 1024 * 1024
+_MAX_TIMEOUT = datetime.timedelta(days=365)  # the engine's clocks count nanoseconds in 64 bits
 _instances = itertools.count()  # same sequence on every rank: names this wrapper's store keys
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
@@ -184,7 +185,7 @@ class WeightedDDP(nn.Module):
         host = self._engine.step_scalars()
         if host[BAD_RANKS] > 0:
             raise ValueError(_bad_input_message(host, window.problem, self.rank))
-        return StepStats(host, self._engine.last_grad_nonfinite(), self.metric_names)
+        return StepStats(host, self._engine.last_grad_nonfinite(), self.metric_names, self._engine.check)
 
     def _new_window(self) -> _Window:
         def zeros(*shape: int) -> torch.Tensor:
@@ -310,6 +311,8 @@ def _resolve_timeout(timeout: datetime.timedelta | None) -> float:
         raise TypeError(f"timeout must be a datetime.timedelta, got {_describe(timeout)}")
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"the collective timeout must be positive and finite, got {seconds} s")
+    if seconds > _MAX_TIMEOUT.total_seconds():
+        raise ValueError(f"the collective timeout must be at most {_MAX_TIMEOUT.days} days, got {seconds} s")
     return seconds
 
 

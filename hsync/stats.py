@@ -7,6 +7,7 @@ in csrc/engine.h). The other slots are ours alone.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import torch
 
@@ -38,10 +39,12 @@ class StepStats:
     own all-reduce. Reading `finite` waits for the step's reduction on GPU; nothing else does.
     """
 
-    def __init__(self, reduced: torch.Tensor, grad_nonfinite: torch.Tensor, metric_names: tuple[str, ...]):
+    def __init__(self, reduced: torch.Tensor, grad_nonfinite: torch.Tensor, metric_names: tuple[str, ...],
+                 check_comm: Callable[[], None] = lambda: None):
         self._reduced = reduced.tolist()  # already on the host, see WeightedDDP.backward
         self._grad_nonfinite = grad_nonfinite
         self._metric_names = metric_names
+        self._check_comm = check_comm
 
     @property
     def weight(self) -> float:
@@ -56,7 +59,11 @@ class StepStats:
     @property
     def finite(self) -> bool:
         """False when any rank's loss or unscaled gradient held an inf or NaN: skip this step everywhere."""
-        return self._reduced[LOSS_NONFINITE] == 0 and float(self._grad_nonfinite) == 0
+        grad_nonfinite = float(self._grad_nonfinite)
+        # On GPU, waiting for the flag is waiting for the buckets: a collective that failed meanwhile
+        # (its values are garbage) raises here, before anyone steps on them.
+        self._check_comm()
+        return self._reduced[LOSS_NONFINITE] == 0 and grad_nonfinite == 0
 
     @property
     def metrics(self) -> dict[str, float]:

@@ -44,6 +44,19 @@ struct FaultMonitor::State {
   std::string prefix;                // "hsync: rank R (backend): "
 };
 
+namespace {
+
+void post(c10d::Store& store, const std::string& key, const std::string& message) {
+  try {
+    // First failure wins: an empty expected value sets the key only if it is absent.
+    store.compareSet(key, {}, std::vector<uint8_t>(message.begin(), message.end()));
+  } catch (const std::exception&) {
+    // The store is gone (its host died): peers rely on their own deadline.
+  }
+}
+
+}  // namespace
+
 // The monitor's thread. It holds its own reference to the state, so it may outlive the monitor.
 void FaultMonitor::watch(const std::shared_ptr<State>& s) {
   auto next_store_poll = Clock::now();
@@ -78,12 +91,7 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
       s->posted = true;
       const std::string message = *s->failure;
       lock.unlock();
-      try {
-        // First failure wins: an empty expected value sets the key only if it is absent.
-        store->compareSet(s->key, {}, std::vector<uint8_t>(message.begin(), message.end()));
-      } catch (const std::exception&) {
-        // The store is gone (its host died): peers rely on their own deadline.
-      }
+      post(*store, s->key, message);
       lock.lock();
     } else if (!s->failure && Clock::now() >= next_store_poll) {
       next_store_poll = Clock::now() + FaultMonitor::kStorePollInterval;
@@ -107,6 +115,15 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
         s->failure_is_peers = true;
       }
     }
+  }
+  // A failure recorded just before the monitor was destroyed still reaches the peers.
+  const c10::intrusive_ptr<c10d::Store> store = s->store;
+  if (store && s->failure && !s->failure_is_peers && !s->posted) {
+    s->posted = true;
+    const std::string message = *s->failure;
+    lock.unlock();
+    post(*store, s->key, message);
+    lock.lock();
   }
   s->done = true;
   s->changed.notify_all();
@@ -166,6 +183,11 @@ void FaultMonitor::fail(const std::string& what) {
     }
   }
   TORCH_CHECK(false, message);
+}
+
+bool FaultMonitor::failed() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->failure.has_value();
 }
 
 void FaultMonitor::check(const Collective* waiting_for) const {

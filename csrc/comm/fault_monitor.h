@@ -62,6 +62,8 @@ class FaultMonitor {
   // Records this rank's failure (the first one wins), posts it for the peers and throws it.
   [[noreturn]] void fail(const std::string& what);
 
+  bool failed() const;
+
   // Throws if this rank failed or a peer posted a failure; `waiting_for` names what was being waited on.
   void check(const Collective* waiting_for = nullptr) const;
 

@@ -72,7 +72,7 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int d
   config.blocking = 0;
   HSYNC_NCCL_CHECK_ASYNC(ncclCommInitRankConfig(&comm_, world_size, id, rank, &config));
   try {
-    wait_ready("NCCL communicator initialisation (ncclCommInitRankConfig)");
+    wait_ready(nullptr, "NCCL communicator initialisation (ncclCommInitRankConfig)");
   } catch (...) {
     ncclCommAbort(comm_);  // no destructor runs for a constructor that throws
     throw;
@@ -84,7 +84,7 @@ NcclComm::~NcclComm() {
   monitor().clear_hooks();
   if (comm_ == nullptr) return;
   // Destructors must not throw: errors here only choose between destroy and abort.
-  bool clean = !aborted_;
+  bool clean = !aborted_ && !monitor().failed();
   const auto deadline = Clock::now() + kDrainTimeout;
   ncclResult_t state = ncclSuccess;
   const auto healthy = [&] {
@@ -115,16 +115,20 @@ NcclComm::~NcclComm() {
   for (InFlight& f : in_flight_) cudaEventDestroy(f.done);
 }
 
-void NcclComm::wait_ready(const std::string& what) {
-  const auto deadline = Clock::now() + timeout();
+void NcclComm::wait_ready(const Collective* collective, const std::string& what) {
+  const auto started = collective ? collective->issued : Clock::now();
+  auto pause = std::chrono::microseconds(10);
   ncclResult_t state = ncclInProgress;
   while (true) {
-    HSYNC_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state));
+    const ncclResult_t queried = ncclCommGetAsyncError(comm_, &state);
+    if (queried != ncclSuccess) state = queried;
     if (state != ncclInProgress) break;
-    if (Clock::now() > deadline) {
+    if (collective) monitor().check(collective);  // a peer gave up: stop waiting for it
+    if (Clock::now() - started > timeout()) {
       monitor().fail(what + " did not finish within the " + seconds(timeout()) + " deadline");
     }
-    std::this_thread::yield();
+    std::this_thread::sleep_for(pause);  // connecting to a slow peer can take long: do not spin
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
   }
   if (state != ncclSuccess) {
     monitor().fail(what + " failed: NCCL " + ncclGetErrorString(state) + " (" + ncclGetLastError(comm_) + ")");
@@ -146,18 +150,26 @@ void NcclComm::launch(const at::Tensor& tensor, const Collective& collective) {
   const std::lock_guard<std::mutex> lock(mutex_);
   if (aborted_) monitor().check();  // aborted since issue() checked: raise the reason
   const ncclDataType_t dtype = nccl_dtype(tensor.scalar_type());
-  if (collective.root < 0) {
-    HSYNC_NCCL_CHECK_ASYNC(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype, ncclSum,
-                                         comm_, stream_.stream()));
-  } else {
-    HSYNC_NCCL_CHECK_ASYNC(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype,
-                                         collective.root, comm_, stream_.stream()));
+  // A communicator with an async error refuses new work: report it as this collective's failure.
+  const ncclResult_t issued =
+      collective.root < 0
+          ? ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype, ncclSum, comm_, stream_.stream())
+          : ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype, collective.root, comm_,
+                          stream_.stream());
+  if (issued != ncclSuccess && issued != ncclInProgress) {
+    monitor().fail(collective.describe() + " could not be issued: NCCL " + ncclGetErrorString(issued) + " (" +
+                   ncclGetLastError(comm_) + ")");
   }
-  wait_ready(collective.describe());
+  wait_ready(&collective, collective.describe());
   cudaEvent_t done = nullptr;
-  HSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-  in_flight_.push_back({collective, done});
-  HSYNC_CUDA_CHECK(cudaEventRecord(done, stream_.stream()));
+  cudaError_t recorded = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+  if (recorded == cudaSuccess) {
+    in_flight_.push_back({collective, done});
+    recorded = cudaEventRecord(done, stream_.stream());
+  }
+  if (recorded != cudaSuccess) {
+    monitor().fail(collective.describe() + ": CUDA " + cudaGetErrorString(recorded));
+  }
 }
 
 void NcclComm::synchronize() {
@@ -168,8 +180,9 @@ void NcclComm::synchronize() {
 
 std::optional<std::string> NcclComm::poll() {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-  const std::lock_guard<std::mutex> lock(mutex_);
-  if (aborted_) return std::nullopt;
+  // The caller may hold the lock while NCCL connects to a slow peer; look again at the next poll.
+  const std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock() || aborted_) return std::nullopt;
   while (!in_flight_.empty()) {
     const cudaError_t state = cudaEventQuery(in_flight_.front().done);
     if (state == cudaErrorNotReady) break;
@@ -199,6 +212,7 @@ std::optional<std::string> NcclComm::poll() {
 }
 
 void NcclComm::abort() {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
   const std::lock_guard<std::mutex> lock(mutex_);
   if (aborted_) return;
   aborted_ = true;

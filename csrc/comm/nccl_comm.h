@@ -73,8 +73,9 @@ class NcclComm final : public Communicator {
   // Orders the communicator's stream after the caller's and keeps `tensor`'s memory from being
   // reused by the caching allocator until the collective is done.
   void enter(const at::Tensor& tensor);
-  // Waits while the non-blocking communicator is still busy with the last call (at most the deadline).
-  void wait_ready(const std::string& what);
+  // Waits while the non-blocking communicator is still busy with the last call: at most the deadline
+  // from `collective`'s issue (from now without one), and no longer once a peer posted a failure.
+  void wait_ready(const Collective* collective, const std::string& what);
   std::optional<std::string> poll();  // on the fault monitor's thread
   void abort();                       // on the fault monitor's thread
 

@@ -52,11 +52,12 @@ void ProcessGroupComm::launch(const at::Tensor& tensor, const Collective& collec
     options.timeout = timeout() + kBackendGrace;
     work = group()->broadcast(tensors, options);
   }
-  work->getFuture()->addCallback([completion = completion_](c10::ivalue::Future&) {
+  auto future = work->getFuture();
+  future->addCallback([completion = completion_](c10::ivalue::Future&) {
     const std::lock_guard<std::mutex> lock(completion->mutex);
     completion->done.notify_all();
   });
-  pending_.push_back({std::move(work), collective});
+  pending_.push_back({std::move(work), std::move(future), collective});
 }
 
 void ProcessGroupComm::synchronize() {
@@ -70,7 +71,8 @@ void ProcessGroupComm::wait(const Pending& p) {
   const Clock::time_point deadline = p.collective.issued + timeout();
   {
     std::unique_lock<std::mutex> lock(completion_->mutex);
-    while (!p.work->isCompleted()) {
+    // The future, not the work: gloo runs the future's callbacks before it marks the work completed.
+    while (!p.future->completed()) {
       monitor().check(&p.collective);
       const Clock::time_point now = Clock::now();
       if (now >= deadline) {

@@ -33,6 +33,7 @@ class ProcessGroupComm final : public Communicator {
  private:
   struct Pending {
     c10::intrusive_ptr<c10d::Work> work;
+    c10::intrusive_ptr<c10::ivalue::Future> future;  // completes (and notifies) before the work does
     Collective collective;
   };
   // Signalled by each work's future when it completes; shared because a callback may run after

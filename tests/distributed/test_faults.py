@@ -55,9 +55,11 @@ def test_killed_peer_fails_every_survivor_at_once():
     survivors = run_ranks_with_victim(train_until_victim_strikes, 4, VICTIM, "kill", {}, timeout=60)
     for rank, survivor in survivors.items():
         assert survivor.error is not None, f"rank {rank} raised nothing"
-        assert f"hsync: rank {rank} (gloo): all-reduce #" in survivor.error, survivor.error
-        assert "A peer probably exited" in survivor.error or "a peer failed first" in survivor.error, survivor.error
-        assert noticed_after(survivor.error) < 2.0, survivor.error
+        # Its own broken connection to the dead rank, or a peer's post of one (Note [Failing fast]).
+        own = re.search(rf"hsync: rank {rank} \(gloo\): all-reduce #\d+ .* A peer probably exited", survivor.error)
+        told = re.search(rf"hsync: rank {rank} \(gloo\): stopped .*a peer failed first", survivor.error)
+        assert own or told, survivor.error
+        assert noticed_after(survivor.error) < 3.0, survivor.error
         assert survivor.exitcode == 0, f"rank {rank}: {survivor}"  # the harness reported the error and exited
 
 
@@ -74,7 +76,7 @@ def test_frozen_peer_fails_every_survivor_at_the_deadline():
 
 def test_a_rank_that_gives_up_tells_its_peers():
     # Rank 0 gives up on the frozen rank after 2 s; rank 1 would wait 60 s, but reads rank 0's post.
-    survivors = run_ranks_with_victim(train_until_victim_strikes, 3, VICTIM, "stop", {0: 2.0, 1: 60.0}, timeout=8)
+    survivors = run_ranks_with_victim(train_until_victim_strikes, 3, VICTIM, "stop", {0: 2.0, 1: 60.0}, timeout=20)
     first, told = survivors[0].error, survivors[1].error
     assert first is not None and "did not complete within the 2.00 s deadline" in first, first
     assert told is not None and "hsync: rank 1 (gloo): stopped waiting for all-reduce #" in told, told

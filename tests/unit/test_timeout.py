@@ -20,6 +20,7 @@ def test_the_argument_wins_then_the_environment_then_the_default(monkeypatch):
     (datetime.timedelta(seconds=-1), None, "must be positive and finite, got -1.0 s"),
     (None, "soon", "HSYNC_TIMEOUT must be a number of seconds, got 'soon'"),
     (None, "inf", "must be positive and finite, got inf s"),
+    (datetime.timedelta.max, None, "must be at most 365 days"),
 ])
 def test_bad_deadlines_are_refused_with_the_value(monkeypatch, timeout, env, message):
     if env is not None:
