@@ -42,6 +42,7 @@ struct FaultMonitor::State {
   c10::intrusive_ptr<c10d::Store> store;
   std::string key;
   std::string prefix;                // "hsync: rank R (backend): "
+  std::atomic<int> waiting{0};       // collectives being waited for, see add_waiting
 };
 
 namespace {
@@ -93,7 +94,7 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
       lock.unlock();
       post(*store, s->key, message);
       lock.lock();
-    } else if (!s->failure && Clock::now() >= next_store_poll) {
+    } else if (!s->failure && s->waiting.load() > 0 && Clock::now() >= next_store_poll) {
       next_store_poll = Clock::now() + FaultMonitor::kStorePollInterval;
       lock.unlock();
       std::optional<std::string> peer;
@@ -184,6 +185,8 @@ void FaultMonitor::fail(const std::string& what) {
   }
   TORCH_CHECK(false, message);
 }
+
+void FaultMonitor::add_waiting(int count) { state_->waiting.fetch_add(count); }
 
 bool FaultMonitor::failed() const {
   std::lock_guard<std::mutex> lock(state_->mutex);

@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -64,6 +65,11 @@ class FaultMonitor {
 
   bool failed() const;
 
+  // Marks collectives this rank waits for. The store is polled only while there are any: peers'
+  // failures matter only then, and a rank that polls its peers' store while they exit can upset
+  // their teardown.
+  void add_waiting(int count);
+
   // Throws if this rank failed or a peer posted a failure; `waiting_for` names what was being waited on.
   void check(const Collective* waiting_for = nullptr) const;
 
@@ -84,6 +90,18 @@ class FaultMonitor {
   std::shared_ptr<State> state_;
   std::chrono::milliseconds timeout_;
   std::thread thread_;
+};
+
+// Counts as a collective being waited for (FaultMonitor::add_waiting) for as long as it lives.
+class WaitingScope {
+ public:
+  explicit WaitingScope(FaultMonitor& monitor) : monitor_(monitor) { monitor_.add_waiting(1); }
+  ~WaitingScope() { monitor_.add_waiting(-1); }
+  WaitingScope(const WaitingScope&) = delete;
+  WaitingScope& operator=(const WaitingScope&) = delete;
+
+ private:
+  FaultMonitor& monitor_;
 };
 
 }  // namespace hsync

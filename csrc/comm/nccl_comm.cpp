@@ -165,6 +165,7 @@ void NcclComm::launch(const at::Tensor& tensor, const Collective& collective) {
   cudaError_t recorded = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
   if (recorded == cudaSuccess) {
     in_flight_.push_back({collective, done});
+    monitor().add_waiting(1);
     recorded = cudaEventRecord(done, stream_.stream());
   }
   if (recorded != cudaSuccess) {
@@ -191,6 +192,7 @@ std::optional<std::string> NcclComm::poll() {
     }
     cudaEventDestroy(in_flight_.front().done);
     in_flight_.pop_front();
+    monitor().add_waiting(-1);
   }
   ncclResult_t state = ncclSuccess;
   const ncclResult_t queried = ncclCommGetAsyncError(comm_, &state);

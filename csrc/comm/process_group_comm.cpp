@@ -69,7 +69,8 @@ void ProcessGroupComm::synchronize() {
 
 void ProcessGroupComm::wait(const Pending& p) {
   const Clock::time_point deadline = p.collective.issued + timeout();
-  {
+  if (!p.future->completed()) {
+    const WaitingScope waiting(monitor());
     std::unique_lock<std::mutex> lock(completion_->mutex);
     // The future, not the work: gloo runs the future's callbacks before it marks the work completed.
     while (!p.future->completed()) {
