@@ -259,7 +259,10 @@ void Engine::finalize() {
   at::Tensor normalise;
   if (!plain_step_ && can_defer_normalisation_) {
     const double total = step_scalars_[0].item<double>();  // on the host: no device to wait for
-    if (normalise_at_write_back_) normalise = at::scalar_tensor(total > 0 ? last_total_ / total : 0.0, at::kDouble);
+    // The factor is exactly 1 when the total did not change (equal batches): a plain copy then.
+    if (normalise_at_write_back_ && total != last_total_) {
+      normalise = at::scalar_tensor(total > 0 ? last_total_ / total : 0.0, at::kDouble);
+    }
     if (total > 0) last_total_ = total;
   }
   normalise_at_write_back_ = false;

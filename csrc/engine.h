@@ -14,7 +14,8 @@
 // On CPU that wait blocks the host until gloo has reduced the scalars. From the second weighted
 // step on, when all buckets hold fp32 or fp64, the engine does not wait: it packs with ref_r / L,
 // L being the previous step's N (the same on every rank), and the write-back multiplies by L / N,
-// in the same pass as the copy. Same sum up to one rounding, no stall. GPU and low-precision
+// in the same pass as the copy (a plain copy when N did not change, as with equal batches). Same
+// sum up to one rounding, no stall. GPU and low-precision
 // buckets keep the scale of the current step: on GPU the wait is stream-ordered, not a host
 // stall, and a bf16 or fp16 gradient would pay an extra rounding.
 //
