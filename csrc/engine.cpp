@@ -5,7 +5,6 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
-#include <algorithm>
 #include <map>
 
 #include "checks.h"
@@ -50,9 +49,6 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<std::string> names,
   plain_scale_ = at::full({}, 1.0 / comm_->world_size(), options);
   pack_scale_ = plain_scale_;
   last_grad_nonfinite_ = at::zeros({}, options);
-  can_defer_normalisation_ = !device_.is_cuda() && std::all_of(params_.begin(), params_.end(), [](const at::Tensor& p) {
-    return p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble;
-  });
   ready_.assign(params_.size(), false);
 
   std::vector<int64_t> order(params_.size());
@@ -154,12 +150,6 @@ void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& re
 
 void Engine::resolve_pack_scale() {
   if (pack_scale_resolved_) return;
-  if (can_defer_normalisation_ && last_total_ > 0) {
-    pack_scale_ = ref_weight_ / last_total_;  // Note [Deferred normalisation]
-    normalise_at_write_back_ = true;
-    pack_scale_resolved_ = true;
-    return;
-  }
   comm_->synchronize();
   const at::Tensor total = step_scalars_.select(0, 0);
   pack_scale_ = at::where(total > 0, ref_weight_ / total, at::zeros_like(total));
@@ -256,17 +246,7 @@ void Engine::finalize() {
   }
   launch_complete_buckets();
   comm_->synchronize();
-  at::Tensor normalise;
-  if (!plain_step_ && can_defer_normalisation_) {
-    const double total = step_scalars_[0].item<double>();  // on the host: no device to wait for
-    // The factor is exactly 1 when the total did not change (equal batches): a plain copy then.
-    if (normalise_at_write_back_ && total != last_total_) {
-      normalise = at::scalar_tensor(total > 0 ? last_total_ / total : 0.0, at::kDouble);
-    }
-    if (total > 0) last_total_ = total;
-  }
-  normalise_at_write_back_ = false;
-  write_back(normalise);
+  write_back();
 
   std::vector<at::Tensor> flags;
   for (const Bucket& bucket : buckets_) flags.push_back(bucket.nonfinite_flag.to(at::kDouble));
@@ -277,22 +257,18 @@ void Engine::finalize() {
   plain_step_ = false;
 }
 
-void Engine::write_back(const at::Tensor& normalise) {
+void Engine::write_back() {
   for (Bucket& bucket : buckets_) {
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       at::Tensor& param = params_[bucket.params[k]];
       at::Tensor& grad = param.mutable_grad();
       const at::Tensor& reduced = bucket.slots[k];
       if (grad.defined()) {
-        if (normalise.defined()) {
-          at::mul_out(grad, reduced, normalise);  // the copy and the scaling in one pass
-        } else {
-          grad.copy_(reduced);
-        }
+        grad.copy_(reduced);
       } else if (bucket.used[k].item<double>() > 0) {
         // Unused here but used elsewhere. Reading the flag synchronises with the device, which
         // only happens when a parameter had no local gradient.
-        grad = normalise.defined() ? reduced * normalise : reduced.clone();
+        grad = reduced.clone();
       }
     }
   }

@@ -10,15 +10,6 @@
 // gradient is expressed in (the caller divides micro-step losses by it under no_sync), and the
 // buckets are SUM-reduced. A plain loss.backward() uses the scale 1 / world_size: torch DDP.
 //
-// Note [Deferred normalisation]
-// On CPU that wait blocks the host until gloo has reduced the scalars. From the second weighted
-// step on, when all buckets hold fp32 or fp64, the engine does not wait: it packs with ref_r / L,
-// L being the previous step's N (the same on every rank), and the write-back multiplies by L / N,
-// in the same pass as the copy (a plain copy when N did not change, as with equal batches). Same
-// sum up to one rounding, no stall. GPU and low-precision
-// buckets keep the scale of the current step: on GPU the wait is stream-ordered, not a host
-// stall, and a bf16 or fp16 gradient would pay an extra rounding.
-//
 // Note [Step lifecycle]
 // A step begins with the first gradient hook that fires while syncing (or with
 // begin_weighted_step). Each hook packs its gradient and launches every bucket that is complete,
@@ -108,7 +99,7 @@ class Engine {
   void pack(size_t index, const at::Tensor& grad);
   void launch_complete_buckets();
   void finalize();
-  void write_back(const at::Tensor& normalise);  // multiplies by `normalise` when it is defined
+  void write_back();
   void rebuild_from_ready_order();
 
   std::vector<at::Tensor> params_;
@@ -136,9 +127,6 @@ class Engine {
   bool rebuilt_ = false;
   at::Tensor pack_scale_;                   // 0-dim float64 on device_
   bool pack_scale_resolved_ = true;         // false from begin_weighted_step to the first pack
-  bool can_defer_normalisation_ = false;    // Note [Deferred normalisation]
-  double last_total_ = 0;                   // N of the last weighted step with N > 0 (CPU only)
-  bool normalise_at_write_back_ = false;    // this step packed with ref / last_total_
   at::Tensor step_scalars_;                 // the weighted step's scalars, reduced in place
   at::Tensor step_scalars_host_;            // their copy on the host (GPU only)
   std::optional<c10::Event> step_scalars_copied_;
