@@ -62,6 +62,16 @@ void post(c10d::Store& store, const std::string& key, const std::string& message
 void FaultMonitor::watch(const std::shared_ptr<State>& s) {
   auto next_store_poll = Clock::now();
   std::unique_lock<std::mutex> lock(s->mutex);
+  // Posts this rank's own failure once, without holding the lock during the store call.
+  const auto post_own_failure = [&](const c10::intrusive_ptr<c10d::Store>& store) {
+    if (!store || !s->failure || s->failure_is_peers || s->posted) return false;
+    s->posted = true;
+    const std::string message = *s->failure;
+    lock.unlock();
+    post(*store, s->key, message);
+    lock.lock();
+    return true;
+  };
   while (!s->stop) {
     s->wake.wait_for(lock, FaultMonitor::kPollInterval);
     if (s->stop) break;
@@ -87,14 +97,8 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
     }
     // A copy: the destructor may drop the state's reference while a store call runs.
     const c10::intrusive_ptr<c10d::Store> store = s->store;
-    if (!store) continue;
-    if (s->failure && !s->failure_is_peers && !s->posted) {
-      s->posted = true;
-      const std::string message = *s->failure;
-      lock.unlock();
-      post(*store, s->key, message);
-      lock.lock();
-    } else if (!s->failure && s->waiting.load() > 0 && Clock::now() >= next_store_poll) {
+    if (!store || post_own_failure(store)) continue;
+    if (!s->failure && s->waiting.load() > 0 && Clock::now() >= next_store_poll) {
       next_store_poll = Clock::now() + FaultMonitor::kStorePollInterval;
       lock.unlock();
       std::optional<std::string> peer;
@@ -117,15 +121,7 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
       }
     }
   }
-  // A failure recorded just before the monitor was destroyed still reaches the peers.
-  const c10::intrusive_ptr<c10d::Store> store = s->store;
-  if (store && s->failure && !s->failure_is_peers && !s->posted) {
-    s->posted = true;
-    const std::string message = *s->failure;
-    lock.unlock();
-    post(*store, s->key, message);
-    lock.lock();
-  }
+  post_own_failure(s->store);  // a failure recorded just before the monitor was destroyed
   s->done = true;
   s->changed.notify_all();
 }

@@ -40,11 +40,11 @@ def should_resume(save_dir: str, asked: bool) -> bool:
     """Collective: whether to load the latest checkpoint. Asked for (--resume), or a worker restarted by
     torchrun with a checkpoint to go back to; rank 0's view of the directory decides for every rank."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    decision = [asked or bool(restarted and save_dir and latest(Path(save_dir)))]
+    found = latest(Path(save_dir)) if restarted and save_dir and not asked else None
+    decision = [asked or found is not None]
     dist.broadcast_object_list(decision, src=0)
-    if decision[0] and not asked and dist.get_rank() == 0:
-        print(f"hsync: restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from {latest(Path(save_dir))}",
-              flush=True)
+    if found is not None and dist.get_rank() == 0:
+        print(f"hsync: restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from {found}", flush=True)
     return decision[0]
 
 
