@@ -25,13 +25,14 @@ bool supported_dtype(at::ScalarType type) {
 
 Engine::Engine(std::vector<at::Tensor> params, std::vector<std::string> names,
                std::shared_ptr<Communicator> comm, int64_t bucket_bytes_cap,
-               int64_t first_bucket_bytes_cap)
+               int64_t first_bucket_bytes_cap, bool grads_as_views)
     : params_(std::move(params)),
       names_(std::move(names)),
       comm_(std::move(comm)),
       device_(params_.empty() ? at::Device(at::kCPU) : params_.front().device()),
       bucket_bytes_cap_(bucket_bytes_cap),
-      first_bucket_bytes_cap_(first_bucket_bytes_cap) {
+      first_bucket_bytes_cap_(first_bucket_bytes_cap),
+      grads_as_views_(grads_as_views) {
   HSYNC_CHECK(!params_.empty(), "the model has no parameters that require a gradient");
   HSYNC_CHECK(names_.size() == params_.size(), "got ", names_.size(), " names for ",
               params_.size(), " parameters");
@@ -206,13 +207,15 @@ void Engine::on_gradient_ready(size_t index) {
 void Engine::pack(size_t index, const at::Tensor& grad) {
   const auto [b, k] = locator_[index];
   Bucket& bucket = buckets_[b];
+  const at::Tensor& slot = bucket.slots[k];
   HSYNC_CHECK(grad.layout() == at::kStrided, "parameter '", names_[index],
               "' has a sparse gradient; hsync reduces dense gradients only (use sparse=False)");
-  HSYNC_CHECK(grad.scalar_type() == bucket.buffer.scalar_type() &&
-                  grad.numel() == bucket.slots[k].numel(),
+  HSYNC_CHECK(grad.scalar_type() == bucket.buffer.scalar_type() && grad.numel() == slot.numel(),
               "the gradient of '", names_[index], "' (", grad.scalar_type(), ", ", grad.numel(),
               " elements) does not match its parameter");
-  scale_and_pack(grad, bucket.slots[k], pack_scale_, bucket.nonfinite_flag, bucket.used[k]);
+  // In place when the gradient already is its slot: Note [Gradients as bucket views].
+  scale_and_pack(grad, slot, pack_scale_, bucket.nonfinite_flag, bucket.used[k]);
+  if (grads_as_views_ && !grad.is_same(slot)) params_[index].mutable_grad() = slot;
   --bucket.pending;
 }
 
@@ -252,7 +255,10 @@ void Engine::finalize() {
   for (const Bucket& bucket : buckets_) flags.push_back(bucket.nonfinite_flag.to(at::kDouble));
   last_grad_nonfinite_ = at::cat(flags).sum();
 
-  if (!rebuilt_) rebuild_from_ready_order();
+  if (!rebuilt_) {
+    rebuild_from_ready_order();
+    if (grads_as_views_) move_grads_into_slots();
+  }
   in_step_ = false;
   plain_step_ = false;
 }
@@ -264,13 +270,24 @@ void Engine::write_back() {
       at::Tensor& grad = param.mutable_grad();
       const at::Tensor& reduced = bucket.slots[k];
       if (grad.defined()) {
-        grad.copy_(reduced);
+        if (!grad.is_same(reduced)) grad.copy_(reduced);
       } else if (bucket.used[k].item<double>() > 0) {
         // Unused here but used elsewhere. Reading the flag synchronises with the device, which
         // only happens when a parameter had no local gradient.
-        grad = reduced.clone();
+        grad = grads_as_views_ ? reduced : reduced.clone();
       }
     }
+  }
+}
+
+void Engine::move_grads_into_slots() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& grad = params_[i].mutable_grad();
+    if (!grad.defined()) continue;
+    const auto [b, k] = locator_[i];
+    const at::Tensor& slot = buckets_[b].slots[k];
+    slot.copy_(grad);
+    grad = slot;
   }
 }
 

@@ -22,6 +22,15 @@
 // backward returns, so a nested backward (reentrant checkpointing) cannot end the step early.
 // Hooks of a second graph task within one step are refused: that backward would feed
 // gradients of the wrong step.
+//
+// Note [Gradients as bucket views]
+// With grads_as_views, each parameter's .grad *is* its slot in the bucket (as DDP's
+// gradient_as_bucket_view): autograd accumulates into the slot, pack scales it in place, the
+// all-reduce leaves the reduced gradient where the optimizer reads it, and there is no
+// write-back copy and no second copy of the gradients in memory. A gradient that is not its
+// slot (the first backward, or any after zero_grad(set_to_none=True)) is packed by copy and the
+// parameter's .grad is then pointed at the slot, so the fresh tensor is freed at once. When the
+// buckets are rebuilt the gradients move to their new slots.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -59,7 +68,7 @@ class Engine {
  public:
   Engine(std::vector<at::Tensor> params, std::vector<std::string> names,
          std::shared_ptr<Communicator> comm, int64_t bucket_bytes_cap,
-         int64_t first_bucket_bytes_cap);
+         int64_t first_bucket_bytes_cap, bool grads_as_views);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -93,6 +102,7 @@ class Engine {
 
  private:
   void build_buckets(const std::vector<int64_t>& order);
+  void move_grads_into_slots();  // Note [Gradients as bucket views]
   void on_gradient_ready(size_t index);
   void start_step();                       // caller holds mutex_
   void resolve_pack_scale();               // caller holds mutex_
@@ -108,6 +118,7 @@ class Engine {
   at::Device device_;
   int64_t bucket_bytes_cap_;
   int64_t first_bucket_bytes_cap_;
+  bool grads_as_views_;
 
   // The AccumulateGrad node of each parameter, kept alive as long as its hook is registered.
   std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators_;

@@ -71,6 +71,10 @@ class WeightedDDP(nn.Module):
         bucket_cap_mb: bucket size cap in MiB, as DDP's.
         first_bucket_cap_mb: cap of the first bucket, kept small so communication starts early.
         broadcast_buffers: broadcast rank 0's buffers before each synchronised forward, as DDP does.
+        gradient_as_bucket_view: as DDP's: each parameter's .grad becomes a view into its bucket, which
+            saves a copy of every gradient in memory and the copy back after each reduction. The
+            reduced gradient is then overwritten by the next synchronised backward; keep a clone if
+            you need it longer.
         metric_names: names of the extra sums that backward(..., metrics={...}) may report.
         timeout: how long any one collective may take before this rank gives up with an error naming it
             (default: HSYNC_TIMEOUT seconds, else DEFAULT_TIMEOUT). It spans the skew between ranks,
@@ -87,6 +91,7 @@ class WeightedDDP(nn.Module):
         bucket_cap_mb: float = _C.default_bucket_bytes_cap / _MIB,
         first_bucket_cap_mb: float = _C.default_first_bucket_bytes_cap / _MIB,
         broadcast_buffers: bool = True,
+        gradient_as_bucket_view: bool = False,
         metric_names: tuple[str, ...] = (),
         timeout: datetime.timedelta | None = None,
     ) -> None:
@@ -114,6 +119,7 @@ class WeightedDDP(nn.Module):
             _make_comm(group, self.device, _resolve_timeout(timeout)),
             int(bucket_cap_mb * _MIB),
             int(first_bucket_cap_mb * _MIB),
+            gradient_as_bucket_view,
         )
         # Like DDP: every rank starts from rank 0's parameters and buffers.
         state = itertools.chain(module.parameters(), module.buffers())

@@ -13,7 +13,8 @@
 
 namespace hsync {
 
-// out = grad * scale, elementwise. `scale` is a 0-dim float64 tensor on the same device.
+// out = grad * scale, elementwise; grad may be out itself. `scale` is a 0-dim float64 tensor on
+// the same device.
 // Sets *nonfinite_flag to 1 if `grad` holds an inf or NaN, and *used_flag to 1. Both flags are
 // one-element views of the bucket (same dtype as `out`).
 void scale_and_pack(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& scale,

@@ -35,8 +35,10 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
+// `in` may be `out` (a gradient that is its bucket slot is scaled in place), so neither is
+// __restrict__: each element is read and then written by the same thread.
 template <typename T, int N>
-__global__ void scale_and_pack_kernel(const T* __restrict__ in, T* __restrict__ out, int64_t numel,
+__global__ void scale_and_pack_kernel(const T* in, T* out, int64_t numel,
                                       const double* __restrict__ scale, T* nonfinite_flag,
                                       T* used_flag) {
   using Op = typename OpMath<T>::type;

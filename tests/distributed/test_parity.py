@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.distributed.workloads import reference_training, train_weighted
+from tests.distributed.workloads import GRAD_MODES, TINY_BUCKET_MB, reference_training, train_weighted
 from tests.spawn import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -28,9 +28,10 @@ def assert_matches_reference(results, steps, branch_ranks=frozenset()):
         assert all(s[2] for s in stats)
 
 
-def test_uneven_batches_over_three_ranks_match_one_process():
+@pytest.mark.parametrize("grads", GRAD_MODES)
+def test_uneven_batches_over_three_ranks_match_one_process(grads):
     steps = [[[3, 7, 2]], [[5, 1, 6]], [[4, 4, 9]], [[2, 9, 3]]]
-    results = run_ranks(train_weighted, 3, steps)
+    results = run_ranks(train_weighted, 3, steps, frozenset(), TINY_BUCKET_MB, "cpu", grads)
     assert_matches_reference(results, steps)
     buckets = results[0][3]
     assert len(buckets) >= 4, "the tiny cap should give many buckets"
@@ -42,16 +43,18 @@ def test_rank_with_weight_zero_contributes_nothing():
     assert_matches_reference(run_ranks(train_weighted, 3, steps), steps)
 
 
-def test_no_sync_accumulation_equals_one_big_batch():
+@pytest.mark.parametrize("grads", GRAD_MODES)
+def test_no_sync_accumulation_equals_one_big_batch(grads):
     # Micro-batch sizes differ between ranks and micro-steps, including an empty first micro-batch.
     steps = [[[2, 5], [4, 1], [3, 3]], [[0, 2], [6, 1]], [[1, 1], [0, 7], [2, 0]]]
-    assert_matches_reference(run_ranks(train_weighted, 2, steps), steps)
+    assert_matches_reference(run_ranks(train_weighted, 2, steps, frozenset(), TINY_BUCKET_MB, "cpu", grads), steps)
 
 
-def test_parameters_unused_on_some_or_all_ranks():
+@pytest.mark.parametrize("grads", GRAD_MODES)
+def test_parameters_unused_on_some_or_all_ranks(grads):
     # 'branch' gets a gradient on rank 1 only; 'never_used' on no rank and must keep none.
     steps = [[[3, 4, 2]], [[1, 5, 3]], [[2, 2, 2]]]
-    results = run_ranks(train_weighted, 3, steps, {1})
+    results = run_ranks(train_weighted, 3, steps, {1}, TINY_BUCKET_MB, "cpu", grads)
     assert_matches_reference(results, steps, branch_ranks={1})
     assert all(r[1]["never_used.weight"] is None for r in results)
 

@@ -12,12 +12,14 @@ from tests.spawn import run_ranks
 pytestmark = pytest.mark.distributed
 
 
-def train_both(rank: int, world_size: int, micro_steps: int) -> list[float]:
+def train_both(rank: int, world_size: int, micro_steps: int, views: bool) -> list[float]:
     """Trains hsync and torch DDP side by side on equal batches; returns the largest gradient gap per step."""
     import hsync
 
-    ours = hsync.WeightedDDP(make_net(seed=rank), bucket_cap_mb=TINY_BUCKET_MB, first_bucket_cap_mb=TINY_BUCKET_MB)
-    theirs = DistributedDataParallel(make_net(seed=rank), bucket_cap_mb=TINY_BUCKET_MB, find_unused_parameters=True)
+    ours = hsync.WeightedDDP(make_net(seed=rank), bucket_cap_mb=TINY_BUCKET_MB, first_bucket_cap_mb=TINY_BUCKET_MB,
+                             gradient_as_bucket_view=views)
+    theirs = DistributedDataParallel(make_net(seed=rank), bucket_cap_mb=TINY_BUCKET_MB, find_unused_parameters=True,
+                                     gradient_as_bucket_view=views)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
     gaps = []
     for step in range(3):
@@ -40,7 +42,8 @@ def train_both(rank: int, world_size: int, micro_steps: int) -> list[float]:
     return gaps
 
 
+@pytest.mark.parametrize("views", [False, True], ids=["copied", "bucket-views"])
 @pytest.mark.parametrize("micro_steps", [1, 3], ids=["synced", "no_sync"])
-def test_plain_backward_gives_torch_ddp_gradients(micro_steps):
-    for rank, gaps in enumerate(run_ranks(train_both, 2, micro_steps)):
+def test_plain_backward_gives_torch_ddp_gradients(micro_steps, views):
+    for rank, gaps in enumerate(run_ranks(train_both, 2, micro_steps, views)):
         assert max(gaps) < 1e-12, f"rank {rank}: gradients differ from torch DDP by {gaps}"

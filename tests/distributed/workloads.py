@@ -6,6 +6,10 @@ import torch
 from torch import nn
 
 TINY_BUCKET_MB = 100 / (1024 * 1024)  # about a hundred bytes: many buckets even for these models
+GRAD_MODES = ("copied", "views", "views-zeroed")
+"""How train_weighted keeps gradients: copied back from the buckets, or as bucket views
+(gradient_as_bucket_view) with zero_grad(set_to_none=True), so every backward's fresh gradient is
+packed by copy, or with zero_grad(set_to_none=False), so autograd accumulates into the buckets."""
 
 
 class Net(nn.Module):
@@ -73,17 +77,18 @@ def reference_training(steps: list[list[list[int]]], branch_ranks=frozenset(), l
 
 
 def train_weighted(rank: int, world_size: int, steps, branch_ranks=frozenset(), bucket_mb=TINY_BUCKET_MB,
-                   device: str = "cpu"):
+                   device: str = "cpu", grads: str = "copied"):
     """The same training through WeightedDDP on this rank's slices (no_sync for all but the last micro-step).
 
     A rank with no examples in a micro-step runs a dummy batch with weight 0, as a trainer does
-    when its data runs out."""
+    when its data runs out. `grads` is one of GRAD_MODES."""
     import contextlib
 
     import hsync
 
     net = make_net(seed=rank).to(device)
-    model = hsync.WeightedDDP(net, bucket_cap_mb=bucket_mb, first_bucket_cap_mb=bucket_mb)
+    model = hsync.WeightedDDP(net, bucket_cap_mb=bucket_mb, first_bucket_cap_mb=bucket_mb,
+                              gradient_as_bucket_view=grads != "copied")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     stats = []
     for step, micro_steps in enumerate(steps):
@@ -95,8 +100,9 @@ def train_weighted(rank: int, world_size: int, steps, branch_ranks=frozenset(), 
             with contextlib.nullcontext() if last else model.no_sync():
                 out = model.backward(mse(model(x, rank in branch_ranks), y), weight=sizes[rank])
         stats.append((out.loss, out.weight, out.finite))
-        grads = {name: None if p.grad is None else p.grad.cpu() for name, p in model.module.named_parameters()}
+        last_grads = {name: None if p.grad is None else p.grad.detach().cpu().clone()
+                      for name, p in model.module.named_parameters()}
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=grads != "views-zeroed")
     params = {name: p.detach().cpu() for name, p in model.module.named_parameters()}
-    return params, grads, stats, model.bucket_params
+    return params, last_grads, stats, model.bucket_params
