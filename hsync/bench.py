@@ -4,13 +4,14 @@
     python -m hsync.bench --device cuda --world-size 1 ...      # one GPU per rank, NCCL
 
 Every workload times interleaved rounds of the three variants in the same processes, on the same
-model, data and seed, so machine noise falls on all of them alike. It spawns the ranks itself,
-or runs under torchrun when RANK is set.
+model, data and seed, so machine noise falls on all of them alike. Then it measures each variant's
+peak tensor memory on its own. It spawns the ranks itself, or runs under torchrun when RANK is set.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -18,11 +19,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import DeviceType
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile
 
 import hsync
 from hsync.balance import BACKWARD_TO_FORWARD, plan_batch_sizes
@@ -47,6 +51,8 @@ class Result:
     hsync_overhead_vs_nosync: float = 0.0
     ddp_overhead_vs_nosync: float = 0.0
     peak_memory_mb: dict[str, float] = field(default_factory=dict)
+    """Per variant: peak MiB of live tensors in a training step, plus what wrapping the model kept
+    (buckets), over the bare model's parameters (see training_memory_mb)."""
     extra: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,10 +69,14 @@ class Workload:
     loss: Callable[[nn.Module, tuple], torch.Tensor]
     samples: int
     bucket_cap_mb: float = 25.0
+    bucket_views: bool = False
+    """Gradients as views into the buckets (gradient_as_bucket_view), for hsync and DDP alike. Gradients
+    are then zeroed in place rather than dropped after each step, as loops that keep them do: the buckets
+    are the gradients, so keeping them costs nothing more."""
 
 
 def bert_workload(name: str, hidden: int, layers: int, batch: int, seq: int, device: torch.device,
-                  bucket_cap_mb: float = 25.0) -> Workload:
+                  bucket_cap_mb: float = 25.0, bucket_views: bool = False) -> Workload:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import BertConfig, BertForPreTraining
 
@@ -85,7 +95,8 @@ def bert_workload(name: str, hidden: int, layers: int, batch: int, seq: int, dev
         mlm = nn.functional.cross_entropy(out.prediction_logits.float().flatten(0, 1), b[1].flatten())
         return mlm + nn.functional.cross_entropy(out.seq_relationship_logits.float(), b[2])
 
-    return Workload(name, lambda: BertForPreTraining(config).to(device), make_batch, loss, batch, bucket_cap_mb)
+    return Workload(name, lambda: BertForPreTraining(config).to(device), make_batch, loss, batch, bucket_cap_mb,
+                    bucket_views)
 
 
 def masked_batch(g: torch.Generator, batch: int, seq: int, vocab: int, device: torch.device) -> tuple:
@@ -113,16 +124,33 @@ def mover_workload(device: torch.device, count: int) -> Workload:
 
 
 def finish_step(net: nn.Module, loss: torch.Tensor, weight: int | None, opt: torch.optim.Optimizer,
-                device: torch.device) -> None:
+                device: torch.device, keep_grads: bool = False) -> None:
     """Backward (weighted through hsync when a weight is given), optimizer step, and on GPU a sync."""
     if weight is None:
         loss.backward()
     else:
         net.backward(loss, weight=weight)
     opt.step()
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=not keep_grads)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def wrap(variant: str, net: nn.Module, workload: Workload, device: torch.device) -> nn.Module:
+    if variant == "hsync":
+        return hsync.WeightedDDP(net, bucket_cap_mb=workload.bucket_cap_mb,
+                                 gradient_as_bucket_view=workload.bucket_views)
+    if variant == "ddp":
+        return DistributedDataParallel(net, bucket_cap_mb=workload.bucket_cap_mb,
+                                       device_ids=[device.index] if device.type == "cuda" else None,
+                                       gradient_as_bucket_view=workload.bucket_views)
+    return net
+
+
+def train_step(variant: str, workload: Workload, net: nn.Module, opt: torch.optim.Optimizer, batch: tuple,
+               device: torch.device) -> None:
+    loss = workload.loss(net, batch)
+    finish_step(net, loss, workload.samples if variant == "hsync" else None, opt, device, workload.bucket_views)
 
 
 def time_variants(workload: Workload, rounds: int, steps: int, rank: int, device: torch.device) -> Result:
@@ -130,40 +158,88 @@ def time_variants(workload: Workload, rounds: int, steps: int, rank: int, device
     models = {}
     for variant in VARIANTS:
         torch.manual_seed(0)
-        net = workload.make_model()
-        if variant == "hsync":
-            net = hsync.WeightedDDP(net, bucket_cap_mb=workload.bucket_cap_mb)
-        elif variant == "ddp":
-            net = DistributedDataParallel(net, bucket_cap_mb=workload.bucket_cap_mb,
-                                          device_ids=[device.index] if device.type == "cuda" else None)
+        net = wrap(variant, workload.make_model(), workload, device)
         models[variant] = (net, torch.optim.SGD(net.parameters(), lr=1e-4))
     g = torch.Generator().manual_seed(rank)
     batches = [workload.make_batch(g) for _ in range(4)]
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    peak: dict[str, float] = {}
     for round_index in range(rounds + 1):  # round 0 warms up (and lets hsync rebuild its buckets)
         for variant, (net, opt) in models.items():
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
             for step in range(steps):
-                batch = batches[step % len(batches)]
                 dist.barrier()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 started = time.perf_counter()
-                loss = workload.loss(net, batch)
-                finish_step(net, loss, workload.samples if variant == "hsync" else None, opt, device)
+                train_step(variant, workload, net, opt, batches[step % len(batches)], device)
                 if round_index:
                     times[variant].append(time.perf_counter() - started)
-            if device.type == "cuda":
-                peak[variant] = torch.cuda.max_memory_allocated(device) / MIB
+    largest_bucket = max(sum(models["hsync"][0].module.get_parameter(name).nbytes for name in names)
+                         for names in _bucket_names(models["hsync"][0]))
+    del models
+    memory = torch.tensor([training_memory_mb(v, workload, batches, device) for v in VARIANTS])
     # Every rank's step is as slow as the slowest rank's: take the max over ranks, step by step.
     stacked = torch.tensor([times[v] for v in VARIANTS], dtype=torch.float64)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    dist.all_reduce(memory, op=dist.ReduceOp.MAX)
     med = {v: statistics.median(stacked[i].tolist()) for i, v in enumerate(VARIANTS)}
     p90 = {v: statistics.quantiles(stacked[i].tolist(), n=10)[-1] for i, v in enumerate(VARIANTS)}
     return Result(workload.name, med["hsync"], med["ddp"], med["nosync"], p90["hsync"], p90["ddp"], p90["nosync"],
-                  workload.samples * dist.get_world_size(), peak_memory_mb=peak)
+                  workload.samples * dist.get_world_size(),
+                  peak_memory_mb=dict(zip(VARIANTS, memory.tolist(), strict=True)),
+                  extra={"largest_bucket_mib": largest_bucket / MIB})
+
+
+def _bucket_names(model: hsync.WeightedDDP) -> list[list[str]]:
+    names = [name for name, p in model.module.named_parameters() if p.requires_grad]
+    return [[names[i] for i in bucket] for bucket in model.bucket_params]
+
+
+def training_memory_mb(variant: str, workload: Workload, batches: list[tuple], device: torch.device) -> float:
+    """Peak MiB of live tensors in a training step of `variant`, plus what it keeps alive between steps
+    (buckets), over the bare model's parameters.
+
+    Measured on a fresh model, so that only this variant's buffers count, after two warm-up steps, so
+    that one-off transients (the broadcast of rank 0's parameters, the bucket rebuild) do not count."""
+    torch.manual_seed(0)
+    bare = workload.make_model()
+    wrapped: list[nn.Module] = []
+
+    def wrap_and_warm_up() -> None:
+        net = wrap(variant, bare, workload, device)
+        wrapped.extend([net, torch.optim.SGD(net.parameters(), lr=1e-4)])
+        for batch in batches[:2]:
+            train_step(variant, workload, *wrapped, batch, device)
+
+    def train() -> None:
+        for batch in batches[:3]:
+            train_step(variant, workload, *wrapped, batch, device)
+
+    kept, _ = tensor_memory(wrap_and_warm_up, device)
+    _, step_peak = tensor_memory(train, device)
+    return (kept + step_peak) / MIB
+
+
+def tensor_memory(fn: Callable[[], None], device: torch.device) -> tuple[int, int]:
+    """Runs fn(); returns the bytes of tensors on `device` it left alive, and their peak during it,
+    both over what was alive before."""
+    gc.collect()  # garbage of earlier measurements freed inside this one would count against it
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device) - start, torch.cuda.max_memory_allocated(device) - start
+    # On CPU the profiler records every allocation and free through torch's allocator made on the
+    # threads it follows: this one and autograd's (the all-reduces work in place on the buckets).
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
+        if event.name() == "[memory]" and event.device_type() == DeviceType.CPU:
+            live += event.nbytes()
+            peak = max(peak, live)
+    return live, peak
 
 
 def comm_path(device: torch.device, megabytes: float, rounds: int) -> Result:
@@ -296,33 +372,40 @@ def run_all(args: argparse.Namespace) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if args.quick:
-        plan = [("bert", dict(name="bert-micro", hidden=32, layers=1, batch=4, seq=32)), ("mover", 50)]
+        plan = [("bert", dict(name="bert-micro", hidden=32, layers=1, batch=4, seq=32)), ("mover", 50),
+                ("bert", dict(name="bert-micro-bucket-views", hidden=32, layers=1, batch=4, seq=32,
+                              bucket_views=True))]
         caps, comm_mb = [1.0], [1.0]
     elif device.type == "cuda":
-        plan = [("bert", dict(name="bert-base", hidden=768, layers=12, batch=32, seq=128)), ("mover", 600)]
+        base = dict(hidden=768, layers=12, batch=32, seq=128)
+        plan = [("bert", dict(name="bert-base", **base)), ("mover", 600),
+                ("bert", dict(name="bert-base-bucket-views", bucket_views=True, **base))]
         caps, comm_mb = [1, 5, 25, 100], [64.0, 256.0]
     else:
+        mini = dict(hidden=256, layers=4, batch=8, seq=64)
         plan = [("bert", dict(name="bert-tiny", hidden=64, layers=2, batch=8, seq=64)),
-                ("bert", dict(name="bert-mini", hidden=256, layers=4, batch=8, seq=64)), ("mover", 600)]
+                ("bert", dict(name="bert-mini", **mini)), ("mover", 600),
+                ("bert", dict(name="bert-mini-bucket-views", bucket_views=True, **mini))]
         caps, comm_mb = [1, 5, 25, 100], [16.0]
-    results = []
+    sweep_spec = dict(plan[0][1]) if args.quick else (dict(hidden=256, layers=4, batch=8, seq=64)
+                                                       if device.type == "cpu" else dict(plan[0][1]))
+    sweep_spec.pop("name", None)
+    jobs: list[tuple[str, Callable[[], Result]]] = []
     for kind, spec in plan:
         workload = bert_workload(device=device, **spec) if kind == "bert" else mover_workload(device, spec)
-        results.append(time_variants(workload, args.rounds, args.steps, rank, device))
-        report(rank, results[-1])
-    sweep_spec = dict(plan[0][1]) if args.quick else (dict(name="", hidden=256, layers=4, batch=8, seq=64)
-                                                       if device.type == "cpu" else dict(plan[0][1]))
+        jobs.append((workload.name, partial(time_variants, workload, args.rounds, args.steps, rank, device)))
     for cap in caps:
-        sweep_spec["name"] = f"bucket-cap-{cap:g}MiB"
-        results.append(time_variants(bert_workload(device=device, bucket_cap_mb=cap, **sweep_spec),
-                                     args.rounds, args.steps, rank, device))
-        report(rank, results[-1])
+        workload = bert_workload(f"bucket-cap-{cap:g}MiB", device=device, bucket_cap_mb=cap, **sweep_spec)
+        jobs.append((workload.name, partial(time_variants, workload, args.rounds, args.steps, rank, device)))
     for mb in comm_mb:
-        results.append(comm_path(device, mb, args.rounds * args.steps))
-        report(rank, results[-1])
+        jobs.append((f"comm-path-{mb:g}MiB", partial(comm_path, device, mb, args.rounds * args.steps)))
     if dist.get_world_size() == 2:
-        results.append(mixed_speeds(device, 2.0, args.rounds, args.steps))
-        report(rank, results[-1])
+        jobs.append(("mixed-speeds-2x", partial(mixed_speeds, device, 2.0, args.rounds, args.steps)))
+    results = []
+    for name, job in jobs:
+        if not args.only or any(pattern in name for pattern in args.only):
+            results.append(job())
+            report(rank, results[-1])
     if rank == 0:
         # NaN (no floor for this workload) is not JSON: it is written as null.
         output = {"env": environment(device),
@@ -346,18 +429,17 @@ def print_table(output: dict) -> None:
     print(f"\nhsync {env['hsync']}, torch {env['torch']}, {env['backend']}, {env['world_size']} ranks, "
           f"{env.get('gpu', env['cpu'])}")
     print("| workload | hsync p50 (p90) ms | DDP p50 (p90) ms | no-sync ms | hsync/DDP | hsync over floor | "
-          "DDP over floor | hsync samples/s | notes |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "DDP over floor | hsync samples/s | peak MiB hsync / DDP / no-sync | notes |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in output["results"]:
         notes = ", ".join(f"{k} {v:.3g}" for k, v in r["extra"].items())
-        if r["peak_memory_mb"]:
-            notes += ", peak MiB " + "/".join(f"{r['peak_memory_mb'][v]:.0f}" for v in VARIANTS)
+        memory = " / ".join(f"{r['peak_memory_mb'][v]:.1f}" for v in VARIANTS) if r["peak_memory_mb"] else "-"
         floor = r["nosync_step_s"]
         print(f"| {r['workload']} | {r['hsync_step_s'] * 1e3:.2f} ({r['hsync_p90_s'] * 1e3:.2f}) | "
               f"{r['ddp_step_s'] * 1e3:.2f} ({r['ddp_p90_s'] * 1e3:.2f}) | "
               f"{'-' if _missing(floor) else f'{floor * 1e3:.2f}'} | {r['ratio_vs_ddp']:.3f} | "
               f"{_pct(r['hsync_overhead_vs_nosync'])} | {_pct(r['ddp_overhead_vs_nosync'])} | "
-              f"{r['samples_per_step'] / r['hsync_step_s'] if r['samples_per_step'] else 0:.0f} | {notes} |")
+              f"{r['samples_per_step'] / r['hsync_step_s'] if r['samples_per_step'] else 0:.0f} | {memory} | {notes} |")
 
 
 def _missing(x: float | None) -> bool:
@@ -403,12 +485,14 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the memory profiler's own chatter, on every step
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the models run")
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per workload (plus a warm-up)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per variant and round")
     parser.add_argument("--quick", action="store_true", help="tiny workloads: checks the suite runs, measures little")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run the workloads whose names contain one of these")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG of the step times here")
     args = parser.parse_args(argv)

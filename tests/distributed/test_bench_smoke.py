@@ -22,9 +22,13 @@ def test_quick_benchmark_writes_results(tmp_path):
     assert names[:2] == ["bert-micro", "gradient-mover-50"]
     assert any(n.startswith("bucket-cap-") for n in names) and any(n.startswith("comm-path-") for n in names)
     assert names[-1] == "mixed-speeds-2x"
+    assert "bert-micro-bucket-views" in names
     for r in data["results"]:
         assert r["hsync_step_s"] > 0 and r["ddp_step_s"] > 0
         assert math.isclose(r["ratio_vs_ddp"], r["hsync_step_s"] / r["ddp_step_s"])
+        if r["nosync_step_s"] is not None and r["samples_per_step"]:  # a training workload: memory measured too
+            assert set(r["peak_memory_mb"]) == {"hsync", "ddp", "nosync"}
+            assert all(mb > 0 for mb in r["peak_memory_mb"].values()), r["peak_memory_mb"]
     mixed = data["results"][-1]["extra"]
     assert mixed["plan_rank0"] > mixed["plan_rank1"], "the slowed rank must get the smaller batch"
     assert png.stat().st_size > 1000
