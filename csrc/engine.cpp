@@ -5,6 +5,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
+#include <algorithm>
 #include <map>
 
 #include "checks.h"
@@ -32,7 +33,10 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<std::string> names,
       device_(params_.empty() ? at::Device(at::kCPU) : params_.front().device()),
       bucket_bytes_cap_(bucket_bytes_cap),
       first_bucket_bytes_cap_(first_bucket_bytes_cap),
-      grads_as_views_(grads_as_views) {
+      grads_as_views_(grads_as_views),
+      defer_normalisation_(!device_.is_cuda() &&
+                           std::none_of(params_.begin(), params_.end(),
+                                        [](const at::Tensor& p) { return p.scalar_type() == at::kHalf; })) {
   HSYNC_CHECK(!params_.empty(), "the model has no parameters that require a gradient");
   HSYNC_CHECK(names_.size() == params_.size(), "got ", names_.size(), " names for ",
               params_.size(), " parameters");
@@ -107,6 +111,7 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
       bucket.used.push_back(bucket.buffer.narrow(0, numel + 1 + static_cast<int64_t>(k), 1));
       locator_[indices[k]] = {buckets_.size(), k};
     }
+    bucket.gradients = bucket.buffer.narrow(0, 0, numel);
     bucket.nonfinite_flag = bucket.buffer.narrow(0, numel, 1);
     bucket.tail = bucket.buffer.narrow(0, numel, tail);
     buckets_.push_back(std::move(bucket));
@@ -123,6 +128,7 @@ void Engine::start_step() {
   in_step_ = true;
   step_task_id_ = -1;
   next_bucket_ = 0;
+  normalise_at_write_back_ = false;
   std::fill(ready_.begin(), ready_.end(), false);
   for (Bucket& bucket : buckets_) {
     bucket.pending = bucket.params.size();
@@ -147,13 +153,20 @@ void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& re
   pack_scale_resolved_ = false;
   start_step();
   plain_step_ = false;
+  normalise_at_write_back_ = defer_normalisation_;
+  if (normalise_at_write_back_) pack_scale_ = ref_weight_;
 }
 
 void Engine::resolve_pack_scale() {
   if (pack_scale_resolved_) return;
   comm_->synchronize();
   const at::Tensor total = step_scalars_.select(0, 0);
-  pack_scale_ = at::where(total > 0, ref_weight_ / total, at::zeros_like(total));
+  if (normalise_at_write_back_) {
+    const double n = *total.const_data_ptr<double>();  // on the host: Note [Deferred normalisation]
+    write_back_scale_ = n > 0 ? 1.0 / n : 0.0;
+  } else {
+    pack_scale_ = at::where(total > 0, ref_weight_ / total, at::zeros_like(total));
+  }
   if (device_.is_cuda()) {
     step_scalars_host_ = at::empty(step_scalars_.sizes(), step_scalars_.options().device(at::kCPU).pinned_memory(true));
     step_scalars_host_.copy_(step_scalars_, /*non_blocking=*/true);
@@ -199,7 +212,7 @@ void Engine::on_gradient_ready(size_t index) {
               "' became ready twice in one backward; hsync reduces each gradient once per step");
   ready_[index] = true;
   if (!rebuilt_) ready_order_.push_back(static_cast<int64_t>(index));
-  resolve_pack_scale();
+  if (!normalise_at_write_back_) resolve_pack_scale();
   pack(index, params_[index].grad());
   launch_complete_buckets();
 }
@@ -234,7 +247,7 @@ void Engine::finalize() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!in_step_) return;
   const at::NoGradGuard no_grad;
-  resolve_pack_scale();
+  if (!normalise_at_write_back_) resolve_pack_scale();
   // Parameters no hook delivered in this backward: see Note [Step lifecycle].
   for (size_t i = 0; i < params_.size(); ++i) {
     if (ready_[i]) continue;
@@ -249,6 +262,7 @@ void Engine::finalize() {
   }
   launch_complete_buckets();
   comm_->synchronize();
+  resolve_pack_scale();  // when normalising at write-back: N is in by now
   write_back();
 
   std::vector<at::Tensor> flags;
@@ -264,17 +278,30 @@ void Engine::finalize() {
 }
 
 void Engine::write_back() {
+  const bool normalise = normalise_at_write_back_;  // Note [Deferred normalisation]
+  // Bucket views are normalised in place, a whole bucket at a time; copies on their way out.
+  const auto unpack = [&](const at::Tensor& reduced, const at::Tensor& grad) {
+    if (!normalise || grads_as_views_) {
+      grad.copy_(reduced);
+    } else if (grad.is_contiguous()) {
+      scale_cpu(reduced, grad, write_back_scale_);
+    } else {
+      grad.copy_(reduced * write_back_scale_);
+    }
+  };
   for (Bucket& bucket : buckets_) {
+    if (normalise && grads_as_views_) scale_cpu(bucket.gradients, bucket.gradients, write_back_scale_);
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       at::Tensor& param = params_[bucket.params[k]];
       at::Tensor& grad = param.mutable_grad();
       const at::Tensor& reduced = bucket.slots[k];
       if (grad.defined()) {
-        if (!grad.is_same(reduced)) grad.copy_(reduced);
+        if (!grad.is_same(reduced)) unpack(reduced, grad);
       } else if (bucket.used[k].item<double>() > 0) {
         // Unused here but used elsewhere. Reading the flag synchronises with the device, which
         // only happens when a parameter had no local gradient.
-        grad = grads_as_views_ ? reduced : reduced.clone();
+        grad = grads_as_views_ ? reduced : at::empty_like(reduced, at::MemoryFormat::Contiguous);
+        if (!grad.is_same(reduced)) unpack(reduced, grad);
       }
     }
   }

@@ -10,6 +10,17 @@
 // gradient is expressed in (the caller divides micro-step losses by it under no_sync), and the
 // buckets are SUM-reduced. A plain loss.backward() uses the scale 1 / world_size: torch DDP.
 //
+// Note [Deferred normalisation]
+// On the CPU, waiting for N blocks the host: backward cannot go on until gloo has carried the
+// scalars to every rank and back. There, weighted steps pack ref_r * g_r instead, launch the
+// scalars' all-reduce and the buckets' without waiting, and divide by N in the write-back, by
+// which time every collective has completed anyway: g = (sum_r ref_r g_r) * (1 / N). The result
+// depends only on this step's inputs, as before, so resumed runs stay bit-identical. Values in
+// the bucket grow by ref_r rather than staying near g: harmless in float32, float64 and
+// bfloat16, so only models with float16 gradients keep scaling before the sum. On GPU the wait
+// is the device's, not the host's (the pack kernel waits on the scalars' all-reduce on the
+// stream), so GPU steps scale before the sum as described above.
+//
 // Note [Step lifecycle]
 // A step begins with the first gradient hook that fires while syncing (or with
 // begin_weighted_step). Each hook packs its gradient and launches every bucket that is complete,
@@ -56,6 +67,7 @@ namespace hsync {
 // Slots start at 16-byte boundaries for vectorised packing; padding stays zero.
 struct Bucket {
   at::Tensor buffer;
+  at::Tensor gradients;            // the buffer less its tail: every slot, padding included
   std::vector<int64_t> params;     // indices into Engine::params_
   std::vector<at::Tensor> slots;   // per param: its slot, viewed in the parameter's shape
   at::Tensor nonfinite_flag;       // one element
@@ -119,6 +131,7 @@ class Engine {
   int64_t bucket_bytes_cap_;
   int64_t first_bucket_bytes_cap_;
   bool grads_as_views_;
+  bool defer_normalisation_;               // Note [Deferred normalisation]
 
   // The AccumulateGrad node of each parameter, kept alive as long as its hook is registered.
   std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators_;
@@ -137,7 +150,9 @@ class Engine {
   std::vector<int64_t> ready_order_;        // recorded until the buckets are rebuilt
   bool rebuilt_ = false;
   at::Tensor pack_scale_;                   // 0-dim float64 on device_
-  bool pack_scale_resolved_ = true;         // false from begin_weighted_step to the first pack
+  bool pack_scale_resolved_ = true;         // false from begin_weighted_step until N is known
+  bool normalise_at_write_back_ = false;    // this step's, Note [Deferred normalisation]
+  double write_back_scale_ = 1.0;           // 1 / N once resolved, when normalising at write-back
   at::Tensor step_scalars_;                 // the weighted step's scalars, reduced in place
   at::Tensor step_scalars_host_;            // their copy on the host (GPU only)
   std::optional<c10::Event> step_scalars_copied_;

@@ -16,7 +16,7 @@ namespace {
 constexpr int64_t kPackGrainSize = 1 << 16;
 
 template <typename T>
-bool scale_and_pack_range(const T* in, T* out, int64_t begin, int64_t end, double scale) {
+bool scale_range(const T* in, T* out, int64_t begin, int64_t end, double scale) {
   using opmath_t = at::opmath_type<T>;
   const opmath_t s = static_cast<opmath_t>(scale);
   const opmath_t max = std::numeric_limits<opmath_t>::max();
@@ -33,21 +33,27 @@ bool scale_and_pack_range(const T* in, T* out, int64_t begin, int64_t end, doubl
 
 }  // namespace
 
-void scale_and_pack_cpu(const at::Tensor& grad, const at::Tensor& out, double scale,
-                        const at::Tensor& nonfinite_flag, const at::Tensor& used_flag) {
-  const at::Tensor in = grad.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "scale_and_pack_cpu", [&] {
-    const scalar_t* src = in.const_data_ptr<scalar_t>();
+bool scale_cpu(const at::Tensor& in, const at::Tensor& out, double scale) {
+  HSYNC_CHECK(out.is_contiguous(), "scale_cpu: the output must be contiguous");
+  const at::Tensor contiguous_in = in.contiguous();
+  std::atomic<bool> nonfinite{false};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "scale_cpu", [&] {
+    const scalar_t* src = contiguous_in.const_data_ptr<scalar_t>();
     scalar_t* dst = out.data_ptr<scalar_t>();
-    std::atomic<bool> nonfinite{false};
-    at::parallel_for(0, in.numel(), kPackGrainSize, [&](int64_t begin, int64_t end) {
-      if (scale_and_pack_range(src, dst, begin, end, scale)) {
+    at::parallel_for(0, contiguous_in.numel(), kPackGrainSize, [&](int64_t begin, int64_t end) {
+      if (scale_range(src, dst, begin, end, scale)) {
         nonfinite.store(true, std::memory_order_relaxed);
       }
     });
-    if (nonfinite.load()) {
-      *nonfinite_flag.data_ptr<scalar_t>() = scalar_t(1);
-    }
+  });
+  return nonfinite.load();
+}
+
+void scale_and_pack_cpu(const at::Tensor& grad, const at::Tensor& out, double scale,
+                        const at::Tensor& nonfinite_flag, const at::Tensor& used_flag) {
+  const bool nonfinite = scale_cpu(grad, out, scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "scale_and_pack_cpu", [&] {
+    if (nonfinite) *nonfinite_flag.data_ptr<scalar_t>() = scalar_t(1);
     *used_flag.data_ptr<scalar_t>() = scalar_t(1);
   });
 }
