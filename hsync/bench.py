@@ -32,7 +32,13 @@ import hsync
 from hsync.balance import BACKWARD_TO_FORWARD, plan_batch_sizes
 
 MIB = 1024 * 1024
-VARIANTS = ("hsync", "ddp", "nosync")
+NAN = float("nan")
+# hsync: WeightedDDP with model.backward(loss, weight=n), the exact weighted step; hsync_plain: the same
+# wrapper with loss.backward(), DDP's own semantics; nosync: the bare model, the floor.
+VARIANTS = ("hsync", "hsync_plain", "ddp", "nosync")
+LABELS = {"hsync": "hsync, backward(loss, weight)", "hsync_plain": "hsync, loss.backward()", "ddp": "torch DDP",
+          "nosync": "no sync"}
+MEMORY_VARIANTS = ("hsync", "ddp", "nosync")  # hsync_plain keeps the same buffers as hsync
 
 
 @dataclass
@@ -47,7 +53,10 @@ class Result:
     ddp_p90_s: float
     nosync_p90_s: float
     samples_per_step: int
+    hsync_plain_step_s: float = NAN
+    hsync_plain_p90_s: float = NAN
     ratio_vs_ddp: float = 0.0
+    plain_ratio_vs_ddp: float = 0.0
     hsync_overhead_vs_nosync: float = 0.0
     ddp_overhead_vs_nosync: float = 0.0
     peak_memory_mb: dict[str, float] = field(default_factory=dict)
@@ -57,6 +66,7 @@ class Result:
 
     def __post_init__(self) -> None:
         self.ratio_vs_ddp = self.hsync_step_s / self.ddp_step_s
+        self.plain_ratio_vs_ddp = self.hsync_plain_step_s / self.ddp_step_s
         self.hsync_overhead_vs_nosync = self.hsync_step_s / self.nosync_step_s - 1
         self.ddp_overhead_vs_nosync = self.ddp_step_s / self.nosync_step_s - 1
 
@@ -137,7 +147,7 @@ def finish_step(net: nn.Module, loss: torch.Tensor, weight: int | None, opt: tor
 
 
 def wrap(variant: str, net: nn.Module, workload: Workload, device: torch.device) -> nn.Module:
-    if variant == "hsync":
+    if variant in ("hsync", "hsync_plain"):
         return hsync.WeightedDDP(net, bucket_cap_mb=workload.bucket_cap_mb,
                                  gradient_as_bucket_view=workload.bucket_views)
     if variant == "ddp":
@@ -176,7 +186,7 @@ def time_variants(workload: Workload, rounds: int, steps: int, rank: int, device
     largest_bucket = max(sum(models["hsync"][0].module.get_parameter(name).nbytes for name in names)
                          for names in _bucket_names(models["hsync"][0]))
     del models
-    memory = torch.tensor([training_memory_mb(v, workload, batches, device) for v in VARIANTS])
+    memory = torch.tensor([training_memory_mb(v, workload, batches, device) for v in MEMORY_VARIANTS])
     # Every rank's step is as slow as the slowest rank's: take the max over ranks, step by step.
     stacked = torch.tensor([times[v] for v in VARIANTS], dtype=torch.float64)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
@@ -184,8 +194,8 @@ def time_variants(workload: Workload, rounds: int, steps: int, rank: int, device
     med = {v: statistics.median(stacked[i].tolist()) for i, v in enumerate(VARIANTS)}
     p90 = {v: statistics.quantiles(stacked[i].tolist(), n=10)[-1] for i, v in enumerate(VARIANTS)}
     return Result(workload.name, med["hsync"], med["ddp"], med["nosync"], p90["hsync"], p90["ddp"], p90["nosync"],
-                  workload.samples * dist.get_world_size(),
-                  peak_memory_mb=dict(zip(VARIANTS, memory.tolist(), strict=True)),
+                  workload.samples * dist.get_world_size(), med["hsync_plain"], p90["hsync_plain"],
+                  peak_memory_mb=dict(zip(MEMORY_VARIANTS, memory.tolist(), strict=True)),
                   extra={"largest_bucket_mib": largest_bucket / MIB})
 
 
@@ -410,36 +420,58 @@ def run_all(args: argparse.Namespace) -> None:
         # NaN (no floor for this workload) is not JSON: it is written as null.
         output = {"env": environment(device),
                   "results": [{k: None if v != v else v for k, v in asdict(r).items()} for r in results]}
-        print_table(output)
+        print("\n" + "\n".join(table(output)))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(output, f, indent=1)
         if args.plot:
             plot(output, args.plot)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(markdown(output, args))
 
 
 def report(rank: int, result: Result) -> None:
     if rank == 0:
-        print(f"  {result.workload}: hsync {result.hsync_step_s * 1e3:.2f} ms, ddp {result.ddp_step_s * 1e3:.2f} ms "
-              f"(ratio {result.ratio_vs_ddp:.3f})", flush=True)
+        print(f"  {result.workload}: hsync {_ms(result.hsync_step_s)} ms, plain {_ms(result.hsync_plain_step_s)} ms, "
+              f"ddp {_ms(result.ddp_step_s)} ms (ratio {result.ratio_vs_ddp:.3f})", flush=True)
 
 
-def print_table(output: dict) -> None:
+def table(output: dict) -> list[str]:
     env = output["env"]
-    print(f"\nhsync {env['hsync']}, torch {env['torch']}, {env['backend']}, {env['world_size']} ranks, "
-          f"{env.get('gpu', env['cpu'])}")
-    print("| workload | hsync p50 (p90) ms | DDP p50 (p90) ms | no-sync ms | hsync/DDP | hsync over floor | "
-          "DDP over floor | hsync samples/s | peak MiB hsync / DDP / no-sync | notes |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    lines = [f"hsync {env['hsync']}, torch {env['torch']}, {env['backend']}, {env['world_size']} ranks, "
+             f"{env.get('gpu', env['cpu'])}",
+             "| workload | hsync p50 (p90) ms | hsync plain ms | DDP p50 (p90) ms | no-sync ms | hsync/DDP | "
+             "plain/DDP | hsync over floor | DDP over floor | hsync samples/s | peak MiB hsync / DDP / no-sync | "
+             "notes |",
+             "|" + " --- |" * 12]
     for r in output["results"]:
         notes = ", ".join(f"{k} {v:.3g}" for k, v in r["extra"].items())
-        memory = " / ".join(f"{r['peak_memory_mb'][v]:.1f}" for v in VARIANTS) if r["peak_memory_mb"] else "-"
-        floor = r["nosync_step_s"]
-        print(f"| {r['workload']} | {r['hsync_step_s'] * 1e3:.2f} ({r['hsync_p90_s'] * 1e3:.2f}) | "
-              f"{r['ddp_step_s'] * 1e3:.2f} ({r['ddp_p90_s'] * 1e3:.2f}) | "
-              f"{'-' if _missing(floor) else f'{floor * 1e3:.2f}'} | {r['ratio_vs_ddp']:.3f} | "
-              f"{_pct(r['hsync_overhead_vs_nosync'])} | {_pct(r['ddp_overhead_vs_nosync'])} | "
-              f"{r['samples_per_step'] / r['hsync_step_s'] if r['samples_per_step'] else 0:.0f} | {memory} | {notes} |")
+        memory = " / ".join(f"{r['peak_memory_mb'][v]:.1f}" for v in MEMORY_VARIANTS) if r["peak_memory_mb"] else "-"
+        lines.append(f"| {r['workload']} | {r['hsync_step_s'] * 1e3:.2f} ({r['hsync_p90_s'] * 1e3:.2f}) | "
+                     f"{_ms(r['hsync_plain_step_s'])} | {r['ddp_step_s'] * 1e3:.2f} ({r['ddp_p90_s'] * 1e3:.2f}) | "
+                     f"{_ms(r['nosync_step_s'])} | {r['ratio_vs_ddp']:.3f} | {_ratio(r['plain_ratio_vs_ddp'])} | "
+                     f"{_pct(r['hsync_overhead_vs_nosync'])} | {_pct(r['ddp_overhead_vs_nosync'])} | "
+                     f"{r['samples_per_step'] / r['hsync_step_s'] if r['samples_per_step'] else 0:.0f} | {memory} | "
+                     f"{notes} |")
+    return lines
+
+
+def markdown(output: dict, args: argparse.Namespace) -> str:
+    """A results page: the command that made it, where and when it ran, the table and the plot."""
+    env = output["env"]
+    options = [f"--device {args.device}", f"--world-size {env['world_size']}", f"--rounds {args.rounds}",
+               f"--steps {args.steps}"] + (["--quick"] if args.quick else [])
+    where = env.get("gpu", env["cpu"]) + (f", CUDA {env['cuda']}, NCCL {env['nccl']}" if "cuda" in env else
+                                          f" ({env['cpu_count']} cores)")
+    lines = [f"# {env['device'].upper()}, {env['world_size']} ranks over {env['backend']}", "",
+             f"Command: `python -m hsync.bench {' '.join(options)}`", "",
+             f"Measured {env['date']} on {where}; Python {env['python']}, torch {env['torch']}, hsync {env['hsync']}. "
+             f"Medians (p90) of {args.rounds * args.steps} timed steps per variant in {args.rounds} interleaved "
+             "rounds, each step the slowest rank's.", "", *table(output)[1:]]
+    if args.plot:
+        lines += ["", f"![step times relative to no sync]({os.path.basename(args.plot)})"]
+    return "\n".join(lines) + "\n"
 
 
 def _missing(x: float | None) -> bool:
@@ -448,6 +480,14 @@ def _missing(x: float | None) -> bool:
 
 def _pct(x: float | None) -> str:
     return "-" if _missing(x) else f"{100 * x:+.1f}%"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if _missing(x) else f"{x * 1e3:.2f}"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if _missing(x) else f"{x:.3f}"
 
 
 def plot(output: dict, path: str) -> None:
@@ -459,10 +499,10 @@ def plot(output: dict, path: str) -> None:
     # Training steps only: the comm path and mixed-speed rows measure other things.
     rows = [r for r in output["results"] if r["samples_per_step"] and not _missing(r["nosync_step_s"])]
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
-    width = 0.27
+    width = 0.8 / len(VARIANTS)
     for i, variant in enumerate(VARIANTS):
-        ax.bar([x + (i - 1) * width for x in range(len(rows))],
-               [r[f"{variant}_step_s"] / r["nosync_step_s"] for r in rows], width, label=variant)
+        ax.bar([x + (i - (len(VARIANTS) - 1) / 2) * width for x in range(len(rows))],
+               [r[f"{variant}_step_s"] / r["nosync_step_s"] for r in rows], width, label=LABELS[variant])
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks(range(len(rows)), [r["workload"] for r in rows], rotation=30, ha="right")
     ax.set_ylabel("step time / no-sync step time")
@@ -495,6 +535,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run the workloads whose names contain one of these")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG of the step times here")
+    parser.add_argument("--markdown", help="write a results page (command, environment, table, plot) here")
     args = parser.parse_args(argv)
     if "RANK" in os.environ:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
