@@ -11,6 +11,7 @@ peak tensor memory on its own. It spawns the ranks itself, or runs under torchru
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -205,43 +206,56 @@ def _bucket_names(model: hsync.WeightedDDP) -> list[list[str]]:
 
 
 def training_memory_mb(variant: str, workload: Workload, batches: list[tuple], device: torch.device) -> float:
-    """Peak MiB of live tensors in a training step of `variant`, plus what it keeps alive between steps
-    (buckets), over the bare model's parameters.
+    """Peak MiB of live tensors in a training step of `variant` over the bare model's: what its wrapping
+    keeps alive between steps (buckets; kept gradients) plus the step's own peak.
 
-    Measured on a fresh model, so that only this variant's buffers count, after two warm-up steps, so
-    that one-off transients (the broadcast of rank 0's parameters, the bucket rebuild) do not count."""
+    Measured on a fresh model, so that only this variant's buffers count, and after two warm-up steps,
+    so that one-off transients (the broadcast of rank 0's parameters, the bucket rebuild) do not."""
     torch.manual_seed(0)
     bare = workload.make_model()
-    wrapped: list[nn.Module] = []
+    before = live_bytes(device)
+    net = wrap(variant, bare, workload, device)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-4)
 
-    def wrap_and_warm_up() -> None:
-        net = wrap(variant, bare, workload, device)
-        wrapped.extend([net, torch.optim.SGD(net.parameters(), lr=1e-4)])
-        for batch in batches[:2]:
-            train_step(variant, workload, *wrapped, batch, device)
+    def train(batches: list[tuple]) -> None:
+        for batch in batches:
+            train_step(variant, workload, net, opt, batch, device)
 
-    def train() -> None:
-        for batch in batches[:3]:
-            train_step(variant, workload, *wrapped, batch, device)
-
-    kept, _ = tensor_memory(wrap_and_warm_up, device)
-    _, step_peak = tensor_memory(train, device)
-    return (kept + step_peak) / MIB
+    train(batches[:2])
+    kept = live_bytes(device) - before
+    return (kept + peak_bytes_during(lambda: train(batches[:3]), device)) / MIB
 
 
-def tensor_memory(fn: Callable[[], None], device: torch.device) -> tuple[int, int]:
-    """Runs fn(); returns the bytes of tensors on `device` it left alive, and their peak during it,
-    both over what was alive before."""
-    gc.collect()  # garbage of earlier measurements freed inside this one would count against it
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def live_bytes(device: torch.device) -> int:
+    """Bytes of live tensors on `device`; on the CPU, every byte malloc has handed out, on every thread
+    (glibc's mallinfo2: torch's CPU tensors come from malloc)."""
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
+        return torch.cuda.memory_allocated(device)
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _Mallinfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def peak_bytes_during(fn: Callable[[], None], device: torch.device) -> int:
+    """Runs fn(); returns the peak bytes of tensors on `device` during it over those alive before."""
+    start = live_bytes(device)
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         fn()
         torch.cuda.synchronize(device)
-        return torch.cuda.memory_allocated(device) - start, torch.cuda.max_memory_allocated(device) - start
-    # On CPU the profiler records every allocation and free through torch's allocator made on the
-    # threads it follows: this one and autograd's (the all-reduces work in place on the buckets).
+        return torch.cuda.max_memory_allocated(device) - start
+    # The profiler records each allocation and free through torch's CPU allocator on the threads it
+    # follows (this one and autograd's). Within steps every transient is made and freed there; what
+    # the communicators' threads hold lives across steps and is counted by live_bytes instead.
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     live = peak = 0
@@ -249,7 +263,7 @@ def tensor_memory(fn: Callable[[], None], device: torch.device) -> tuple[int, in
         if event.name() == "[memory]" and event.device_type() == DeviceType.CPU:
             live += event.nbytes()
             peak = max(peak, live)
-    return live, peak
+    return peak
 
 
 def comm_path(device: torch.device, megabytes: float, rounds: int) -> Result:
