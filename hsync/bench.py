@@ -327,9 +327,10 @@ def mixed_speeds(device: torch.device, slowdown: float, rounds: int, steps: int)
     g = torch.Generator().manual_seed(rank)
 
     def run(net, sizes: list[int], weighted: bool) -> tuple[list[float], float]:
-        """Step times, and this rank's measured speed in samples per second of compute."""
+        """Step times, and this rank's measured speed in samples per second of compute (from the median
+        step after the first, which carries one-off costs)."""
         opt = torch.optim.SGD(net.parameters(), lr=1e-4)
-        times, compute_total = [], 0.0
+        times, computes = [], []
         for _ in range(steps):
             mine = sizes[rank]
             batch = masked_batch(g, mine, 64, 8000, device)
@@ -340,10 +341,10 @@ def mixed_speeds(device: torch.device, slowdown: float, rounds: int, steps: int)
                 torch.cuda.synchronize(device)
             compute = (1 + BACKWARD_TO_FORWARD) * (time.perf_counter() - started)  # estimated as the trainer does
             time.sleep((factor - 1) * compute)
-            compute_total += factor * compute
+            computes.append(factor * compute)
             finish_step(net, loss, mine if weighted else None, opt, device)
             times.append(time.perf_counter() - started)
-        return times, mine * steps / compute_total
+        return times, mine / statistics.median(computes[1:] or computes)
 
     torch.manual_seed(0)
     ours = hsync.WeightedDDP(workload.make_model())

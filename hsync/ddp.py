@@ -72,9 +72,8 @@ class WeightedDDP(nn.Module):
         first_bucket_cap_mb: cap of the first bucket, kept small so communication starts early.
         broadcast_buffers: broadcast rank 0's buffers before each synchronised forward, as DDP does.
         gradient_as_bucket_view: as DDP's: each parameter's .grad becomes a view into its bucket, which
-            saves a copy of every gradient in memory and the copy back after each reduction. The
-            reduced gradient is then overwritten by the next synchronised backward; keep a clone if
-            you need it longer.
+            saves a copy of every gradient in memory and the copy back after each reduction. The next
+            reduction rewrites .grad in place, so clone it to keep it past the next step.
         metric_names: names of the extra sums that backward(..., metrics={...}) may report.
         timeout: how long any one collective may take before this rank gives up with an error naming it
             (default: HSYNC_TIMEOUT seconds, else DEFAULT_TIMEOUT). It spans the skew between ranks,

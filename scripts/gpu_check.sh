@@ -45,7 +45,8 @@ PY
   echo
   plot=()
   python3 -c "import matplotlib" 2>/dev/null && plot=(--plot "$report_dir/gpu-bench.png")
-  python3 -m hsync.bench --device cuda --world-size 1 --json "$report_dir/gpu-bench.json" "${plot[@]}" 2>&1 \
+  python3 -m hsync.bench --device cuda --world-size 1 --json "$report_dir/gpu-bench.json" \
+    --markdown "$report_dir/gpu-bench.md" "${plot[@]}" 2>&1 \
     | grep -v '^  '
   echo
   echo '## The rest of the suite, against this torch'
