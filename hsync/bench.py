@@ -519,11 +519,13 @@ def plot(output: dict, path: str) -> None:
         ax.bar([x + (i - (len(VARIANTS) - 1) / 2) * width for x in range(len(rows))],
                [r[f"{variant}_step_s"] / r["nosync_step_s"] for r in rows], width, label=LABELS[variant])
     ax.axhline(1.0, color="grey", linewidth=0.8)
+    top = max(r[f"{v}_step_s"] / r["nosync_step_s"] for r in rows for v in VARIANTS)
+    ax.set_ylim(0, top * 1.3)  # headroom for the legend
     ax.set_xticks(range(len(rows)), [r["workload"] for r in rows], rotation=30, ha="right")
     ax.set_ylabel("step time / no-sync step time")
     env = output["env"]
     ax.set_title(f"{env['world_size']} ranks, {env['backend']}, {env.get('gpu', env['cpu'])[:40]}", fontsize=9)
-    ax.legend()
+    ax.legend(ncol=2, fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
