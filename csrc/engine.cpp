@@ -15,8 +15,6 @@ namespace hsync {
 namespace {
 
 constexpr int64_t kSlotAlignBytes = 16;
-// Note [Step scalars in the first bucket]: 4 MiB as float64, twice the default first bucket of float32.
-constexpr int64_t kMaxBucketElementsWithScalars = int64_t{1} << 19;
 
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
@@ -131,7 +129,6 @@ void Engine::start_step() {
   step_task_id_ = -1;
   next_bucket_ = 0;
   normalise_at_write_back_ = false;
-  scalars_in_first_bucket_ = false;
   std::fill(ready_.begin(), ready_.end(), false);
   for (Bucket& bucket : buckets_) {
     bucket.pending = bucket.params.size();
@@ -150,23 +147,19 @@ void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& re
   HSYNC_CHECK(ref_weight.numel() == 1 && ref_weight.scalar_type() == at::kDouble &&
                   ref_weight.device() == device_,
               "the reference weight must be a float64 scalar on ", device_);
-  const bool with_first_bucket =
-      defer_normalisation_ && buckets_.front().buffer.numel() <= kMaxBucketElementsWithScalars;
-  if (!with_first_bucket) comm_->all_reduce_sum(scalars, Purpose::kStepScalars);
+  comm_->all_reduce_sum(scalars, Purpose::kStepScalars);
   step_scalars_ = scalars;
   ref_weight_ = ref_weight.reshape({});
   pack_scale_resolved_ = false;
   start_step();
   plain_step_ = false;
   normalise_at_write_back_ = defer_normalisation_;
-  scalars_in_first_bucket_ = with_first_bucket;
   if (normalise_at_write_back_) pack_scale_ = ref_weight_;
 }
 
 void Engine::resolve_pack_scale() {
   if (pack_scale_resolved_) return;
   comm_->synchronize();
-  if (scalars_in_first_bucket_) unpack_first_bucket_and_scalars();
   const at::Tensor total = step_scalars_.select(0, 0);
   if (normalise_at_write_back_) {
     const double n = *total.const_data_ptr<double>();  // on the host: Note [Deferred normalisation]
@@ -241,24 +234,9 @@ void Engine::pack(size_t index, const at::Tensor& grad) {
 
 void Engine::launch_complete_buckets() {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
-    const at::Tensor& buffer = buckets_[next_bucket_].buffer;
-    if (next_bucket_ == 0 && scalars_in_first_bucket_) {
-      first_bucket_and_scalars_ = at::cat({buffer.to(at::kDouble), step_scalars_});
-      comm_->all_reduce_sum(first_bucket_and_scalars_, Purpose::kBucketAndStepScalars, 0);
-    } else {
-      comm_->all_reduce_sum(buffer, Purpose::kBucket, static_cast<int64_t>(next_bucket_));
-    }
+    comm_->all_reduce_sum(buckets_[next_bucket_].buffer, Purpose::kBucket, static_cast<int64_t>(next_bucket_));
     ++next_bucket_;
   }
-}
-
-void Engine::unpack_first_bucket_and_scalars() {
-  TORCH_INTERNAL_ASSERT(first_bucket_and_scalars_.defined(), "the first bucket was not launched");
-  const at::Tensor& buffer = buckets_.front().buffer;
-  buffer.copy_(first_bucket_and_scalars_.narrow(0, 0, buffer.numel()));
-  step_scalars_.copy_(first_bucket_and_scalars_.narrow(0, buffer.numel(), step_scalars_.numel()));
-  first_bucket_and_scalars_.reset();
-  scalars_in_first_bucket_ = false;
 }
 
 void Engine::finalize_if_pending() {

@@ -21,14 +21,6 @@
 // is the device's, not the host's (the pack kernel waits on the scalars' all-reduce on the
 // stream), so GPU steps scale before the sum as described above.
 //
-// Note [Step scalars in the first bucket]
-// Once nothing waits for N before packing, the scalars need no collective of their own: a
-// deferred step sends them with the first bucket, the one launched first and kept small (see
-// Note [Bucket order]), in one float64 all-reduce of [bucket | scalars]. The float64 copy costs
-// two passes over at most kMaxBucketElementsWithScalars elements and some bytes on the wire;
-// on gloo a collective of its own costs more, its peers' threads being woken on every rank.
-// Summed in float64, that bucket's gradients are, if anything, more exact.
-//
 // Note [Step lifecycle]
 // A step begins with the first gradient hook that fires while syncing (or with
 // begin_weighted_step). Each hook packs its gradient and launches every bucket that is complete,
@@ -128,7 +120,6 @@ class Engine {
   void resolve_pack_scale();               // caller holds mutex_
   void pack(size_t index, const at::Tensor& grad);
   void launch_complete_buckets();
-  void unpack_first_bucket_and_scalars();  // Note [Step scalars in the first bucket]
   void finalize();
   void write_back();
   void rebuild_from_ready_order();
@@ -161,8 +152,6 @@ class Engine {
   at::Tensor pack_scale_;                   // 0-dim float64 on device_
   bool pack_scale_resolved_ = true;         // false from begin_weighted_step until N is known
   bool normalise_at_write_back_ = false;    // this step's, Note [Deferred normalisation]
-  bool scalars_in_first_bucket_ = false;    // this step's, Note [Step scalars in the first bucket]
-  at::Tensor first_bucket_and_scalars_;     // float64 [first bucket | scalars] while reduced
   double write_back_scale_ = 1.0;           // 1 / N once resolved, when normalising at write-back
   at::Tensor step_scalars_;                 // the weighted step's scalars, reduced in place
   at::Tensor step_scalars_host_;            // their copy on the host (GPU only)

@@ -11,7 +11,6 @@ std::string Collective::describe() const {
   switch (purpose) {
     case Purpose::kStepScalars: what = "the step scalars"; break;
     case Purpose::kBucket: what = "bucket " + std::to_string(index); break;
-    case Purpose::kBucketAndStepScalars: what = "bucket " + std::to_string(index) + " and the step scalars"; break;
     case Purpose::kBucketOrder: what = "the bucket order"; break;
     case Purpose::kBroadcast: what = "parameters and buffers"; break;
     case Purpose::kFingerprint: what = "the debug fingerprints of collective #" + std::to_string(seq); break;

@@ -29,14 +29,7 @@ namespace hsync {
 using Clock = std::chrono::steady_clock;
 
 // What a collective is for; named in errors and compared across ranks in debug mode.
-enum class Purpose : int {
-  kStepScalars = 1,
-  kBucket = 2,
-  kBucketOrder = 3,
-  kBroadcast = 4,
-  kFingerprint = 5,
-  kBucketAndStepScalars = 6,  // Note [Step scalars in the first bucket] in engine.h
-};
+enum class Purpose : int { kStepScalars = 1, kBucket = 2, kBucketOrder = 3, kBroadcast = 4, kFingerprint = 5 };
 
 // One collective as issued by this rank.
 struct Collective {

@@ -49,13 +49,13 @@ def mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((pred - target) ** 2).mean()
 
 
-def reference_training(steps: list[list[list[int]]], branch_ranks=frozenset(), lr: float = 0.1, width: int = 6):
+def reference_training(steps: list[list[list[int]]], branch_ranks=frozenset(), lr: float = 0.1):
     """One process on the concatenated global batch: what every rank's parameters must equal.
 
     steps[s][k][r] is rank r's number of examples in micro-step k of step s. Rank r's examples go
     through the branch if r is in branch_ranks, and the loss is the mean over every example of
     every micro-step and rank. Returns final parameters, last gradients and per-step losses."""
-    net = make_net(seed=0, width=width)
+    net = make_net(seed=0)
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
     losses = []
     for step, micro_steps in enumerate(steps):
@@ -77,7 +77,7 @@ def reference_training(steps: list[list[list[int]]], branch_ranks=frozenset(), l
 
 
 def train_weighted(rank: int, world_size: int, steps, branch_ranks=frozenset(), bucket_mb=TINY_BUCKET_MB,
-                   device: str = "cpu", grads: str = "copied", width: int = 6):
+                   device: str = "cpu", grads: str = "copied"):
     """The same training through WeightedDDP on this rank's slices (no_sync for all but the last micro-step).
 
     A rank with no examples in a micro-step runs a dummy batch with weight 0, as a trainer does
@@ -86,7 +86,7 @@ def train_weighted(rank: int, world_size: int, steps, branch_ranks=frozenset(), 
 
     import hsync
 
-    net = make_net(seed=rank, width=width).to(device)
+    net = make_net(seed=rank).to(device)
     model = hsync.WeightedDDP(net, bucket_cap_mb=bucket_mb, first_bucket_cap_mb=bucket_mb,
                               gradient_as_bucket_view=grads != "copied")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
