@@ -3,9 +3,10 @@
     python -m hsync.bench --device cpu --world-size 2 --json results.json --plot results.png
     python -m hsync.bench --device cuda --world-size 1 ...      # one GPU per rank, NCCL
 
-Every workload times interleaved rounds of the three variants in the same processes, on the same
-model, data and seed, so machine noise falls on all of them alike. Then it measures each variant's
-peak tensor memory on its own. It spawns the ranks itself, or runs under torchrun when RANK is set.
+Every workload times interleaved rounds of its variants (hsync weighted, hsync plain, torch DDP, no
+sync) in the same processes, on the same model, data and seed, so machine noise falls on all of them
+alike. Then it measures each variant's peak memory on its own. It spawns the ranks itself, or runs
+under torchrun when RANK is set.
 """
 
 from __future__ import annotations
@@ -477,6 +478,8 @@ def markdown(output: dict, args: argparse.Namespace) -> str:
     env = output["env"]
     options = [f"--device {args.device}", f"--world-size {env['world_size']}", f"--rounds {args.rounds}",
                f"--steps {args.steps}"] + (["--quick"] if args.quick else [])
+    if args.only:
+        options.append("--only " + " ".join(args.only))
     where = env.get("gpu", env["cpu"]) + (f", CUDA {env['cuda']}, NCCL {env['nccl']}" if "cuda" in env else
                                           f" ({env['cpu_count']} cores)")
     lines = [f"# {env['device'].upper()}, {env['world_size']} ranks over {env['backend']}", "",

@@ -38,3 +38,17 @@ def test_non_finite_values_raise_the_flag_even_with_scale_zero(dtype, bad):
     grad[654_321] = bad
     _, flags = pack(grad, 0.0)
     assert flags[0].item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_a_gradient_that_is_its_slot_is_scaled_in_place(dtype, offset):
+    from hsync import _C
+
+    # gradient_as_bucket_view: the gradient is the slot itself.
+    buffer = torch.randn(1_000_003 + offset + 2, dtype=torch.float64, device="cuda").to(dtype)
+    slot, flags = buffer[offset:offset + 1_000_003], buffer[-2:].zero_()
+    expected = (slot.to(torch.float64 if dtype == torch.float64 else torch.float32) * 0.37).to(dtype)
+    _C.scale_and_pack(slot, slot, torch.tensor(0.37, dtype=torch.float64, device="cuda"), flags[0:1], flags[1:2])
+    torch.testing.assert_close(slot, expected, rtol=0, atol=0)
+    assert flags.tolist() == [0.0, 1.0]

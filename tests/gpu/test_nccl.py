@@ -18,15 +18,15 @@ SOCKET_ENV = {"NCCL_HOSTID": "hsync-test-host-{rank}", "NCCL_NET": "Socket", "NC
               "NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "1"}
 
 
-def on_gpu(rank: int, world_size: int, steps, branch_ranks):
+def on_gpu(rank: int, world_size: int, steps, branch_ranks, grads: str):
     torch.cuda.set_device(0)
-    return train_weighted(rank, world_size, steps, branch_ranks, device="cuda")
+    return train_weighted(rank, world_size, steps, branch_ranks, device="cuda", grads=grads)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_nccl_ranks_on_one_gpu_match_one_process(world_size):
+@pytest.mark.parametrize(("world_size", "grads"), [(2, "copied"), (3, "copied"), (2, "views"), (2, "views-zeroed")])
+def test_nccl_ranks_on_one_gpu_match_one_process(world_size, grads):
     steps = [[[3, 7, 2][:world_size]], [[0, 5, 1][:world_size]], [[2, 3, 4][:world_size], [4, 1, 1][:world_size]]]
-    results = run_ranks(on_gpu, world_size, steps, {1}, backend="nccl", env=SOCKET_ENV, timeout=240)
+    results = run_ranks(on_gpu, world_size, steps, {1}, grads, backend="nccl", env=SOCKET_ENV, timeout=240)
     ref_params, ref_grads, ref_losses = reference_training(steps, {1})
     for rank, (params, grads, stats, _) in enumerate(results):
         assert stats[0][2] and stats[-1][2]

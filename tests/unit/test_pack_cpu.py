@@ -47,3 +47,16 @@ def test_a_slot_of_the_wrong_size_is_refused():
     with pytest.raises(RuntimeError, match="does not fit its slot"):
         _C.scale_and_pack(torch.ones(4), torch.ones(5), torch.tensor(1.0, dtype=torch.float64),
                           torch.zeros(1), torch.zeros(1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_gradient_that_is_its_slot_is_scaled_in_place(dtype):
+    # gradient_as_bucket_view: the gradient is the slot itself.
+    slot = torch.randn(200_003, dtype=torch.float64).to(dtype)
+    expected = (slot.to(torch.float64 if dtype == torch.float64 else torch.float32) * 0.37).to(dtype)
+    slot[1000] = math.nan
+    expected[1000] = math.nan
+    flags = torch.zeros(2, dtype=dtype)
+    _C.scale_and_pack(slot, slot, torch.tensor(0.37, dtype=torch.float64), flags[0:1], flags[1:2])
+    torch.testing.assert_close(slot, expected, rtol=0, atol=0, equal_nan=True)
+    assert flags.tolist() == [1.0, 1.0]
