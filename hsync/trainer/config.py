@@ -83,6 +83,9 @@ class TrainConfig:
     resume: bool = False
     """Continue from the latest checkpoint in --save-dir, which must exist. Workers that torchrun restarts
     (--max-restarts) continue from it without this flag, if there is one."""
+    bucket_views: bool = True
+    """Keep gradients as views into hsync's buckets (gradient_as_bucket_view): one copy of the gradients
+    less in memory and no copy back after each reduction. --no-bucket-views copies them, as DDP does."""
     collective_timeout: float = 0.0
     """Seconds any one gradient collective may take before every rank stops with an error naming it;
     0: hsync's default (HSYNC_TIMEOUT, else 300)."""
@@ -145,7 +148,7 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> TrainCon
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         if kind is bool:
-            parser.add_argument(flag, action="store_true", help=docs[f.name])
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=docs[f.name])
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         doc = docs[f.name]

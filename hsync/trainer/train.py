@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(cfg.seed)
     timeout = datetime.timedelta(seconds=cfg.collective_timeout) if cfg.collective_timeout else None
     model = hsync.WeightedDDP(build_model(preset, vocab).to(device), broadcast_buffers=False,
-                              metric_names=per_rank_metrics(world), timeout=timeout)
+                              gradient_as_bucket_view=cfg.bucket_views, metric_names=per_rank_metrics(world),
+                              timeout=timeout)
     torch.manual_seed(cfg.seed + rank)  # rank 0's weights everywhere, but each rank its own dropout
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             schedule.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not cfg.bucket_views)  # bucket views stay where they are
         step += 1
         if step > 1 or cfg.measure_steps == 1:  # step 1 pays one-off costs (allocation, GPU warm-up)
             window.add(*rank_speeds(stats, world))
