@@ -370,7 +370,7 @@ def mixed_speeds(device: torch.device, slowdown: float, rounds: int, steps: int)
     factors = [1.0, slowdown]
     extra = {"hsync_samples_per_s": global_batch / hs, "ddp_samples_per_s": global_batch / dd,
              "speedup_vs_ddp": dd / hs, "ideal_speedup": slowdown * sum(1 / f for f in factors) / world,
-             "plan_rank0": plan[0], "plan_rank1": plan[1]}
+             "plan_rank0": plan[0], "plan_rank1": plan[1], "measured_speed_ratio": speeds[0].item() / speeds[1].item()}
     return Result(f"mixed-speeds-{slowdown:g}x", hs, dd, float("nan"), hs90, dd90, float("nan"), global_batch,
                   extra=extra)
 
