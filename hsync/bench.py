@@ -21,7 +21,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from functools import partial
+from functools import cache, partial
 
 import torch
 import torch.distributed as dist
@@ -185,9 +185,10 @@ def time_variants(workload: Workload, rounds: int, steps: int, rank: int, device
                 train_step(variant, workload, net, opt, batches[step % len(batches)], device)
                 if round_index:
                     times[variant].append(time.perf_counter() - started)
-    largest_bucket = max(sum(models["hsync"][0].module.get_parameter(name).nbytes for name in names)
-                         for names in _bucket_names(models["hsync"][0]))
-    del models
+    ours = models["hsync"][0]
+    params = [p for p in ours.module.parameters() if p.requires_grad]  # what bucket_params indexes
+    largest_bucket = max(sum(params[i].nbytes for i in bucket) for bucket in ours.bucket_params)
+    del models, ours, params
     memory = torch.tensor([training_memory_mb(v, workload, batches, device) for v in MEMORY_VARIANTS])
     # Every rank's step is as slow as the slowest rank's: take the max over ranks, step by step.
     stacked = torch.tensor([times[v] for v in VARIANTS], dtype=torch.float64)
@@ -199,11 +200,6 @@ def time_variants(workload: Workload, rounds: int, steps: int, rank: int, device
                   workload.samples * dist.get_world_size(), med["hsync_plain"], p90["hsync_plain"],
                   peak_memory_mb=dict(zip(MEMORY_VARIANTS, memory.tolist(), strict=True)),
                   extra={"largest_bucket_mib": largest_bucket / MIB})
-
-
-def _bucket_names(model: hsync.WeightedDDP) -> list[list[str]]:
-    names = [name for name, p in model.module.named_parameters() if p.requires_grad]
-    return [[names[i] for i in bucket] for bucket in model.bucket_params]
 
 
 def training_memory_mb(variant: str, workload: Workload, batches: list[tuple], device: torch.device) -> float:
@@ -240,16 +236,22 @@ def live_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         return torch.cuda.memory_allocated(device)
-    libc = ctypes.CDLL(None)
-    libc.mallinfo2.restype = _Mallinfo2
-    info = libc.mallinfo2()
+    info = _mallinfo2()()
     return info.uordblks + info.hblkhd
+
+
+@cache
+def _mallinfo2() -> Callable[[], _Mallinfo2]:
+    """glibc's mallinfo2, looked up once."""
+    function = ctypes.CDLL(None).mallinfo2
+    function.restype = _Mallinfo2
+    return function
 
 
 def peak_bytes_during(fn: Callable[[], None], device: torch.device) -> int:
     """Runs fn(); returns the peak bytes of tensors on `device` during it over those alive before."""
-    start = live_bytes(device)
     if device.type == "cuda":
+        start = live_bytes(device)
         torch.cuda.reset_peak_memory_stats(device)
         fn()
         torch.cuda.synchronize(device)
@@ -257,6 +259,7 @@ def peak_bytes_during(fn: Callable[[], None], device: torch.device) -> int:
     # The profiler records each allocation and free through torch's CPU allocator on the threads it
     # follows (this one and autograd's). Within steps every transient is made and freed there; what
     # the communicators' threads hold lives across steps and is counted by live_bytes instead.
+    gc.collect()  # garbage of earlier work freed inside fn would count against it
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     live = peak = 0

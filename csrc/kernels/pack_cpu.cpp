@@ -31,29 +31,36 @@ bool scale_range(const T* in, T* out, int64_t begin, int64_t end, double scale) 
   return all_finite == 0;
 }
 
+// out = in * scale over contiguous tensors (in may be out); whether `in` held an inf or NaN.
+template <typename T>
+bool scale_contiguous(const at::Tensor& in, const at::Tensor& out, double scale) {
+  const T* src = in.const_data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  std::atomic<bool> nonfinite{false};
+  at::parallel_for(0, in.numel(), kPackGrainSize, [&](int64_t begin, int64_t end) {
+    if (scale_range(src, dst, begin, end, scale)) nonfinite.store(true, std::memory_order_relaxed);
+  });
+  return nonfinite.load();
+}
+
 }  // namespace
 
 bool scale_cpu(const at::Tensor& in, const at::Tensor& out, double scale) {
   HSYNC_CHECK(out.is_contiguous(), "scale_cpu: the output must be contiguous");
   const at::Tensor contiguous_in = in.contiguous();
-  std::atomic<bool> nonfinite{false};
+  bool nonfinite = false;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "scale_cpu", [&] {
-    const scalar_t* src = contiguous_in.const_data_ptr<scalar_t>();
-    scalar_t* dst = out.data_ptr<scalar_t>();
-    at::parallel_for(0, contiguous_in.numel(), kPackGrainSize, [&](int64_t begin, int64_t end) {
-      if (scale_range(src, dst, begin, end, scale)) {
-        nonfinite.store(true, std::memory_order_relaxed);
-      }
-    });
+    nonfinite = scale_contiguous<scalar_t>(contiguous_in, out, scale);
   });
-  return nonfinite.load();
+  return nonfinite;
 }
 
 void scale_and_pack_cpu(const at::Tensor& grad, const at::Tensor& out, double scale,
                         const at::Tensor& nonfinite_flag, const at::Tensor& used_flag) {
-  const bool nonfinite = scale_cpu(grad, out, scale);
+  const at::Tensor in = grad.contiguous();
+  // One dispatch per gradient: this runs in every gradient hook.
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "scale_and_pack_cpu", [&] {
-    if (nonfinite) *nonfinite_flag.data_ptr<scalar_t>() = scalar_t(1);
+    if (scale_contiguous<scalar_t>(in, out, scale)) *nonfinite_flag.data_ptr<scalar_t>() = scalar_t(1);
     *used_flag.data_ptr<scalar_t>() = scalar_t(1);
   });
 }
