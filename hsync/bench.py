@@ -30,6 +30,11 @@ from torch.autograd import DeviceType
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
+# Imported at module level, so before init_process_group: imported after it, transformers leaves
+# destroy_process_group unable to free gloo's threads (torch 2.14.1), and a gloo worker still releasing
+# a collective while the interpreter shuts down aborts the process (see hsync/trainer/train.py).
+from transformers import BertConfig, BertForPreTraining
+
 import hsync
 from hsync.balance import BACKWARD_TO_FORWARD, plan_batch_sizes
 
@@ -89,9 +94,6 @@ class Workload:
 
 def bert_workload(name: str, hidden: int, layers: int, batch: int, seq: int, device: torch.device,
                   bucket_cap_mb: float = 25.0, bucket_views: bool = False) -> Workload:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import BertConfig, BertForPreTraining
-
     vocab = 8000
     config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                         num_attention_heads=max(1, hidden // 64), intermediate_size=4 * hidden,

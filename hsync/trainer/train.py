@@ -28,6 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# Imported at module level, so before init_process_group: imported after it, transformers leaves
+# destroy_process_group unable to free gloo's threads (torch 2.14.1), and a gloo worker still releasing
+# a collective while the interpreter shuts down aborts the process (about one exit in 35).
+from transformers import BertConfig, BertForPreTraining
+
 import hsync
 from hsync import balance, data
 from hsync.trainer import checkpoint
@@ -308,9 +313,6 @@ def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> tuple[data.Pretrainin
 
 
 def build_model(preset: ModelPreset, vocab: Vocabulary) -> nn.Module:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import BertConfig, BertForPreTraining
-
     config = BertConfig(vocab_size=vocab.size, hidden_size=preset.hidden_size,
                         num_hidden_layers=preset.num_layers, num_attention_heads=preset.num_heads,
                         intermediate_size=preset.intermediate_size, max_position_embeddings=preset.max_seq_len,
