@@ -39,7 +39,6 @@ from hsync.trainer import checkpoint
 from hsync.trainer.config import ModelPreset, TrainConfig, parse_args
 from hsync.trainer.consensus import agree, fail_together
 
-REPLAN_GAIN = 0.05  # a new batch plan must promise steps at least this much shorter
 MEMORY_FRACTION = 0.9  # of a GPU's memory that a batch plan may fill
 
 
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         log.step(step, stats, plan, time.perf_counter() - started, lr)
         measured = step == cfg.measure_steps or step % cfg.rebalance_every == 0
         if cfg.balance == "auto" and measured and step < last_step:
-            plan = replan(plan, micro_batch, window, capacities(stats, world, cfg.update_freq), rank)
+            plan = replan(plan, window, capacities(stats, world, cfg.update_freq), rank)
             window = balance.SpeedWindow()
         if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last_step):
             checkpoint.save(Path(cfg.save_dir), step, {
@@ -181,17 +180,12 @@ def initial_plan(cfg: TrainConfig, micro_batch: int, world: int) -> list[int]:
     return plan
 
 
-def replan(plan: list[int], micro_batch: int, window: balance.SpeedWindow, max_sizes: list[int] | None,
-           rank: int) -> list[int]:
-    """A plan proportional to the window's speeds within each rank's memory, kept only if it is
-    predicted to be clearly faster (measurements are noisy); every rank computes the same from the
-    same sums."""
+def replan(plan: list[int], window: balance.SpeedWindow, max_sizes: list[int] | None, rank: int) -> list[int]:
+    """A plan from the window's speeds within each rank's memory (see balance.rebalance)."""
     speeds = window.speeds()
-    if max_sizes and sum(max_sizes) < micro_batch:
+    if max_sizes and sum(max_sizes) < sum(plan):
         max_sizes = None  # the current plan runs, so the estimate is too cautious: speed alone decides
-    new = balance.plan_batch_sizes(micro_batch, speeds, max_sizes)
-    if balance.step_time(new, speeds) > (1 - REPLAN_GAIN) * balance.step_time(plan, speeds):
-        new = plan
+    new = balance.rebalance(plan, speeds, max_sizes)
     if rank == 0:
         shown = ", ".join(f"rank {r}: {s:.1f} ex/s" for r, s in enumerate(speeds))
         room = f", memory for at most {max_sizes}" if max_sizes else ""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hsync import data
-from hsync.balance import parse_rank_values, plan_batch_sizes
+from hsync.balance import parse_rank_values, plan_batch_sizes, rebalance
 
 SLICE = Path(__file__).parents[1] / "data" / "kjv-genesis.txt"
 
@@ -23,9 +23,21 @@ def test_split_proportionally_adds_up_and_follows_the_weights():
 def test_plan_follows_speeds_keeps_the_global_batch_and_respects_memory():
     assert plan_batch_sizes(32, [300.0, 100.0]) == [24, 8]
     assert plan_batch_sizes(32, [1000.0, 1.0]) == [31, 1], "every rank keeps at least one example"
+    assert plan_batch_sizes(32, [2.1, 1.0]) == [22, 10], "shortest step, not proportional rounding (21 + 11)"
+    assert plan_batch_sizes(3, [100.0, 1.0, 1.0]) == [1, 1, 1]
+    assert plan_batch_sizes(2, [1.0, 5.0, 1.0]) == [0, 2, 0]
     assert plan_batch_sizes(32, [300.0, 100.0], max_sizes=[20, 32]) == [20, 12]
     with pytest.raises(ValueError, match="does not fit"):
         plan_batch_sizes(64, [1.0, 1.0], max_sizes=[16, 16])
+
+
+def test_rebalance_switches_plans_only_for_a_clear_predicted_gain():
+    # 20+12 at a 2:1 speed ratio takes 12 units, 22+10 takes 11: 8% shorter, so it switches
+    assert rebalance([20, 12], [2.0, 1.0]) == [22, 10]
+    # at 1.95:1, 21+11 takes 11 units and 22+10 takes 11.3: the plan stays within 5%
+    assert rebalance([22, 10], [1.95, 1.0]) == [22, 10]
+    assert rebalance([16, 16], [1.0, 1.0]) == [16, 16]
+    assert rebalance([16, 16], [300.0, 100.0], max_sizes=[20, 32]) == [20, 12]
 
 
 def test_rank_values_are_parsed_with_clear_errors():
