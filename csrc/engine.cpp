@@ -147,7 +147,7 @@ void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& re
   HSYNC_CHECK(ref_weight.numel() == 1 && ref_weight.scalar_type() == at::kDouble &&
                   ref_weight.device() == device_,
               "the reference weight must be a float64 scalar on ", device_);
-  comm_->all_reduce_sum(scalars, Purpose::kStepScalars);
+  step_scalars_seq_ = comm_->all_reduce_sum(scalars, Purpose::kStepScalars);
   step_scalars_ = scalars;
   ref_weight_ = ref_weight.reshape({});
   pack_scale_resolved_ = false;
@@ -159,7 +159,7 @@ void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& re
 
 void Engine::resolve_pack_scale() {
   if (pack_scale_resolved_) return;
-  comm_->synchronize();
+  comm_->synchronize_through(step_scalars_seq_);
   const at::Tensor total = step_scalars_.select(0, 0);
   if (normalise_at_write_back_) {
     const double n = *total.const_data_ptr<double>();  // on the host: Note [Deferred normalisation]
@@ -234,7 +234,8 @@ void Engine::pack(size_t index, const at::Tensor& grad) {
 
 void Engine::launch_complete_buckets() {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
-    comm_->all_reduce_sum(buckets_[next_bucket_].buffer, Purpose::kBucket, static_cast<int64_t>(next_bucket_));
+    Bucket& bucket = buckets_[next_bucket_];
+    bucket.seq = comm_->all_reduce_sum(bucket.buffer, Purpose::kBucket, static_cast<int64_t>(next_bucket_));
     ++next_bucket_;
   }
 }
@@ -261,9 +262,11 @@ void Engine::finalize() {
     }
   }
   launch_complete_buckets();
-  comm_->synchronize();
-  resolve_pack_scale();  // when normalising at write-back: N is in by now
-  write_back();
+  resolve_pack_scale();  // when normalising at write-back: N's all-reduce went before every bucket's
+  for (const Bucket& bucket : buckets_) {
+    comm_->synchronize_through(bucket.seq);
+    write_back(bucket);
+  }
 
   std::vector<at::Tensor> flags;
   for (const Bucket& bucket : buckets_) flags.push_back(bucket.nonfinite_flag.to(at::kDouble));
@@ -277,7 +280,7 @@ void Engine::finalize() {
   plain_step_ = false;
 }
 
-void Engine::write_back() {
+void Engine::write_back(const Bucket& bucket) {
   const bool normalise = normalise_at_write_back_;  // Note [Deferred normalisation]
   // Bucket views are normalised in place, a whole bucket at a time; copies on their way out.
   const auto unpack = [&](const at::Tensor& reduced, const at::Tensor& grad) {
@@ -289,20 +292,18 @@ void Engine::write_back() {
       grad.copy_(reduced * write_back_scale_);
     }
   };
-  for (Bucket& bucket : buckets_) {
-    if (normalise && grads_as_views_) scale_cpu(bucket.gradients, bucket.gradients, write_back_scale_);
-    for (size_t k = 0; k < bucket.params.size(); ++k) {
-      at::Tensor& param = params_[bucket.params[k]];
-      at::Tensor& grad = param.mutable_grad();
-      const at::Tensor& reduced = bucket.slots[k];
-      if (grad.defined()) {
-        if (!grad.is_same(reduced)) unpack(reduced, grad);
-      } else if (bucket.used[k].item<double>() > 0) {
-        // Unused here but used elsewhere. Reading the flag synchronises with the device, which
-        // only happens when a parameter had no local gradient.
-        grad = grads_as_views_ ? reduced : at::empty_like(reduced, at::MemoryFormat::Contiguous);
-        if (!grad.is_same(reduced)) unpack(reduced, grad);
-      }
+  if (normalise && grads_as_views_) scale_cpu(bucket.gradients, bucket.gradients, write_back_scale_);
+  for (size_t k = 0; k < bucket.params.size(); ++k) {
+    at::Tensor& param = params_[bucket.params[k]];
+    at::Tensor& grad = param.mutable_grad();
+    const at::Tensor& reduced = bucket.slots[k];
+    if (grad.defined()) {
+      if (!grad.is_same(reduced)) unpack(reduced, grad);
+    } else if (bucket.used[k].item<double>() > 0) {
+      // Unused here but used elsewhere. Reading the flag synchronises with the device, which
+      // only happens when a parameter had no local gradient.
+      grad = grads_as_views_ ? reduced : at::empty_like(reduced, at::MemoryFormat::Contiguous);
+      if (!grad.is_same(reduced)) unpack(reduced, grad);
     }
   }
 }

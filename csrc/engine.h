@@ -27,7 +27,8 @@
 // in bucket order, so all ranks issue the same collectives in the same order. At the end of
 // backward, finalize() packs what no hook delivered (parameters unused on this rank: their
 // accumulated gradient if they have one, zeros otherwise), launches the remaining buckets,
-// waits, and writes the reduced gradients back. A parameter with no gradient on any rank keeps
+// then waits for each bucket in turn and writes it back while later buckets are still being
+// reduced (as c10d's reducer does). A parameter with no gradient on any rank keeps
 // no gradient, as with DDP's find_unused_parameters. finalize() runs as an autograd callback at
 // the end of a plain loss.backward(); a weighted step is finalized by its caller after
 // backward returns, so a nested backward (reentrant checkpointing) cannot end the step early.
@@ -74,6 +75,7 @@ struct Bucket {
   std::vector<at::Tensor> used;    // per param: its one-element used flag
   at::Tensor tail;                 // nonfinite flag and used flags, zeroed at each step
   size_t pending = 0;              // params not packed yet in this step
+  uint64_t seq = 0;                // its all-reduce's sequence number in this step
 };
 
 class Engine {
@@ -121,7 +123,7 @@ class Engine {
   void pack(size_t index, const at::Tensor& grad);
   void launch_complete_buckets();
   void finalize();
-  void write_back();
+  void write_back(const Bucket& bucket);
   void rebuild_from_ready_order();
 
   std::vector<at::Tensor> params_;
@@ -154,6 +156,7 @@ class Engine {
   bool normalise_at_write_back_ = false;    // this step's, Note [Deferred normalisation]
   double write_back_scale_ = 1.0;           // 1 / N once resolved, when normalising at write-back
   at::Tensor step_scalars_;                 // the weighted step's scalars, reduced in place
+  uint64_t step_scalars_seq_ = 0;           // their all-reduce's sequence number
   at::Tensor step_scalars_host_;            // their copy on the host (GPU only)
   std::optional<c10::Event> step_scalars_copied_;
   at::Tensor ref_weight_;

@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import BertConfig, BertForPreTraining
 
 import hsync
-from hsync.balance import BACKWARD_TO_FORWARD, plan_batch_sizes
+from hsync.balance import BACKWARD_TO_FORWARD, plan_batch_sizes, rebalance
 
 MIB = 1024 * 1024
 NAN = float("nan")
@@ -272,31 +272,42 @@ def peak_bytes_during(fn: Callable[[], None], device: torch.device) -> int:
     return peak
 
 
+class Gradients(nn.Module):
+    """Parameters whose forward returns a view of each: backward hands the given gradients straight to
+    the sync hooks, with no compute to hide the reduction behind."""
+
+    def __init__(self, count: int, numel: int, device: torch.device) -> None:
+        super().__init__()
+        self.tensors = nn.ParameterList(nn.Parameter(torch.zeros(numel, device=device)) for _ in range(count))
+
+    def forward(self) -> list[torch.Tensor]:
+        return [p.view_as(p) for p in self.tensors]
+
+
 def comm_path(device: torch.device, megabytes: float, rounds: int) -> Result:
-    """The reduction alone: hsync's hooks + pack + all-reduce + unpack of 64 gradients handed straight
-    to autograd (no compute to hide behind), against torch's all-reduce of the same bytes as one flat
-    tensor (the best it can do) and tensor by tensor, and, on GPU, a device-to-device copy."""
+    """The reduction alone: hooks + pack + all-reduce + unpack of 64 gradients through hsync and
+    through torch DDP (same bucket cap), over the same backward without sync; in the notes, torch's
+    all-reduce of the same bytes as one flat tensor (the wire's limit) and tensor by tensor, and, on
+    GPU, a device-to-device copy (the memory's limit for pack and unpack)."""
     numel = int(megabytes * MIB / 4) // 64
-    params = [nn.Parameter(torch.zeros(numel, device=device)) for _ in range(64)]
-    floor_params = [nn.Parameter(torch.zeros(numel, device=device)) for _ in range(64)]
-    model = hsync.WeightedDDP(nn.ParameterList(params))  # its hooks stay on `params` while it lives
+    nets = {"hsync": hsync.WeightedDDP(Gradients(64, numel, device)),
+            "ddp": DistributedDataParallel(Gradients(64, numel, device)), "nosync": Gradients(64, numel, device)}
     grads = [torch.ones(numel, device=device) for _ in range(64)]
     flat = torch.cat(grads)
     copy_dst = torch.empty_like(flat)
 
-    def backward_of(leaves: list[nn.Parameter]) -> Callable[[], None]:
+    def backward_of(net: nn.Module) -> Callable[[], None]:
         def step() -> None:
-            torch.autograd.backward(leaves, grads)
-            for p in leaves:
-                p.grad = None
+            torch.autograd.backward(net(), grads)
+            net.zero_grad(set_to_none=True)
         return step
 
     def per_tensor() -> None:
         for work in [dist.all_reduce(g, async_op=True) for g in grads]:
             work.wait()
 
-    steps = {"hsync": backward_of(params), "ddp": lambda: dist.all_reduce(flat), "nosync": backward_of(floor_params),
-             "per_tensor": per_tensor}
+    steps = {name: backward_of(net) for name, net in nets.items()}
+    steps |= {"flat": lambda: dist.all_reduce(flat), "per_tensor": per_tensor}
     if device.type == "cuda":
         steps["copy"] = lambda: copy_dst.copy_(flat)
     times: dict[str, list[float]] = {k: [] for k in steps}
@@ -314,9 +325,10 @@ def comm_path(device: torch.device, megabytes: float, rounds: int) -> Result:
     med = {k: statistics.median(v) for k, v in times.items()}
     p90 = {k: statistics.quantiles(v, n=10)[-1] for k, v in times.items()}
     gbytes = 64 * numel * 4 / 1e9
-    extra = {"hsync_buckets": len(model.bucket_params),
+    extra = {"hsync_buckets": len(nets["hsync"].bucket_params),
              "hsync_gb_per_s": gbytes / max(med["hsync"] - med["nosync"], 1e-9),
-             "torch_flat_gb_per_s": gbytes / med["ddp"], "torch_per_tensor_gb_per_s": gbytes / med["per_tensor"]}
+             "ddp_gb_per_s": gbytes / max(med["ddp"] - med["nosync"], 1e-9),
+             "torch_flat_gb_per_s": gbytes / med["flat"], "torch_per_tensor_gb_per_s": gbytes / med["per_tensor"]}
     if "copy" in med:
         extra["device_copy_gb_per_s"] = 2 * gbytes / med["copy"]  # read + write
     return Result(f"comm-path-{megabytes:g}MiB", med["hsync"], med["ddp"], med["nosync"], p90["hsync"], p90["ddp"],
@@ -352,21 +364,29 @@ def mixed_speeds(device: torch.device, slowdown: float, rounds: int, steps: int)
             times.append(time.perf_counter() - started)
         return times, mine / statistics.median(computes[1:] or computes)
 
+    def measured(speed: float) -> list[float]:
+        speeds = torch.zeros(world, dtype=torch.float64)
+        speeds[rank] = speed
+        dist.all_reduce(speeds)
+        return speeds.tolist()
+
     torch.manual_seed(0)
     ours = hsync.WeightedDDP(workload.make_model())
     torch.manual_seed(0)
     theirs = DistributedDataParallel(workload.make_model())
     equal = [global_batch // world] * world
-    # Warm-up on equal batches doubles as the speed measurement, as in the trainer's --balance auto.
+    # Warm-up on equal batches doubles as the speed measurement, as in the trainer's --balance auto,
+    # and each round's hsync steps re-measure, as the trainer's --rebalance-every does.
     _, speed = run(ours, equal, True)
-    speeds = torch.zeros(world, dtype=torch.float64)
-    speeds[rank] = speed
-    dist.all_reduce(speeds)
-    plan = plan_batch_sizes(global_batch, speeds.tolist())
+    first_speeds = measured(speed)
+    first_plan = plan = plan_batch_sizes(global_batch, first_speeds)
     run(theirs, equal, False)
     times = {"hsync": [], "ddp": []}
-    for _ in range(rounds):
-        times["hsync"] += run(ours, plan, True)[0]
+    for round_index in range(rounds):
+        if round_index:
+            plan = rebalance(plan, measured(speed))
+        hsync_times, speed = run(ours, plan, True)
+        times["hsync"] += hsync_times
         times["ddp"] += run(theirs, equal, False)[0]
     stacked = torch.tensor([times["hsync"], times["ddp"]], dtype=torch.float64)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
@@ -375,7 +395,8 @@ def mixed_speeds(device: torch.device, slowdown: float, rounds: int, steps: int)
     factors = [1.0, slowdown]
     extra = {"hsync_samples_per_s": global_batch / hs, "ddp_samples_per_s": global_batch / dd,
              "speedup_vs_ddp": dd / hs, "ideal_speedup": slowdown * sum(1 / f for f in factors) / world,
-             "plan_rank0": plan[0], "plan_rank1": plan[1], "measured_speed_ratio": speeds[0].item() / speeds[1].item()}
+             "first_plan_rank0": first_plan[0], "plan_rank0": plan[0], "plan_rank1": plan[1],
+             "first_speed_ratio": first_speeds[0] / first_speeds[1]}
     return Result(f"mixed-speeds-{slowdown:g}x", hs, dd, float("nan"), hs90, dd90, float("nan"), global_batch,
                   extra=extra)
 

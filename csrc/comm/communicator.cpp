@@ -39,8 +39,8 @@ Communicator::Communicator(int rank, int world_size, std::string backend, const 
   HSYNC_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " is outside world size ", world_size);
 }
 
-void Communicator::all_reduce_sum(const at::Tensor& tensor, Purpose purpose, int64_t index) {
-  issue(tensor, -1, purpose, index);
+uint64_t Communicator::all_reduce_sum(const at::Tensor& tensor, Purpose purpose, int64_t index) {
+  return issue(tensor, -1, purpose, index);
 }
 
 void Communicator::broadcast(const at::Tensor& tensor, int root, Purpose purpose) {
@@ -48,7 +48,15 @@ void Communicator::broadcast(const at::Tensor& tensor, int root, Purpose purpose
   issue(tensor, root, purpose, -1);
 }
 
-void Communicator::issue(const at::Tensor& tensor, int root, Purpose purpose, int64_t index) {
+void Communicator::synchronize() {
+  if (next_seq_ == 0) {
+    monitor_->check();
+  } else {
+    synchronize_through(next_seq_ - 1);
+  }
+}
+
+uint64_t Communicator::issue(const at::Tensor& tensor, int root, Purpose purpose, int64_t index) {
   monitor_->check();
   Collective collective;
   collective.seq = next_seq_++;
@@ -60,6 +68,7 @@ void Communicator::issue(const at::Tensor& tensor, int root, Purpose purpose, in
   if (debug_) verify_fingerprint(tensor, collective);
   collective.issued = Clock::now();
   launch(tensor, collective);
+  return collective.seq;
 }
 
 void Communicator::verify_fingerprint(const at::Tensor& tensor, const Collective& collective) {

@@ -43,17 +43,21 @@ class Communicator {
   const std::string& backend() const { return backend_; }
   std::chrono::milliseconds timeout() const { return monitor_->timeout(); }
 
-  // Enqueues an in-place SUM all-reduce of `tensor`. Returns at once; collectives run in the
-  // order they were issued, overlapping the caller's work. `tensor` must stay untouched until
-  // synchronize() returns. `index` is the bucket, for Purpose::kBucket.
-  void all_reduce_sum(const at::Tensor& tensor, Purpose purpose, int64_t index = -1);
+  // Enqueues an in-place SUM all-reduce of `tensor` and returns its sequence number. Returns at
+  // once; collectives run in the order they were issued, overlapping the caller's work. `tensor`
+  // must stay untouched until a synchronize covers it. `index` is the bucket, for Purpose::kBucket.
+  uint64_t all_reduce_sum(const at::Tensor& tensor, Purpose purpose, int64_t index = -1);
 
   // Enqueues an in-place broadcast of `tensor` from `root`.
   void broadcast(const at::Tensor& tensor, int root, Purpose purpose);
 
-  // Orders the caller after every collective issued so far: blocks the calling thread on CPU,
-  // makes the current CUDA stream wait on GPU (no host synchronisation). Throws a failure.
-  virtual void synchronize() = 0;
+  // Orders the caller after the collective numbered `seq` and every one issued before it: blocks
+  // the calling thread on CPU, makes the current CUDA stream wait on GPU (no host
+  // synchronisation). Later collectives go on meanwhile. Throws a failure.
+  virtual void synchronize_through(uint64_t seq) = 0;
+
+  // Orders the caller after every collective issued so far.
+  void synchronize();
 
   // Throws if a collective of this communicator failed here or on a peer.
   void check() const { monitor_->check(); }
@@ -65,7 +69,7 @@ class Communicator {
   FaultMonitor& monitor() { return *monitor_; }
 
  private:
-  void issue(const at::Tensor& tensor, int root, Purpose purpose, int64_t index);
+  uint64_t issue(const at::Tensor& tensor, int root, Purpose purpose, int64_t index);
   void verify_fingerprint(const at::Tensor& tensor, const Collective& collective);
 
   int rank_;

@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <thread>
 #include <utility>
 
@@ -61,8 +62,7 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int d
     : Communicator(rank, world_size, "nccl", options),
       device_index_(device_index),
       stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_index)),
-      enter_event_(device_index),
-      exit_event_(device_index) {
+      enter_event_(device_index) {
   ncclUniqueId id;
   HSYNC_CHECK(unique_id.size() == sizeof(id.internal), "NCCL unique id has ", unique_id.size(),
               " bytes, expected ", sizeof(id.internal));
@@ -173,10 +173,15 @@ void NcclComm::launch(const at::Tensor& tensor, const Collective& collective) {
   }
 }
 
-void NcclComm::synchronize() {
+void NcclComm::synchronize_through(uint64_t seq) {
   monitor().check();
   const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device_index_).stream();
-  exit_event_.order(stream_.stream(), caller);
+  const std::lock_guard<std::mutex> lock(mutex_);  // the monitor's thread destroys completed events
+  // Collectives complete in stream order, so the last one in flight up to `seq` (a fingerprint's
+  // check shares its collective's number and goes first) stands for all; completed ones have left.
+  const auto last = std::find_if(in_flight_.rbegin(), in_flight_.rend(),
+                                 [seq](const InFlight& f) { return f.collective.seq <= seq; });
+  if (last != in_flight_.rend()) HSYNC_CUDA_CHECK(cudaStreamWaitEvent(caller, last->done, 0));
 }
 
 std::optional<std::string> NcclComm::poll() {

@@ -7,8 +7,8 @@
 //
 // Note [Stream ordering]
 // Collectives run on the communicator's stream. all_reduce_sum first makes that stream wait for
-// the caller's current stream (where the bucket was packed); synchronize() makes the caller's
-// stream wait for the communicator's. Nothing here blocks the host.
+// the caller's current stream (where the bucket was packed); synchronize_through(seq) makes the
+// caller's stream wait for the event recorded after collective `seq`. Nothing here blocks the host.
 #pragma once
 
 #include <c10/cuda/CUDAStream.h>
@@ -59,7 +59,7 @@ class NcclComm final : public Communicator {
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
 
-  void synchronize() override;
+  void synchronize_through(uint64_t seq) override;
 
  protected:
   void launch(const at::Tensor& tensor, const Collective& collective) override;
@@ -85,7 +85,6 @@ class NcclComm final : public Communicator {
   ncclComm_t comm_ = nullptr;
   c10::cuda::CUDAStream stream_;
   StreamEvent enter_event_;
-  StreamEvent exit_event_;
   std::mutex mutex_;  // guards comm_ calls, in_flight_ and aborted_ against the monitor's thread
   std::deque<InFlight> in_flight_;
   bool aborted_ = false;

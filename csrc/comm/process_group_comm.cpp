@@ -60,11 +60,14 @@ void ProcessGroupComm::launch(const at::Tensor& tensor, const Collective& collec
   pending_.push_back({std::move(work), std::move(future), collective});
 }
 
-void ProcessGroupComm::synchronize() {
-  // Clear first: after a failure nothing must be waited on again.
-  auto pending = std::move(pending_);
-  pending_.clear();
-  for (const Pending& p : pending) wait(p);
+void ProcessGroupComm::synchronize_through(uint64_t seq) {
+  // Take them off the list first: after a failure nothing must be waited on again.
+  const auto later = std::find_if(pending_.begin(), pending_.end(),
+                                  [seq](const Pending& p) { return p.collective.seq > seq; });
+  std::vector<Pending> due(std::make_move_iterator(pending_.begin()), std::make_move_iterator(later));
+  pending_.erase(pending_.begin(), later);
+  monitor().check();
+  for (const Pending& p : due) wait(p);
 }
 
 void ProcessGroupComm::wait(const Pending& p) {

@@ -6,7 +6,7 @@
 // threads' runtime is gone, which aborts the process.
 //
 // Deadlines: gloo gets the collective timeout too, so a collective stuck on a frozen peer frees
-// gloo's thread at the deadline and the process can exit; synchronize() waits on each collective
+// gloo's thread at the deadline and the process can exit; a synchronize waits on each collective
 // until it completes, fails, passes its deadline or a peer posts a failure (Note [Failing fast]).
 #pragma once
 
@@ -25,7 +25,7 @@ class ProcessGroupComm final : public Communicator {
  public:
   ProcessGroupComm(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const FaultOptions& options);
 
-  void synchronize() override;
+  void synchronize_through(uint64_t seq) override;
 
  protected:
   void launch(const at::Tensor& tensor, const Collective& collective) override;
