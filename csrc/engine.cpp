@@ -34,7 +34,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<std::string> names,
       bucket_bytes_cap_(bucket_bytes_cap),
       first_bucket_bytes_cap_(first_bucket_bytes_cap),
       grads_as_views_(grads_as_views),
-      defer_normalisation_(!device_.is_cuda() &&
+      defer_normalisation_(!device_.is_cuda() && !grads_as_views &&
                            std::none_of(params_.begin(), params_.end(),
                                         [](const at::Tensor& p) { return p.scalar_type() == at::kHalf; })) {
   HSYNC_CHECK(!params_.empty(), "the model has no parameters that require a gradient");
@@ -281,10 +281,9 @@ void Engine::finalize() {
 }
 
 void Engine::write_back(const Bucket& bucket) {
-  const bool normalise = normalise_at_write_back_;  // Note [Deferred normalisation]
-  // Bucket views are normalised in place, a whole bucket at a time; copies on their way out.
-  const auto unpack = [&](const at::Tensor& reduced, const at::Tensor& grad) {
-    if (!normalise || grads_as_views_) {
+  // Normalised on the way out when deferred: Note [Deferred normalisation].
+  const auto unpack = [this](const at::Tensor& reduced, const at::Tensor& grad) {
+    if (!normalise_at_write_back_) {
       grad.copy_(reduced);
     } else if (grad.is_contiguous()) {
       scale_cpu(reduced, grad, write_back_scale_);
@@ -292,7 +291,6 @@ void Engine::write_back(const Bucket& bucket) {
       grad.copy_(reduced * write_back_scale_);
     }
   };
-  if (normalise && grads_as_views_) scale_cpu(bucket.gradients, bucket.gradients, write_back_scale_);
   for (size_t k = 0; k < bucket.params.size(); ++k) {
     at::Tensor& param = params_[bucket.params[k]];
     at::Tensor& grad = param.mutable_grad();

@@ -17,9 +17,13 @@
 // which time every collective has completed anyway: g = (sum_r ref_r g_r) * (1 / N). The result
 // depends only on this step's inputs, as before, so resumed runs stay bit-identical. Values in
 // the bucket grow by ref_r rather than staying near g: harmless in float32, float64 and
-// bfloat16, so only models with float16 gradients keep scaling before the sum. On GPU the wait
-// is the device's, not the host's (the pack kernel waits on the scalars' all-reduce on the
-// stream), so GPU steps scale before the sum as described above.
+// bfloat16, so only models with float16 gradients keep scaling before the sum. With gradients
+// as bucket views the division would be a second pass over every gradient, after the last
+// all-reduce, where waiting for N costs nothing in practice (the first gradient of a real
+// model takes longer to compute than the scalars take to travel): measured on BERT, waiting was
+// about 1% faster, so views scale before the sum too. On GPU the wait is the device's, not the
+// host's (the pack kernel waits on the scalars' all-reduce on the stream), so GPU steps scale
+// before the sum as described above.
 //
 // Note [Step lifecycle]
 // A step begins with the first gradient hook that fires while syncing (or with
