@@ -147,14 +147,18 @@ void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& re
   HSYNC_CHECK(ref_weight.numel() == 1 && ref_weight.scalar_type() == at::kDouble &&
                   ref_weight.device() == device_,
               "the reference weight must be a float64 scalar on ", device_);
-  step_scalars_seq_ = comm_->all_reduce_sum(scalars, Purpose::kStepScalars);
   step_scalars_ = scalars;
   ref_weight_ = ref_weight.reshape({});
   pack_scale_resolved_ = false;
   start_step();
   plain_step_ = false;
   normalise_at_write_back_ = defer_normalisation_;
-  if (normalise_at_write_back_) pack_scale_ = ref_weight_;
+  if (normalise_at_write_back_) {
+    pack_scale_ = ref_weight_;
+    scalars_due_ = true;  // issued with the first bucket: Note [Deferred normalisation]
+  } else {
+    step_scalars_seq_ = comm_->all_reduce_sum(scalars, Purpose::kStepScalars);
+  }
 }
 
 void Engine::resolve_pack_scale() {
@@ -234,6 +238,10 @@ void Engine::pack(size_t index, const at::Tensor& grad) {
 
 void Engine::launch_complete_buckets() {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
+    if (scalars_due_) {
+      step_scalars_seq_ = comm_->all_reduce_sum(step_scalars_, Purpose::kStepScalars);
+      scalars_due_ = false;
+    }
     Bucket& bucket = buckets_[next_bucket_];
     bucket.seq = comm_->all_reduce_sum(bucket.buffer, Purpose::kBucket, static_cast<int64_t>(next_bucket_));
     ++next_bucket_;
