@@ -191,7 +191,9 @@ def time_variants(workload: Workload, rounds: int, steps: int, rank: int, device
     params = [p for p in ours.module.parameters() if p.requires_grad]  # what bucket_params indexes
     largest_bucket = max(sum(params[i].nbytes for i in bucket) for bucket in ours.bucket_params)
     del models, ours, params
-    memory = torch.tensor([training_memory_mb(v, workload, batches, device) for v in MEMORY_VARIANTS])
+    measurable = device.type == "cuda" or _mallinfo2() is not None
+    memory = torch.tensor([training_memory_mb(v, workload, batches, device) for v in MEMORY_VARIANTS]
+                          if measurable else [NAN] * len(MEMORY_VARIANTS))
     # Every rank's step is as slow as the slowest rank's: take the max over ranks, step by step.
     stacked = torch.tensor([times[v] for v in VARIANTS], dtype=torch.float64)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
@@ -200,7 +202,7 @@ def time_variants(workload: Workload, rounds: int, steps: int, rank: int, device
     p90 = {v: statistics.quantiles(stacked[i].tolist(), n=10)[-1] for i, v in enumerate(VARIANTS)}
     return Result(workload.name, med["hsync"], med["ddp"], med["nosync"], p90["hsync"], p90["ddp"], p90["nosync"],
                   workload.samples * dist.get_world_size(), med["hsync_plain"], p90["hsync_plain"],
-                  peak_memory_mb=dict(zip(MEMORY_VARIANTS, memory.tolist(), strict=True)),
+                  peak_memory_mb=dict(zip(MEMORY_VARIANTS, memory.tolist(), strict=True)) if measurable else {},
                   extra={"largest_bucket_mib": largest_bucket / MIB})
 
 
@@ -243,10 +245,11 @@ def live_bytes(device: torch.device) -> int:
 
 
 @cache
-def _mallinfo2() -> Callable[[], _Mallinfo2]:
-    """glibc's mallinfo2, looked up once."""
-    function = ctypes.CDLL(None).mallinfo2
-    function.restype = _Mallinfo2
+def _mallinfo2() -> Callable[[], _Mallinfo2] | None:
+    """glibc's mallinfo2, looked up once; None elsewhere (macOS, musl), where CPU memory goes unmeasured."""
+    function = getattr(ctypes.CDLL(None), "mallinfo2", None)
+    if function is not None:
+        function.restype = _Mallinfo2
     return function
 
 
