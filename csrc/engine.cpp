@@ -111,7 +111,6 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
       bucket.used.push_back(bucket.buffer.narrow(0, numel + 1 + static_cast<int64_t>(k), 1));
       locator_[indices[k]] = {buckets_.size(), k};
     }
-    bucket.gradients = bucket.buffer.narrow(0, 0, numel);
     bucket.nonfinite_flag = bucket.buffer.narrow(0, numel, 1);
     bucket.tail = bucket.buffer.narrow(0, numel, tail);
     buckets_.push_back(std::move(bucket));

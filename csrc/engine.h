@@ -75,7 +75,6 @@ namespace hsync {
 // Slots start at 16-byte boundaries for vectorised packing; padding stays zero.
 struct Bucket {
   at::Tensor buffer;
-  at::Tensor gradients;            // the buffer less its tail: every slot, padding included
   std::vector<int64_t> params;     // indices into Engine::params_
   std::vector<at::Tensor> slots;   // per param: its slot, viewed in the parameter's shape
   at::Tensor nonfinite_flag;       // one element

@@ -49,9 +49,9 @@ def step_time(plan: list[int], speeds: list[float]) -> float:
 
 
 def rebalance(plan: list[int], speeds: list[float], max_sizes: list[int] | None = None) -> list[int]:
-    """A plan proportional to `speeds` for the same total, kept only if it is predicted to be clearly
-    faster than `plan`: measured speeds are noisy, and a plan that flips on noise costs more than it
-    wins. Every rank computes the same from the same speeds."""
+    """The shortest plan at `speeds` for the same total (plan_batch_sizes), kept only if it is predicted
+    to be clearly faster than `plan`: measured speeds are noisy, and a plan that flips on noise costs
+    more than it wins. Every rank computes the same from the same speeds."""
     new = plan_batch_sizes(sum(plan), speeds, max_sizes)
     return new if step_time(new, speeds) <= (1 - REPLAN_GAIN) * step_time(plan, speeds) else plan
 

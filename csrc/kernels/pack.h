@@ -23,9 +23,8 @@ void scale_and_pack(const at::Tensor& grad, const at::Tensor& out, const at::Ten
 void scale_and_pack_cpu(const at::Tensor& grad, const at::Tensor& out, double scale,
                         const at::Tensor& nonfinite_flag, const at::Tensor& used_flag);
 
-// out = in * scale on the CPU (out contiguous; in may be out); returns whether `in` held an inf or
-// NaN. The write-back of Note [Deferred normalisation] uses it alone.
-bool scale_cpu(const at::Tensor& in, const at::Tensor& out, double scale);
+// out = in * scale on the CPU (out contiguous): the write-back of Note [Deferred normalisation].
+void scale_cpu(const at::Tensor& in, const at::Tensor& out, double scale);
 
 #ifdef HSYNC_WITH_CUDA
 void scale_and_pack_cuda(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& scale,

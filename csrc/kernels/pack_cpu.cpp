@@ -45,14 +45,12 @@ bool scale_contiguous(const at::Tensor& in, const at::Tensor& out, double scale)
 
 }  // namespace
 
-bool scale_cpu(const at::Tensor& in, const at::Tensor& out, double scale) {
+void scale_cpu(const at::Tensor& in, const at::Tensor& out, double scale) {
   HSYNC_CHECK(out.is_contiguous(), "scale_cpu: the output must be contiguous");
   const at::Tensor contiguous_in = in.contiguous();
-  bool nonfinite = false;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "scale_cpu", [&] {
-    nonfinite = scale_contiguous<scalar_t>(contiguous_in, out, scale);
+    scale_contiguous<scalar_t>(contiguous_in, out, scale);
   });
-  return nonfinite;
 }
 
 void scale_and_pack_cpu(const at::Tensor& grad, const at::Tensor& out, double scale,
