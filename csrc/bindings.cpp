@@ -83,7 +83,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("ref_weight"), release_gil())
       .def("step_scalars", &Engine::step_scalars, release_gil())
       .def("finalize_if_pending", &Engine::finalize_if_pending, release_gil())
-      .def("set_sync", &Engine::set_sync, py::arg("enabled"))
+      .def("expect_gradients", &Engine::expect_gradients, py::arg("expected"))
+      .def("set_join_plain_step", &Engine::set_join_plain_step, py::arg("scalars"),
+           py::arg("divide_by_world_size"))
       .def("broadcast_coalesced", &Engine::broadcast_coalesced, py::arg("tensors"), py::arg("root"),
            release_gil())
       .def("last_grad_nonfinite", &Engine::last_grad_nonfinite)

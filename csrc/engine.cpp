@@ -146,14 +146,31 @@ void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& re
   HSYNC_CHECK(ref_weight.numel() == 1 && ref_weight.scalar_type() == at::kDouble &&
                   ref_weight.device() == device_,
               "the reference weight must be a float64 scalar on ", device_);
-  step_scalars_ = scalars;
-  ref_weight_ = ref_weight.reshape({});
-  pack_scale_resolved_ = false;
-  start_step();
+  start_weighted_step(scalars, ref_weight.reshape({}), /*scale_by_world_size=*/false);
   plain_step_ = false;
-  normalise_at_write_back_ = defer_normalisation_;
-  if (normalise_at_write_back_) {
-    pack_scale_ = ref_weight_;
+  expect_gradients_.store(true);
+}
+
+void Engine::set_join_plain_step(const std::optional<at::Tensor>& scalars, bool divide_by_world_size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  HSYNC_CHECK(!scalars || (scalars->dim() == 1 && scalars->scalar_type() == at::kDouble &&
+                           scalars->device() == device_),
+              "join step scalars must be a 1-D float64 tensor on ", device_);
+  join_scalars_ = scalars.value_or(at::Tensor());
+  join_divide_by_world_size_ = divide_by_world_size;
+}
+
+void Engine::start_weighted_step(const at::Tensor& scalars, const at::Tensor& ref_weight,
+                                 bool scale_by_world_size) {
+  step_scalars_ = scalars;
+  ref_weight_ = ref_weight;
+  start_step();
+  // A plain step under Join keeps DDP's scale and needs no total: Note [Join].
+  pack_scale_resolved_ = scale_by_world_size;
+  normalise_at_write_back_ = defer_normalisation_ && !scale_by_world_size;
+  if (scale_by_world_size) pack_scale_ = plain_scale_;
+  if (normalise_at_write_back_) pack_scale_ = ref_weight_;
+  if (defer_normalisation_) {
     scalars_due_ = true;  // issued with the first bucket: Note [Deferred normalisation]
   } else {
     step_scalars_seq_ = comm_->all_reduce_sum(scalars, Purpose::kStepScalars);
@@ -190,11 +207,16 @@ at::Tensor Engine::step_scalars() {
 }
 
 void Engine::on_gradient_ready(size_t index) {
-  if (!sync_enabled_.load()) return;
+  if (!expect_gradients_.load()) return;  // Note [Which backward synchronises]
   std::lock_guard<std::mutex> lock(mutex_);
   if (!in_step_) {
-    pack_scale_ = plain_scale_;
-    start_step();
+    if (join_scalars_.defined()) {
+      start_weighted_step(join_scalars_.clone(), at::ones({}, join_scalars_.options()),
+                          join_divide_by_world_size_);
+    } else {
+      pack_scale_ = plain_scale_;
+      start_step();
+    }
     plain_step_ = true;
   }
   const int task = torch::autograd::get_current_graph_task_id();
@@ -216,8 +238,19 @@ void Engine::on_gradient_ready(size_t index) {
   ready_[index] = true;
   if (!rebuilt_) ready_order_.push_back(static_cast<int64_t>(index));
   if (!normalise_at_write_back_) resolve_pack_scale();
-  pack(index, params_[index].grad());
+  const at::Tensor& grad = params_[index].grad();
+  if (grad.defined()) {
+    pack(index, grad);
+  } else {
+    skip_unused(index);  // Note [Which backward synchronises]
+  }
   launch_complete_buckets();
+}
+
+void Engine::skip_unused(size_t index) {
+  const auto [b, k] = locator_[index];
+  buckets_[b].slots[k].zero_();
+  --buckets_[b].pending;
 }
 
 void Engine::pack(size_t index, const at::Tensor& grad) {
@@ -248,7 +281,7 @@ void Engine::launch_complete_buckets() {
 }
 
 void Engine::finalize_if_pending() {
-  if (sync_enabled_.load() && in_step_) finalize();
+  if (in_step_) finalize();
 }
 
 void Engine::finalize() {
@@ -263,9 +296,7 @@ void Engine::finalize() {
     if (grad.defined()) {
       pack(i, grad);
     } else {
-      const auto [b, k] = locator_[i];
-      buckets_[b].slots[k].zero_();
-      --buckets_[b].pending;
+      skip_unused(i);
     }
   }
   launch_complete_buckets();
@@ -285,6 +316,7 @@ void Engine::finalize() {
   }
   in_step_ = false;
   plain_step_ = false;
+  expect_gradients_.store(false);
 }
 
 void Engine::write_back(const Bucket& bucket) {
@@ -362,7 +394,13 @@ void Engine::broadcast_coalesced(const std::vector<at::Tensor>& tensors, int roo
   for (auto& [flat, group] : flats) {
     int64_t offset = 0;
     for (const at::Tensor& t : group) {
+      // New values, not a new version: a buffer saved for backward by an earlier forward (BatchNorm's
+      // running statistics, two forwards before one backward) must not fail autograd's version
+      // check, as DDP's buffer broadcast does not.
+      auto version = torch::autograd::impl::version_counter(t);  // shares the counter
+      const auto saved_version = version.current_version();
       t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      version.set_version(saved_version);
       offset += t.numel();
     }
   }

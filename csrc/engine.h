@@ -50,6 +50,22 @@
 // slot (the first backward, or any after zero_grad(set_to_none=True)) is packed by copy and the
 // parameter's .grad is then pointed at the slot, so the fresh tensor is freed at once. When the
 // buckets are rebuilt the gradients move to their new slots.
+//
+// Note [Which backward synchronises]
+// As with DDP, a plain backward reduces gradients only after the wrapper's own forward ran with
+// gradients enabled outside no_sync (DDP's prepare_for_backward): hooks are armed there and
+// disarmed when the step completes. A backward through the bare module (an evaluation on one
+// rank, a second use of a sub-module) then accumulates locally instead of starting a collective
+// that no peer joins. A weighted step arms the hooks itself. A gradient that autograd leaves
+// undefined (a custom Function returning None for a parameter) counts as unused on this rank,
+// as in DDP: it contributes zeros and, used nowhere, leaves .grad untouched.
+//
+// Note [Join]
+// Under torch's Join context a rank whose data ran out shadows every synchronised step of the
+// others with a weighted step of weight 0 (hsync/ddp.py). For that it must issue the same
+// collectives, so under Join a plain loss.backward() all-reduces step scalars too (weight 1 per
+// rank): its gradients are either scaled by 1 / world_size as always (DDP's
+// divide_by_initial_world_size, the default) or by 1 / (ranks not joined), read from those scalars.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -104,10 +120,14 @@ class Engine {
   // Completes the current step if autograd did not (no hook fired in this backward).
   void finalize_if_pending();
 
-  // While false (no_sync), hooks leave gradients to accumulate locally.
-  void set_sync(bool enabled) { sync_enabled_.store(enabled); }
+  // Whether gradient hooks feed a synchronised step: Note [Which backward synchronises].
+  void expect_gradients(bool expected) { expect_gradients_.store(expected); }
 
-  // Broadcasts `tensors` in place from `root`, one collective per dtype.
+  // Under Join, plain steps all-reduce `scalars` (this rank's, weight 1) as weighted steps do;
+  // an undefined tensor turns that off. Note [Join].
+  void set_join_plain_step(const std::optional<at::Tensor>& scalars, bool divide_by_world_size);
+
+  // Broadcasts `tensors` in place from `root`, one collective per dtype; their autograd versions stay.
   void broadcast_coalesced(const std::vector<at::Tensor>& tensors, int root);
 
   // Number of non-finite flags raised in the last completed step, summed over ranks and buckets
@@ -125,6 +145,8 @@ class Engine {
   void move_grads_into_slots();  // Note [Gradients as bucket views]
   void on_gradient_ready(size_t index);
   void start_step();                       // caller holds mutex_
+  void start_weighted_step(const at::Tensor& scalars, const at::Tensor& ref_weight, bool scale_by_world_size);
+  void skip_unused(size_t index);          // Note [Step lifecycle]
   void resolve_pack_scale();               // caller holds mutex_
   void pack(size_t index, const at::Tensor& grad);
   void launch_complete_buckets();
@@ -149,7 +171,9 @@ class Engine {
   std::vector<std::pair<size_t, size_t>> locator_;  // param -> (bucket, position in bucket)
 
   std::mutex mutex_;
-  std::atomic<bool> sync_enabled_{true};  // written by Python, read by autograd's threads
+  std::atomic<bool> expect_gradients_{false};  // written by Python, read by autograd's threads
+  at::Tensor join_scalars_;                 // Note [Join]; undefined outside Join
+  bool join_divide_by_world_size_ = true;
   bool in_step_ = false;
   bool plain_step_ = false;                // begun by a hook: finalize runs as an autograd callback
   int step_task_id_ = -1;                  // the autograd graph task whose hooks feed this step

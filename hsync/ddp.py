@@ -12,13 +12,15 @@ import itertools
 import math
 import numbers
 import os
+import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
 from hsync._extension import _C
 from hsync.stats import (
@@ -58,26 +60,35 @@ class _Window:
     problem_kind: BadInput | None = None
 
 
-class WeightedDDP(nn.Module):
+class WeightedDDP(nn.Module, Joinable):
     """Wraps `module` for data-parallel training in which each rank may hold a different number of examples.
 
     `loss.backward()` gives torch DDP's result (gradients averaged over ranks with equal weights).
     `model.backward(loss, weight=n)` gives the exact gradient of the global weighted mean:
     sum_r n_r g_r / sum_r n_r, and returns the step's global StepStats.
 
+    The positional and keyword arguments are DDP's, so code written for DDP runs unchanged; the
+    README lists where behaviour differs. Beyond DDP's, keyword only:
+
     Args:
-        module: the model; every rank must pass the same architecture (checked at wrap time).
-        process_group: the group to reduce over (default: the default group).
-        bucket_cap_mb: bucket size cap in MiB, as DDP's.
         first_bucket_cap_mb: cap of the first bucket, kept small so communication starts early.
-        broadcast_buffers: broadcast rank 0's buffers before each synchronised forward, as DDP does.
-        gradient_as_bucket_view: as DDP's: each parameter's .grad becomes a view into its bucket, which
-            saves a copy of every gradient in memory and the copy back after each reduction. The next
-            reduction rewrites .grad in place, so clone it to keep it past the next step.
         metric_names: names of the extra sums that backward(..., metrics={...}) may report.
         timeout: how long any one collective may take before this rank gives up with an error naming it
             (default: HSYNC_TIMEOUT seconds, else DEFAULT_TIMEOUT). It spans the skew between ranks,
             so it must exceed the longest time one rank may run ahead of another.
+
+    DDP's arguments as hsync reads them: `process_group` or a 1-D `device_mesh` choose the group;
+    `bucket_cap_mb` (default 25); `broadcast_buffers` / `forward_sync_buffers` as DDP's (rank 0's
+    buffers at wrap time and before each forward that follows a synchronised one); `init_sync`
+    (broadcast rank 0's state at wrap time); `gradient_as_bucket_view` (each .grad is a view into
+    its bucket: no second copy of the gradients, and the next reduction rewrites .grad in place);
+    `device_ids` (one device, the module's: inputs move there, as with DDP). What hsync does always
+    is accepted and needs no switch: `find_unused_parameters`, `static_graph`,
+    `skip_all_reduce_unused_params`, `batched_grad_copy`; `output_device` and `dim` mean nothing
+    for a single-device module, as in DDP. What hsync cannot do is refused with a message:
+    `delay_all_reduce_named_params`, `param_to_hook_all_reduce`, `mixed_precision`,
+    `bucket_cap_mb_list`. Parameters and buffers named in `module._ddp_params_and_buffers_to_ignore`
+    (DDP's `_set_params_and_buffers_to_ignore_for_model`) are neither reduced nor broadcast.
 
     Set HSYNC_DEBUG_COLLECTIVES=1 to compare every collective across ranks before it runs ("collective
     mismatch: ..." instead of a hang when ranks make different calls); it slows every step.
@@ -86,68 +97,254 @@ class WeightedDDP(nn.Module):
     def __init__(
         self,
         module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = _C.default_bucket_bytes_cap / _MIB,
-        first_bucket_cap_mb: float = _C.default_first_bucket_bytes_cap / _MIB,
-        broadcast_buffers: bool = True,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: object = None,
+        param_to_hook_all_reduce: object = None,
+        mixed_precision: object = None,
+        device_mesh: object = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: object = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
+        first_bucket_cap_mb: float = _C.default_first_bucket_bytes_cap / _MIB,
         metric_names: tuple[str, ...] = (),
         timeout: datetime.timedelta | None = None,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
+        flags = dict(init_sync=init_sync, find_unused_parameters=find_unused_parameters,
+                     check_reduction=check_reduction, gradient_as_bucket_view=gradient_as_bucket_view,
+                     static_graph=static_graph, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+                     batched_grad_copy=batched_grad_copy, broadcast_buffers=broadcast_buffers,
+                     forward_sync_buffers=forward_sync_buffers)
+        for name, value in flags.items():
+            if not isinstance(value, bool) and not (value is None and name.endswith("buffers")):
+                raise TypeError(f"hsync.WeightedDDP: {name} must be True or False, got {_describe(value)}")
+        unsupported = dict(delay_all_reduce_named_params=delay_all_reduce_named_params,
+                           param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
+                           bucket_cap_mb_list=bucket_cap_mb_list)
+        for name, value in unsupported.items():
+            if value is not None:
+                raise ValueError(f"hsync.WeightedDDP does not support DDP's {name}; leave it unset "
+                                 "(see 'Differences from DDP' in the README)")
+        if check_reduction:
+            warnings.warn("The `check_reduction` argument is deprecated (as in DDP) and has no effect.",
+                          FutureWarning, stacklevel=2)
+        if not isinstance(dim, int):
+            raise TypeError(f"hsync.WeightedDDP: dim must be an int, got {_describe(dim)}")
         if not dist.is_initialized():
             raise RuntimeError("hsync.WeightedDDP needs torch.distributed.init_process_group() first")
-        if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
+        if process_group is not None and device_mesh is not None:
+            raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+        if device_mesh is not None:
+            if device_mesh.ndim != 1:
+                raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+            process_group = device_mesh.get_group(mesh_dim=0)
+        bucket_cap_mb = _C.default_bucket_bytes_cap / _MIB if bucket_cap_mb is None else bucket_cap_mb
+        if not (bucket_cap_mb > 0 and first_bucket_cap_mb > 0):
             raise ValueError(f"bucket caps must be positive, got {bucket_cap_mb} and {first_bucket_cap_mb} MiB")
+        if not any(p.requires_grad for p in _reduced_parameters(module)):
+            raise RuntimeError("hsync.WeightedDDP (like DistributedDataParallel) is not needed when a module "
+                               "doesn't have any parameter that requires a gradient.")
+
         self.module = module
-        group = process_group or dist.group.WORLD
+        self.dim = dim
+        self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        # As DDP's: broadcast_buffers=False also skips the buffers at wrap time, forward_sync_buffers does not.
+        self.forward_sync_buffers = forward_sync_buffers if forward_sync_buffers is not None else (
+            broadcast_buffers is not False)
+        self.metric_names = tuple(metric_names)
+        self._bucket_bytes_cap = int(bucket_cap_mb * _MIB)
+        self._first_bucket_bytes_cap = int(first_bucket_cap_mb * _MIB)
+        self._timeout_s = _resolve_timeout(timeout)
+        self._uses_default_group = process_group is None or process_group == dist.group.WORLD
+        self._syncing = True  # DDP's require_backward_grad_sync
+        self._buffers_due = True  # DDP's require_forward_param_sync: the last forward fed a synced step
+        self._join_announced = False  # what this rank's last forward under Join told the joined ranks
+        self._plain_steps_join = False  # whether the engine's plain steps are set up for Join
+        self._divide_by_initial_world_size = True
+        self._window: _Window | None = None
+        self._engine = None
+        device = next(p.device for p in _reduced_parameters(module) if p.requires_grad)
+        self.device_ids, self.output_device = _check_device_ids(device_ids, output_device, device)
+        self._build_engine(process_group or dist.group.WORLD)
+        if init_sync:
+            # Like DDP: every rank starts from rank 0's parameters (and buffers, unless broadcast_buffers=False).
+            buffers = self._synced_buffers() if forward_sync_buffers or broadcast_buffers is not False else []
+            self._engine.broadcast_coalesced([p.detach() for p in _reduced_parameters(module)] + buffers, 0)
+
+    def _build_engine(self, group: dist.ProcessGroup) -> None:
+        """Checks the model across ranks and builds the engine: at wrap time, and lazily for a copy."""
         # Weakly, like the engine: destroy_process_group() must be able to free the group (and join
         # its threads) while the model lives on; a group freed at interpreter exit aborts it.
         self._group = weakref.ref(group)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.metric_names = tuple(metric_names)
-
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        _verify_same_model(group, module)
-        self.device = named[0][1].device if named else torch.device("cpu")
-        self._buffers_to_sync = [b for b in module.buffers() if b.numel() > 0] if broadcast_buffers else []
+        named = [(name, p) for name, p in _reduced_parameters(self.module, named=True) if p.requires_grad]
+        _verify_same_model(group, self.module)
+        self.device = named[0][1].device
         self._engine = _C.Engine(
             [p for _, p in named],
             [name for name, _ in named],
-            _make_comm(group, self.device, _resolve_timeout(timeout)),
-            int(bucket_cap_mb * _MIB),
-            int(first_bucket_cap_mb * _MIB),
-            gradient_as_bucket_view,
+            _make_comm(group, self.device, self._timeout_s),
+            self._bucket_bytes_cap,
+            self._first_bucket_bytes_cap,
+            self.gradient_as_bucket_view,
         )
-        # Like DDP: every rank starts from rank 0's parameters and buffers.
-        state = itertools.chain(module.parameters(), module.buffers())
-        self._engine.broadcast_coalesced([t.detach() for t in state], 0)
-        self._syncing = True
-        self._window: _Window | None = None
+
+    def _ensure_engine(self):
+        """The engine; a copy made by pickling or deepcopy builds its own on first use (see __getstate__)."""
+        if self._engine is None:
+            if not dist.is_initialized():
+                raise RuntimeError("hsync.WeightedDDP: this copy of a wrapper (unpickled or deep-copied) "
+                                   "synchronises over the default process group, so call "
+                                   "torch.distributed.init_process_group() before training it, or use "
+                                   "its .module alone")
+            self._build_engine(dist.group.WORLD)
+        return self._engine
+
+    def __getstate__(self) -> dict:
+        # As DDP: a copy keeps module and settings, not the communicator; it reduces over the default
+        # group with an engine of its own, built when it is first trained (on every rank, as any step).
+        if not self._uses_default_group:
+            raise RuntimeError("hsync.WeightedDDP can be pickled or copied only when it uses the default "
+                               "process group (no process_group or device_mesh argument), as with DDP; "
+                               "pickle model.module instead")
+        state = self.__dict__.copy()
+        state.update(_engine=None, _group=None, _window=None, _plain_steps_join=False, _buffers_due=False)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._join_config = _JoinConfig.construct_disabled_join_config()
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The group gradients are reduced over (None once it was destroyed)."""
-        return self._group()
+        return self._group() if self._group is not None else None
 
-    def forward(self, *args, **kwargs):
-        # Not under no_grad: evaluating on one rank alone must not start a collective.
-        if self._syncing and self._buffers_to_sync and torch.is_grad_enabled():
-            self._engine.broadcast_coalesced(self._buffers_to_sync, 0)
-        return self.module(*args, **kwargs)
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Whether buffers are broadcast from rank 0 before forwards (DDP's name for forward_sync_buffers)."""
+        return self.forward_sync_buffers
+
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        # Looked up each time, as DDP does: a buffer reassigned since wrap time is the one to send.
+        ignored = _ignored_names(self.module)
+        return [b for name, b in self.module.named_buffers() if name not in ignored and b.numel() > 0]
+
+    def forward(self, *inputs, **kwargs):
+        # As DDP: only a forward with gradients outside no_sync makes the next backward synchronise
+        # (Note [Which backward synchronises] in csrc/engine.h).
+        synced = torch.is_grad_enabled() and self._syncing
+        if self.device_ids:
+            inputs, kwargs = _move_to((inputs, kwargs), self.device)
+        if self._engine is None and not synced and not self._join_config.enable:
+            return self.module(*inputs, **kwargs)  # a copy not trained yet: nothing to synchronise
+        engine = self._ensure_engine()
+        if synced:
+            engine.expect_gradients(True)
+        buffers_due = self._buffers_due and self.forward_sync_buffers
+        root = 0
+        joining = self._join_config.enable
+        if joining != self._plain_steps_join:
+            # Under Join plain steps carry step scalars too, so joined ranks can shadow them: Note [Join].
+            plain = self._new_window().local
+            plain[WEIGHT] = 1.0
+            engine.set_join_plain_step(plain if joining else None, self._divide_by_initial_world_size)
+            self._plain_steps_join = joining
+        if joining:
+            Join.notify_join_context(self)
+            _, _, root = self._exchange_join_info(synced, buffers_due, joined=False)
+            self._join_announced = synced
+        if buffers_due:
+            buffers = self._synced_buffers()
+            if buffers:
+                engine.broadcast_coalesced(buffers, root)
+        self._buffers_due = synced
+        return self.module(*inputs, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the next synchronised backward reduces them all."""
+        """Accumulate gradients locally: forwards inside it are not followed by a reduction (as DDP's).
+
+        The next synchronised step reduces everything accumulated."""
         previous = self._syncing
         self._syncing = False
-        self._engine.set_sync(False)
         try:
             yield
         finally:
             self._syncing = previous
-            self._engine.set_sync(previous)
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """DDP's context for uneven inputs: a rank that ran out of batches shadows the others' steps.
+
+        A joined rank contributes weight 0, so weighted steps stay exact. Plain `loss.backward()` steps
+        divide by the world size (divide_by_initial_world_size=True, DDP's default) or by the number of
+        ranks not joined yet. At the end every rank holds the parameters of the last rank to join.
+        As with DDP, each forward under join must be followed by at most one synchronised backward."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        return _JoinHook(self, bool(kwargs.get("divide_by_initial_world_size", True)))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup | None:
+        return self.process_group
+
+    def _exchange_join_info(self, synced: bool, buffers_due: bool, joined: bool) -> tuple[bool, bool, int]:
+        """One all-reduce per forward under Join: whether a synced step and a buffer broadcast follow,
+        and the lowest rank not joined, whose buffers are broadcast (rank 0 may have joined)."""
+        info = [0.0] * (2 + self.world_size)
+        if not joined:
+            info[0], info[1], info[2 + self.rank] = float(synced), float(buffers_due), 1.0
+        reduced = torch.tensor(info, dtype=torch.float64, device=self.device)
+        dist.all_reduce(reduced, group=self.process_group)
+        values = reduced.tolist()
+        active = [r for r in range(self.world_size) if values[2 + r] > 0]
+        return values[0] > 0, values[1] > 0, active[0] if active else 0
+
+    def _shadow_iteration(self) -> None:
+        """A joined rank's side of one iteration of the others (Note [Join] in csrc/engine.h)."""
+        engine = self._ensure_engine()
+        synced, buffers_due, root = self._exchange_join_info(False, False, joined=True)
+        if buffers_due:
+            engine.broadcast_coalesced(self._synced_buffers(), root)
+        self._buffers_due = synced
+        if synced:
+            window = self._new_window()
+            engine.begin_weighted_step(window.local, window.ref)
+            engine.finalize_if_pending()
+            host = engine.step_scalars()
+            if host[BAD_RANKS] > 0:
+                raise ValueError(_bad_input_message(host, None, self.rank))
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        """After Join: every rank takes the model of the highest-ranked last joiner, as DDP does."""
+        candidate = torch.tensor([self.rank if is_last_joiner else -1], device=self.device)
+        dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=self.process_group)
+        tensors = [p.detach() for p in _reduced_parameters(self.module)]
+        tensors += self._synced_buffers() if self.forward_sync_buffers else []
+        self._engine.broadcast_coalesced(tensors, int(candidate.item()))
 
     def backward(
         self,
@@ -161,10 +358,16 @@ class WeightedDDP(nn.Module):
         the window, and the step's StepStats is returned. Under no_sync: accumulates and returns None.
         A bad input on any rank raises ValueError on every rank at the synchronised step.
         """
+        engine = self._ensure_engine()
+        if self._join_config.enable and self._join_announced != self._syncing:
+            raise RuntimeError("hsync: under join(), run each micro-step's forward in the same no_sync() "
+                               "state as its backward: the joined ranks were told at the forward whether "
+                               "this step synchronises")
         window = self._window or self._new_window()
         self._window = window
         w = self._add_micro_step(window, loss, weight, metrics or {})
         if not self._syncing:
+            engine.expect_gradients(False)  # accumulate, even after a forward outside no_sync
             if w is not None and loss.requires_grad:
                 self._backprop(loss, w, window.ref)
             return None
@@ -179,18 +382,18 @@ class WeightedDDP(nn.Module):
             scalars[BAD_KIND_SUM] = scalars[BAD_RANKS] * int(BadInput.WEIGHT_OUT_OF_RANGE)
         scalars[BAD_RANK_SUM] = scalars[BAD_RANKS] * (self.rank + 1)
 
-        self._engine.begin_weighted_step(scalars, window.ref)
+        engine.begin_weighted_step(scalars, window.ref)
         try:
             if w is not None and loss.requires_grad:
                 self._backprop(loss, w, window.ref)
         finally:
             # Also after a failed backward (out of memory, say): this rank still completes the
             # step's collectives, so its peers are not left waiting.
-            self._engine.finalize_if_pending()
-        host = self._engine.step_scalars()
+            engine.finalize_if_pending()
+        host = engine.step_scalars()
         if host[BAD_RANKS] > 0:
             raise ValueError(_bad_input_message(host, window.problem, self.rank))
-        return StepStats(host, self._engine.last_grad_nonfinite(), self.metric_names, self._engine.check)
+        return StepStats(host, engine.last_grad_nonfinite(), self.metric_names, engine.check)
 
     def _new_window(self) -> _Window:
         def zeros(*shape: int) -> torch.Tensor:
@@ -260,7 +463,72 @@ class WeightedDDP(nn.Module):
     @property
     def bucket_params(self) -> list[list[int]]:
         """Each bucket's parameters (indices into the parameters that require grad), in launch order."""
-        return self._engine.bucket_params()
+        return self._ensure_engine().bucket_params()
+
+
+class _JoinHook(JoinHook):
+    """How a WeightedDDP takes part in torch's Join once its rank has run out of inputs."""
+
+    def __init__(self, model: WeightedDDP, divide_by_initial_world_size: bool) -> None:
+        self.model = model
+        model._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        self.model._shadow_iteration()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.model._sync_final_model(is_last_joiner)
+
+
+def _ignored_names(module: nn.Module) -> set[str]:
+    """Names DDP's _set_params_and_buffers_to_ignore_for_model marked: neither reduced nor broadcast."""
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
+def _reduced_parameters(module: nn.Module, named: bool = False) -> list:
+    ignored = _ignored_names(module)
+    pairs = [(name, p) for name, p in module.named_parameters() if name not in ignored]
+    return pairs if named else [p for _, p in pairs]
+
+
+def _check_device_ids(device_ids, output_device, device: torch.device) -> tuple[list[int] | None, int | None]:
+    """DDP's rules for device_ids and output_device, for a module on `device`."""
+    if device_ids is not None and not isinstance(device_ids, Sequence):
+        raise TypeError(f"device_ids must be None or a list of one device, got {_describe(device_ids)}")
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError("device_ids can only be None or contain a single element.")
+    if not device_ids or device.type == "cpu":
+        if device_ids or output_device is not None:
+            raise ValueError("hsync.WeightedDDP device_ids and output_device arguments only work with "
+                             f"single-device GPU modules or CPU modules, but got device_ids {device_ids}, "
+                             f"output_device {output_device}, and module parameters on {device}.")
+        return None, None
+    index = _device_index(device_ids[0], device)
+    if index != device.index:
+        raise ValueError(f"device_ids {list(device_ids)} name another device than the module's parameters, "
+                         f"which are on {device}")
+    return [index], _device_index(device_ids[0] if output_device is None else output_device, device)
+
+
+def _device_index(value, device: torch.device) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str | torch.device) and torch.device(value).type == device.type:
+        return torch.device(value).index if torch.device(value).index is not None else 0
+    raise ValueError(f"expected a {device.type} device index or device, got {_describe(value)}")
+
+
+def _move_to(value, device: torch.device):
+    """Inputs moved to the module's device, as DDP does when given device_ids."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_move_to(v, device) for v in value))
+    if isinstance(value, list | tuple):
+        return type(value)(_move_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _move_to(v, device)) for k, v in value.items())
+    return value
 
 
 def _to_device(values: list[float], device: torch.device) -> torch.Tensor:
@@ -339,15 +607,15 @@ def _make_comm(group: dist.ProcessGroup, device: torch.device, timeout_s: float)
 
 def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
     """What must match across ranks, and this rank's problems that no rank could work with."""
+    ignored = _ignored_names(module)
     signature = [("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad)
-                 for name, p in module.named_parameters()]
-    signature += [("buffer", name, tuple(b.shape), str(b.dtype), False) for name, b in module.named_buffers()]
+                 for name, p in _reduced_parameters(module, named=True)]
+    signature += [("buffer", name, tuple(b.shape), str(b.dtype), False)
+                  for name, b in module.named_buffers() if name not in ignored]
     problems = []
-    devices = sorted({str(p.device) for p in module.parameters()})
+    devices = sorted({str(p.device) for p in _reduced_parameters(module)})
     if len(devices) > 1:
         problems.append(f"parameters on several devices ({', '.join(devices)}); wrap a single-device module")
-    if not any(p.requires_grad for p in module.parameters()):
-        problems.append("the module has no parameter that requires a gradient")
     for name, sub in module.named_modules():
         if isinstance(sub, nn.Embedding | nn.EmbeddingBag) and sub.sparse:
             problems.append(f"'{name}' produces sparse gradients (sparse=True); hsync reduces dense gradients only")
@@ -355,7 +623,8 @@ def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
 
 
 def _verify_same_model(group: dist.ProcessGroup, module: nn.Module) -> None:
-    """Raises the same ValueError on every rank if the ranks' models differ or one cannot be wrapped."""
+    """Raises the same error on every rank if the ranks' models differ (RuntimeError, as DDP's) or one
+    cannot be wrapped (ValueError)."""
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, _model_signature(module), group=group)
     for rank, (_, problems) in enumerate(gathered):
@@ -365,7 +634,7 @@ def _verify_same_model(group: dist.ProcessGroup, module: nn.Module) -> None:
     for rank, (signature, _) in enumerate(gathered[1:], start=1):
         difference = _first_difference(reference, signature, rank)
         if difference:
-            raise ValueError(f"hsync: the model differs across ranks: {difference}")
+            raise RuntimeError(f"hsync: the model differs across ranks: {difference}")
 
 
 def _first_difference(reference: list[tuple], other: list[tuple], rank: int) -> str | None:

@@ -1,0 +1,274 @@
+"""Programs written for torch DDP run unchanged on WeightedDDP: each scenario runs with both wrappers
+in the same processes, and the gradients must agree exactly (float64)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from tests.distributed.workloads import global_batch, make_net, mse
+from tests.spawn import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+
+def side_by_side(rank: int, world_size: int, scenario, *args) -> dict:
+    import hsync
+
+    results = {}
+    for name, wrap in (("ddp", DistributedDataParallel), ("hsync", hsync.WeightedDDP)):
+        torch.manual_seed(0)
+        results[name] = scenario(rank, world_size, wrap, *args)
+    return results
+
+
+def assert_same(results: list[dict]) -> None:
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["hsync"], result["ddp"], rtol=1e-12, atol=1e-12,
+                                   msg=lambda m, rank=rank: f"rank {rank}: hsync vs DDP: {m}")
+
+
+def grads_of(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {name: None if p.grad is None else p.grad.detach().clone() for name, p in module.named_parameters()}
+
+
+def two_forwards_batch_norm(rank, world_size, wrap):
+    model = wrap(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double())
+    for step in range(3):
+        x = torch.randn(6, 3, dtype=torch.float64) + rank + step
+        model.zero_grad()
+        (model(x).pow(2).sum() + model(2 * x).pow(2).sum()).backward()  # siamese: one backward
+    return {"grads": grads_of(model.module), "buffers": dict(model.module.named_buffers())}
+
+
+def test_two_forwards_one_backward_with_batch_norm():
+    assert_same(run_ranks(side_by_side, 2, two_forwards_batch_norm))
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2, dtype=torch.float64)
+        self.register_buffer("step", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x):
+        return self.fc(x) * self.step
+
+
+def buffer_reassigned_on_rank_0(rank, world_size, wrap):
+    model = wrap(Counter())
+    seen = []
+    for _ in range(3):
+        if rank == 0:
+            model.module.step = model.module.step + 1  # a new tensor, not an in-place update
+        model.zero_grad()
+        model(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
+        seen.append(model.module.step.item())
+    assert seen == [1.0, 2.0, 3.0], f"rank {rank} saw {seen}"
+    return grads_of(model.module)
+
+
+def test_a_buffer_reassigned_on_rank_0_reaches_every_rank():
+    assert_same(run_ranks(side_by_side, 2, buffer_reassigned_on_rank_0))
+
+
+class NoGradForWeight(torch.autograd.Function):
+    """y = x * w, but backward returns no gradient for w (None), as some custom kernels do."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class CustomNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3, dtype=torch.float64))
+        self.fc = nn.Linear(3, 1, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.fc(NoGradForWeight.apply(x, self.w))
+
+
+def undefined_gradient(rank, world_size, wrap):
+    model = wrap(CustomNet(), find_unused_parameters=True)
+    out = []
+    for step in range(3):
+        if step == 1:
+            model.module.w.grad = torch.full((3,), float(rank + 1), dtype=torch.float64)  # a gradient kept from before
+        model(torch.randn(4, 3, dtype=torch.float64)).sum().backward()
+        out.append(grads_of(model.module))
+        model.zero_grad(set_to_none=step != 1)
+    assert out[0]["w"] is None, "a gradient no rank produced stays undefined"
+    return out
+
+
+def test_an_undefined_gradient_counts_as_unused():
+    assert_same(run_ranks(side_by_side, 2, undefined_gradient))
+
+
+def backward_outside_the_wrapper(rank, world_size, wrap):
+    model = wrap(make_net(seed=0), find_unused_parameters=True)
+    _, _, slices = global_batch(0, [4] * world_size)
+    x, y = slices[rank]
+    if rank == 0:
+        # An evaluation with gradients on one rank only, through the bare module: no collective.
+        mse(model.module(x), y).backward()
+        local = grads_of(model.module)
+        model.zero_grad()
+    model.zero_grad()
+    mse(model(x), y).backward()  # a normal synced step afterwards
+    return grads_of(model.module) | ({"local": local["inp.weight"]} if rank == 0 else {})
+
+
+def test_a_backward_that_skipped_the_wrappers_forward_stays_local():
+    results = run_ranks(side_by_side, 2, backward_outside_the_wrapper, timeout=60)
+    assert_same(results)
+
+
+def pickled_copies(rank, world_size, wrap):
+    model = wrap(make_net(seed=0), find_unused_parameters=True)
+    _, _, slices = global_batch(0, [4] * world_size)
+    x, y = slices[rank]
+    mse(model(x), y).backward()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    copied = copy.deepcopy(model)
+    results = {}
+    for name, m in (("loaded", loaded), ("copied", copied)):
+        m.zero_grad()
+        mse(m(x), y).backward()  # its own reduction, over the default group
+        results[name] = grads_of(m.module)
+    return results
+
+
+def test_pickled_and_deep_copied_wrappers_train_like_ddps():
+    assert_same(run_ranks(side_by_side, 2, pickled_copies))
+
+
+def save_wrapper(rank, world_size, path: str) -> None:
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0))
+    if rank == 0:
+        torch.save(model, path)
+    group = dist.new_group([0, 1])
+    with pytest.raises(RuntimeError, match="only when it uses the default process group"):
+        pickle.dumps(hsync.WeightedDDP(make_net(seed=0), process_group=group))
+
+
+def test_a_loaded_wrapper_without_a_process_group_infers_and_refuses_training(tmp_path):
+    import hsync  # noqa: F401 - the class must be importable to unpickle
+
+    path = str(tmp_path / "wrapper.pt")
+    run_ranks(save_wrapper, 2, path)
+    model = torch.load(path, weights_only=False)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model.module(x))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        model(x)
+
+
+def constructor_arguments(rank, world_size):
+    import hsync
+
+    ddp_params = list(inspect.signature(DistributedDataParallel.__init__).parameters)
+    ours = list(inspect.signature(hsync.WeightedDDP.__init__).parameters)
+    assert ours[:len(ddp_params)] == ddp_params, "DDP's arguments, in DDP's order"
+
+    net = make_net(seed=0)
+    model = hsync.WeightedDDP(net, None, None, 0, True, True, None, 25, True, False, False, True)  # positional
+    assert model.find_unused_parameters and model.static_graph and model.broadcast_buffers
+    hsync.WeightedDDP(make_net(seed=0), device_ids=None, output_device=None, find_unused_parameters=False,
+                      static_graph=True, gradient_as_bucket_view=True, init_sync=False,
+                      skip_all_reduce_unused_params=True, batched_grad_copy=True, forward_sync_buffers=False)
+    refused = {
+        "device_ids on a CPU module": {"device_ids": [0]},
+        "two device_ids": {"device_ids": [0, 1]},
+        "output_device on a CPU module": {"output_device": 0},
+        "mixed_precision": {"mixed_precision": object()},
+        "bucket_cap_mb_list": {"bucket_cap_mb_list": [1, 2]},
+        "delayed all-reduce": {"delay_all_reduce_named_params": [], "param_to_hook_all_reduce": object()},
+        "a flag that is not a bool": {"find_unused_parameters": "yes"},
+        "a negative bucket cap": {"bucket_cap_mb": -1},
+        "both a group and a mesh": {"process_group": dist.group.WORLD, "device_mesh": object()},
+    }
+    errors = {}
+    for label, kwargs in refused.items():
+        for name, wrap in (("ddp", DistributedDataParallel), ("hsync", hsync.WeightedDDP)):
+            try:
+                wrap(make_net(seed=0), **kwargs)
+                errors[label, name] = None
+            except Exception as error:  # noqa: BLE001 - the error is the result
+                errors[label, name] = (type(error).__name__, str(error))
+    return errors
+
+
+def test_ddps_constructor_arguments_are_accepted_honoured_or_refused():
+    errors = run_ranks(constructor_arguments, 2)[0]
+    ours = {label: error for (label, name), error in errors.items() if name == "hsync"}
+    for label, error in ours.items():
+        assert error is not None, f"hsync accepted {label}"
+        theirs = errors[label, "ddp"]
+        if theirs is not None and theirs[0] in ("ValueError", "RuntimeError"):
+            assert error[0] == theirs[0], f"{label}: hsync raised {error}, DDP {theirs}"
+    assert "device_ids can only be None or contain a single element" in ours["two device_ids"][1]
+    assert "does not support DDP's mixed_precision" in ours["mixed_precision"][1]
+    assert "does not support DDP's delay_all_reduce_named_params" in ours["delayed all-reduce"][1]
+    assert ours["a flag that is not a bool"] == ("TypeError", "hsync.WeightedDDP: find_unused_parameters must be "
+                                                              "True or False, got str 'yes'")
+
+
+def join_weighted(rank, world_size, sizes_per_rank: list[list[int]]):
+    """Weighted steps under join(): rank r runs len(sizes_per_rank[r]) batches of those sizes."""
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0), bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stats = []
+    with model.join():
+        for step, n in enumerate(sizes_per_rank[rank]):
+            _, _, slices = global_batch(step, [sizes[step] if step < len(sizes) else 0 for sizes in sizes_per_rank])
+            x, y = slices[rank]
+            opt.zero_grad()
+            stats.append(model.backward(mse(model(x), y), weight=n).weight)
+            opt.step()
+    return {name: p.detach() for name, p in model.module.named_parameters()}, stats
+
+
+def reference_uneven(sizes_per_rank: list[list[int]]):
+    net = make_net(seed=0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(max(len(s) for s in sizes_per_rank)):
+        sizes = [s[step] if step < len(s) else 0 for s in sizes_per_rank]
+        x_all, y_all, _ = global_batch(step, sizes)
+        opt.zero_grad()
+        mse(net(x_all), y_all).backward()  # the mean over every example still in play
+        opt.step()
+    return {name: p.detach() for name, p in net.named_parameters()}
+
+
+def test_join_keeps_weighted_steps_exact():
+    sizes = [[3, 5], [4, 1, 6, 2], [2, 2, 7]]
+    results = run_ranks(join_weighted, 3, sizes)
+    expected = reference_uneven(sizes)
+    for rank, (params, weights) in enumerate(results):
+        assert weights == [sum(s[i] for s in sizes if i < len(s)) for i in range(len(sizes[rank]))]
+        for name, value in expected.items():
+            # Every rank ends with the last joiner's parameters: the whole run's.
+            torch.testing.assert_close(params[name], value, rtol=1e-10, atol=1e-12, msg=f"rank {rank}, {name}")

@@ -1,0 +1,712 @@
+"""torch's own DDP test cases, run against torch DDP and hsync.WeightedDDP side by side.
+
+Each case ports one upstream test (named in its docstring) from test/distributed/test_c10d_gloo.py,
+test/distributed/test_c10d_common.py or torch/testing/_internal/distributed/distributed_test.py,
+with upstream's assertions and tolerances, to CPU, gloo and two ranks. A case is called as
+case(rank, world_size, wrap) once with `wrap` = torch's DistributedDataParallel and once with
+WeightedDDP, in the same processes; both must pass upstream's checks, and where a case returns
+numbers (parameters, gradients), the two wrappers must agree. Cases of DDP-only APIs that hsync
+does not offer (communication hooks, sparse gradients) are marked `ddp_only` and check that hsync
+refuses them clearly.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import datetime
+import io
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+from tests.spawn import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+WORLD_SIZE = 2
+
+
+def _wrappers():
+    import hsync
+
+    return {"ddp": DistributedDataParallel, "hsync": hsync.WeightedDDP}
+
+
+def _side_by_side(rank: int, world_size: int, case: Callable, args: tuple) -> dict:
+    results = {}
+    for name, wrap in _wrappers().items():
+        torch.manual_seed(0)
+        try:
+            results[name] = case(rank, world_size, wrap, *args)
+        except Exception as error:
+            raise AssertionError(f"{case.__name__} failed with {name}: {error!r}") from error
+    return results
+
+
+def run_both(case: Callable, *args, compare: bool = True) -> list[dict]:
+    """Runs the case with both wrappers on every rank; checks that what they return agrees."""
+    results = run_ranks(_side_by_side, WORLD_SIZE, case, args, timeout=120)
+    if compare:
+        for rank, result in enumerate(results):
+            torch.testing.assert_close(result["hsync"], result["ddp"],
+                                       msg=lambda m, rank=rank: f"rank {rank}: hsync vs DDP: {m}")
+    return results
+
+
+# --- models and helpers from upstream's test files ----------------------------------------------
+
+
+class Net(nn.Module):
+    """test_c10d_common.Net."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(2, 10, bias=False)
+        self.fc2 = nn.Linear(10, 50, bias=False)
+        self.fc3 = nn.Linear(50, 4, bias=False)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        x = self.relu(self.fc1(x))
+        x = self.relu(self.fc2(x))
+        return F.softmax(self.fc3(x), dim=1)
+
+
+class UnusedParamNet(Net):
+    """Net with a layer that forward never uses (upstream's IgnoredOutputWithUnusedParameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(4, 4, bias=False)
+
+
+def batch(world_size: int, per_rank: int = 4, features: int = 2, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(world_size * per_rank, features, generator=g)
+    y = torch.randint(0, 4, (world_size * per_rank,), generator=g)
+    return x, y
+
+
+def local_step_matches(wrapped: nn.Module, local: nn.Module, rank: int, world_size: int, x, y, steps: int = 3,
+                       forward: Callable | None = None) -> list[torch.Tensor]:
+    """upstream's _test_DDP_helper: the wrapped model on this rank's slice and a local copy on the
+    whole batch take the same SGD steps; parameters are compared after each."""
+    forward = forward or (lambda m, inp: m(inp))
+    per_rank = x.shape[0] // world_size
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (wrapped, local)]
+    for _ in range(steps):
+        for opt in opts:
+            opt.zero_grad()
+        F.cross_entropy(forward(wrapped, x[rank * per_rank:(rank + 1) * per_rank]),
+                        y[rank * per_rank:(rank + 1) * per_rank]).backward()
+        F.cross_entropy(forward(local, x), y).backward()
+        for opt in opts:
+            opt.step()
+        for a, b in zip(wrapped.module.parameters(), local.parameters(), strict=True):
+            torch.testing.assert_close(a, b)
+    return [p.detach().clone() for p in wrapped.module.parameters()]
+
+
+# --- test_c10d_gloo.py: DistributedDataParallelTest ----------------------------------------------
+
+
+def gloo_backend_cpu_module(rank, world_size, wrap):
+    """test_gloo_backend_cpu_module (_test_ddp_with_process_group): DDP on CPU equals local training."""
+    local = Net()
+    model = wrap(copy.deepcopy(local), process_group=dist.group.WORLD)
+    return local_step_matches(model, local, rank, world_size, *batch(world_size))
+
+
+def ignored_output(rank, world_size, wrap, unused: bool):
+    """test_ignored_output / test_ignored_output_with_unused_parameters: a forward whose output is
+    thrown away does not oblige a backward, and training works afterwards."""
+    module = UnusedParamNet() if unused else Net()
+    model = wrap(module, find_unused_parameters=unused)
+    x, y = batch(world_size)
+    for _ in range(4):
+        model(x)  # output ignored
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    if unused:
+        assert model.module.unused.weight.grad is None
+    return [p.detach().clone() for p in model.module.parameters()]
+
+
+def save_load_checkpoint(rank, world_size, wrap):
+    """test_save_load_checkpoint: a state_dict saved from one wrapped model and loaded into another
+    gives the same training."""
+    x, y = batch(world_size)
+    first = wrap(Net())
+    opt = torch.optim.SGD(first.parameters(), lr=0.1)
+    F.cross_entropy(first(x), y).backward()
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optim": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    state = torch.load(buffer)
+    second = wrap(Net())
+    second.load_state_dict(state["model"])
+    opt2 = torch.optim.SGD(second.parameters(), lr=0.1)
+    opt2.load_state_dict(state["optim"])
+    for model, optimizer in ((first, opt), (second, opt2)):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    for a, b in zip(first.parameters(), second.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert all(key.startswith("module.") for key in state["model"])
+    return [p.detach().clone() for p in second.module.parameters()]
+
+
+# --- test_c10d_common.py: CommonDistributedDataParallelTest --------------------------------------
+
+
+class CheckpointOnce(nn.Module):
+    def __init__(self, twice: bool = False, unused: bool = False) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(20, 20)
+        self.l2 = nn.Linear(20, 20)
+        self.unused = nn.Linear(20, 20) if unused else None
+        self.twice = twice
+
+    def forward(self, x):
+        x = checkpoint(self.l1, x, use_reentrant=False)
+        if self.twice:
+            x = checkpoint(self.l1, x, use_reentrant=False)
+        return self.l2(x).relu()
+
+
+def checkpointing(rank, world_size, wrap, twice: bool, unused: bool):
+    """test_ddp_checkpointing_once / _twice / _unused_params (use_reentrant=False): activation
+    checkpointing inside the model gives the gradients of local training."""
+    torch.manual_seed(0)
+    local = CheckpointOnce(twice, unused)
+    model = wrap(copy.deepcopy(local), find_unused_parameters=unused)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(world_size * 4, 20, generator=g)
+    y = torch.randn(world_size * 4, 20, generator=g)
+    for _ in range(3):
+        for m in (model, local):
+            m.zero_grad()
+        F.mse_loss(model(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+        F.mse_loss(local(x), y).backward()
+        for a, b in zip(model.module.parameters(), local.parameters(), strict=True):
+            if b.grad is None:
+                assert a.grad is None
+            else:
+                torch.testing.assert_close(a.grad, b.grad)
+    return [p.grad.clone() for p in model.module.parameters() if p.grad is not None]
+
+
+# --- distributed_test.py: DistributedTest._DistTestBase --------------------------------------------
+
+
+def requires_grad(rank, world_size, wrap):
+    """test_DistributedDataParallel_requires_grad: a module with no parameter that needs a gradient."""
+    with pytest.raises(RuntimeError, match="not needed"):
+        wrap(nn.Module())
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(RuntimeError, match="not needed"):
+        wrap(frozen)
+    return 0
+
+
+def model_diff_across_ranks(rank, world_size, wrap, variant: str):
+    """test_ddp_model_diff_shape_across_ranks / test_ddp_model_diff_num_params_across_ranks:
+    RuntimeError on every rank, no hang (upstream gives DDP a gloo group with a short timeout, as here)."""
+    if variant == "shape":
+        module = nn.Linear(2, 10 if rank == 0 else 7)
+    else:
+        module = nn.Sequential(*[nn.Linear(2, 2) for _ in range(2 if rank == 0 else 3)])
+    group = dist.new_group(timeout=datetime.timedelta(seconds=10), backend="gloo")
+    with pytest.raises(RuntimeError):
+        wrap(module, process_group=group)
+    return 0
+
+
+class ControlFlowToyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(10, 10, bias=False)
+        self.lin2 = nn.Linear(10, 10, bias=False)
+
+    def forward(self, x, use_second: bool):
+        x = self.lin1(x).relu()
+        return self.lin2(x).relu() if use_second else x
+
+
+def control_flow(rank, world_size, wrap, same_across_ranks: bool):
+    """test_ddp_control_flow_same_across_ranks / test_ddp_control_flow_different_across_ranks:
+    parameters used in some iterations only (on all ranks, or on some), with find_unused_parameters."""
+    torch.manual_seed(0)
+    local = ControlFlowToyModel()
+    model = wrap(copy.deepcopy(local), find_unused_parameters=True)
+    g = torch.Generator().manual_seed(5)
+    for step in range(6):
+        x = torch.randn(world_size * 3, 10, generator=g)
+        uses = [step % 2 == 0 if same_across_ranks else (step + r) % 2 == 0 for r in range(world_size)]
+        model.zero_grad(set_to_none=True)
+        local.zero_grad(set_to_none=True)
+        model(x[rank * 3:(rank + 1) * 3], uses[rank]).sum().backward()
+        # The global gradient: the mean over ranks of each rank's gradient.
+        sum(local(x[r * 3:(r + 1) * 3], uses[r]).sum() for r in range(world_size)).div(world_size).backward()
+        for a, b in zip(model.module.parameters(), local.parameters(), strict=True):
+            if b.grad is None:
+                assert a.grad is None, "a parameter no rank used must keep no gradient"
+            else:
+                torch.testing.assert_close(a.grad, b.grad)
+    return [p.grad for p in model.module.parameters()]
+
+
+def returns_tensor_with_no_grad(rank, world_size, wrap):
+    """test_ddp_returns_tensor_with_no_grad: an output that does not require grad passes through."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.fc(x), torch.ones(1)
+
+    model = wrap(Model(), find_unused_parameters=True)
+    for _ in range(3):
+        out, constant = model(torch.randn(4, 2))
+        assert not constant.requires_grad
+        out.sum().backward()
+    return model.module.fc.weight.grad
+
+
+def namedtuple_inputs(rank, world_size, wrap):
+    """test_ddp_namedtuple: namedtuple inputs reach the module as namedtuples."""
+    Batch = collections.namedtuple("Batch", ["a", "b"])
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, inp):
+            assert isinstance(inp, Batch), type(inp)
+            return self.fc(inp.a + inp.b)
+
+    model = wrap(Model())
+    model(Batch(torch.ones(3, 2), torch.full((3, 2), float(rank)))).sum().backward()
+    return model.module.fc.weight.grad
+
+
+def shared_grad_acc_unused_params(rank, world_size, wrap):
+    """test_ddp_shared_grad_acc_unused_params: a parameter shared by two modules, one of them unused."""
+
+    class ToyModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net1 = nn.Linear(5, 5, bias=False)
+            self.net2 = nn.Linear(5, 5, bias=False)
+            self.net2.weight = self.net1.weight  # tied
+            self.unused = nn.Linear(5, 5)
+
+        def forward(self, x):
+            return self.net2(self.net1(x))
+
+    torch.manual_seed(0)
+    local = ToyModel()
+    model = wrap(copy.deepcopy(local), find_unused_parameters=True)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(world_size * 2, 5, generator=g)
+    for _ in range(3):
+        model.zero_grad()
+        local.zero_grad()
+        model(x[rank * 2:(rank + 1) * 2]).sum().backward()
+        local(x).sum().div(world_size).backward()
+        torch.testing.assert_close(model.module.net1.weight.grad, local.net1.weight.grad)
+        assert model.module.unused.weight.grad is None
+    return model.module.net1.weight.grad
+
+
+def new_tensor_in_fwd(rank, world_size, wrap):
+    """test_ddp_new_tensor_in_fwd: forward creates a fresh tensor that requires grad."""
+
+    class MyModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(10, 10, bias=False)
+            self.fc2 = nn.Linear(10, 10, bias=False)
+
+        def forward(self, x):
+            fresh = torch.ones(10, 10, requires_grad=True)
+            return self.fc2(self.fc1(x) @ fresh), fresh
+
+    model = wrap(MyModel(), find_unused_parameters=True)
+    for _ in range(3):
+        out, fresh = model(torch.ones(2, 10))
+        (out.sum() + fresh.sum()).backward()
+        assert fresh.grad is not None
+    return model.module.fc1.weight.grad
+
+
+def zero_output_features(rank, world_size, wrap):
+    """test_ddp_zero_output_features: a layer with zero-element parameters."""
+    torch.manual_seed(0)
+    local = nn.Sequential(nn.Linear(4, 0), nn.Flatten())
+    extra = nn.Linear(4, 3)
+    local_all = nn.ModuleDict({"empty": local, "fc": extra})
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = copy.deepcopy(local_all)
+
+        def forward(self, x):
+            return self.inner["fc"](x).sum() + self.inner["empty"](x).sum()
+
+    model = wrap(Model())
+    x = torch.full((2, 4), float(rank + 1))
+    model(x).backward()
+    expected = torch.full((3, 4), 1.5 * 2)  # mean over ranks of column sums of x: (2 + 4) / 2
+    torch.testing.assert_close(model.module.inner["fc"].weight.grad, expected)
+    assert model.module.inner["empty"][0].weight.grad.numel() == 0
+    return model.module.inner["fc"].weight.grad
+
+
+def create_graph(rank, world_size, wrap):
+    """test_ddp_create_graph: backward(create_graph=True) yields the averaged gradient."""
+    model = wrap(nn.Linear(1, 1, bias=False))
+    model.module.weight.data.fill_(1.0)
+    inp = torch.full((1,), float(rank + 1))
+    model(inp).pow(2).sum().backward(create_graph=True)
+    # d/dw (w x)^2 = 2 w x^2, averaged over ranks: (2 * 1 + 2 * 4) / 2 = 5.
+    torch.testing.assert_close(model.module.weight.grad.detach(), torch.full((1, 1), 5.0))
+    return model.module.weight.grad.detach()
+
+
+def ignore_params_arg(rank, world_size, wrap):
+    """test_ddp_ignore_params_arg: parameters in _ddp_params_and_buffers_to_ignore keep local gradients
+    and local buffers."""
+    module = nn.Sequential(nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False))
+    module.register_buffer("local_buffer", torch.full((1,), float(rank)))
+    with torch.no_grad():
+        module[1].weight.fill_(float(rank + 1))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ["1.weight", "local_buffer"])
+    model = wrap(module)
+    x = torch.full((1, 2), float(rank + 1))
+    model(x).sum().backward()
+    # Not broadcast at wrap time, not reduced after backward: each rank keeps its own.
+    torch.testing.assert_close(model.module[1].weight, torch.full((2, 2), float(rank + 1)))
+    assert model.module.local_buffer.item() == rank
+    local_grad = model.module[1].weight.grad.clone()
+    reduced = local_grad.clone()
+    dist.all_reduce(reduced)
+    assert not torch.equal(reduced / world_size, local_grad), "the ignored gradient must stay local"
+    return local_grad
+
+
+class BufferedNet(nn.Module):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.register_buffer("counter", torch.full((2,), float(rank)))
+
+    def forward(self, x):
+        self.counter += 1
+        return self.fc(x) + self.counter
+
+
+def broadcast_buffer(rank, world_size, wrap):
+    """test_ddp_broadcast_buffer: with broadcast_buffers, every forward starts from rank 0's buffers."""
+    model = wrap(BufferedNet(rank), broadcast_buffers=True)
+    for _ in range(3):
+        model(torch.ones(1, 2)).sum().backward()
+    gathered = [torch.zeros(2) for _ in range(world_size)]
+    model(torch.ones(1, 2))  # the last forward's buffers
+    dist.all_gather(gathered, model.module.counter)
+    for other in gathered:
+        torch.testing.assert_close(other, gathered[0])
+    return model.module.counter
+
+
+def inference(rank, world_size, wrap):
+    """test_ddp_inference: eval() under no_grad gives the local model's output."""
+    torch.manual_seed(0)
+    local = nn.Sequential(nn.Linear(2, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    model = wrap(copy.deepcopy(local))
+    model.eval()
+    local.eval()
+    x = torch.randn(4, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), local(x))
+    return model(x).detach()
+
+
+def accumulate_gradients_no_sync(rank, world_size, wrap):
+    """test_accumulate_gradients_no_sync (_test_accumulate_gradients_no_sync): gradients accumulated
+    under no_sync for several iterations, then one synced iteration, equal local training on all of it."""
+    torch.manual_seed(0)
+    local = Net()
+    model = wrap(copy.deepcopy(local))
+    x, y = batch(world_size, per_rank=8)
+    iterations = 4
+    per = 2
+    for m in (model, local):
+        m.zero_grad()
+    for i in range(iterations):
+        rows = slice(rank * 8 + i * per, rank * 8 + (i + 1) * per)
+        if i < iterations - 1:
+            with model.no_sync():
+                F.cross_entropy(model(x[rows]), y[rows]).backward()
+        else:
+            F.cross_entropy(model(x[rows]), y[rows]).backward()
+    for i in range(iterations):
+        rows = torch.cat([torch.arange(r * 8 + i * per, r * 8 + (i + 1) * per) for r in range(world_size)])
+        F.cross_entropy(local(x[rows]), y[rows]).backward()
+    for a, b in zip(model.module.parameters(), local.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+    return [p.grad for p in model.module.parameters()]
+
+
+def grad_div_uneven_inputs(rank, world_size, wrap, divide_by_initial_world_size: bool):
+    """test_ddp_grad_div_uneven_inputs: under join, a joined rank contributes zero gradient and the
+    divisor is the initial world size or the number of ranks still running."""
+    model = wrap(nn.Linear(1, 1, bias=False))
+    model.module.weight.data.fill_(1.0)
+    iterations = 5 + rank * 3  # rank 1 runs 3 more iterations
+    grads = []
+    with model.join(divide_by_initial_world_size=divide_by_initial_world_size):
+        for i in range(iterations):
+            model.zero_grad()
+            model(torch.ones(1, 1)).sum().backward()
+            grads.append(model.module.weight.grad.item())
+            joined = 1 if i >= 5 else 0
+            divisor = world_size if divide_by_initial_world_size else world_size - joined
+            assert grads[-1] == pytest.approx((world_size - joined) / divisor), (i, grads)
+    return torch.tensor(grads)
+
+
+def uneven_inputs_model_equivalence(rank, world_size, wrap):
+    """test_ddp_uneven_inputs / test_ddp_join_model_equivalence: training with uneven inputs under
+    join ends with the same model on every rank (the last joiner's), and the steps taken while all
+    ranks ran equal local training."""
+    torch.manual_seed(0)
+    model = wrap(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(world_size, per_rank=12)
+    batches = 3 + 2 * rank
+    with model.join():
+        for i in range(batches):
+            rows = slice(rank * 12 + 2 * i, rank * 12 + 2 * i + 2)
+            opt.zero_grad()
+            F.cross_entropy(model(x[rows]), y[rows]).backward()
+            opt.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    for p in params:
+        gathered = [torch.zeros_like(p) for _ in range(world_size)]
+        dist.all_gather(gathered, p)
+        for other in gathered:
+            torch.testing.assert_close(other, gathered[0])
+    return params
+
+
+def uneven_input_join_disable(rank, world_size, wrap):
+    """test_ddp_uneven_input_join_disable: join(enable=False) with even inputs trains as without it."""
+    torch.manual_seed(0)
+    local = Net()
+    model = wrap(copy.deepcopy(local))
+    with model.join(enable=False):
+        return local_step_matches(model, local, rank, world_size, *batch(world_size))
+
+
+def uneven_input_exception(rank, world_size, wrap):
+    """test_ddp_uneven_input_exception: an error raised in the training loop under join surfaces on its
+    rank instead of being swallowed by the join context."""
+
+    class ExceptionModule(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.param = nn.Parameter(torch.ones(1))
+
+        def forward(self, _):
+            raise ValueError("Expected error")
+
+    model = wrap(ExceptionModule())
+    with pytest.raises(ValueError, match="Expected error"), model.join():
+        model(torch.ones(1)).sum().backward()
+    return 0
+
+
+def uneven_inputs_throw_on_early_termination(rank, world_size, wrap):
+    """test_ddp_uneven_inputs with throw_on_early_termination=True: every rank raises once one runs out."""
+    model = wrap(nn.Linear(1, 1, bias=False))
+    with pytest.raises(RuntimeError, match="exhausted"), model.join(throw_on_early_termination=True):
+        for _ in range(3 + 2 * rank):
+            model(torch.ones(1, 1)).sum().backward()
+    return 0
+
+
+def unused_params_without_find_unused(rank, world_size, wrap):
+    """test_ddp_unused_params_rebuild_buckets_exception: DDP without find_unused_parameters fails when
+    a parameter goes unused (it skips the reduction, then raises "Expected to have finished reduction
+    in the prior iteration"); hsync needs no flag and trains as a local model does."""
+    torch.manual_seed(0)
+    local = UnusedParamNet()
+    model = wrap(copy.deepcopy(local))
+    try:
+        local_step_matches(model, local, rank, world_size, *batch(world_size), steps=2)
+    except (RuntimeError, AssertionError):
+        return "failed"
+    return "trained"
+
+
+# --- DDP-only APIs: hsync refuses them clearly -----------------------------------------------------
+
+
+def sparse_gradients(rank, world_size, wrap):
+    """test_sparse_gradients: DDP reduces sparse embedding gradients; hsync refuses them at wrap time."""
+    module = nn.EmbeddingBag(10, 4, mode="sum", sparse=True)
+    try:
+        model = wrap(module)
+    except ValueError as error:
+        assert "sparse" in str(error)
+        return "refused"
+    model(torch.tensor([[1, 2], [3, 4]])).sum().backward()
+    assert model.module.weight.grad.is_sparse
+    return "reduced"
+
+
+def comm_hook_future_passing(rank, world_size, wrap):
+    """test_ddp_comm_hook_future_passing_cpu: DDP's register_comm_hook; hsync has no communication hooks."""
+    model = wrap(Net())
+    if not hasattr(model, "register_comm_hook"):
+        return "absent"
+
+    def allreduce_hook(state, bucket):
+        return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0] / 2)
+
+    model.register_comm_hook(None, allreduce_hook)
+    x, y = batch(world_size)
+    F.cross_entropy(model(x), y).backward()
+    return "used"
+
+
+# --- the tests ---------------------------------------------------------------------------------------
+
+
+def test_gloo_backend_cpu_module():
+    run_both(gloo_backend_cpu_module)
+
+
+@pytest.mark.parametrize("unused", [False, True], ids=["ignored_output", "ignored_output_with_unused_parameters"])
+def test_ignored_output(unused):
+    run_both(ignored_output, unused)
+
+
+def test_save_load_checkpoint():
+    run_both(save_load_checkpoint)
+
+
+@pytest.mark.parametrize(("twice", "unused"), [(False, False), (True, False), (False, True)],
+                         ids=["checkpointing_once", "checkpointing_twice", "checkpointing_unused_params"])
+def test_ddp_checkpointing(twice, unused):
+    run_both(checkpointing, twice, unused)
+
+
+def test_requires_grad():
+    run_both(requires_grad)
+
+
+@pytest.mark.parametrize("variant", ["shape", "num_params"])
+def test_ddp_model_diff_across_ranks(variant):
+    run_both(model_diff_across_ranks, variant)
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same_across_ranks", "different_across_ranks"])
+def test_ddp_control_flow(same):
+    run_both(control_flow, same)
+
+
+def test_ddp_returns_tensor_with_no_grad():
+    run_both(returns_tensor_with_no_grad)
+
+
+def test_ddp_namedtuple():
+    run_both(namedtuple_inputs)
+
+
+def test_ddp_shared_grad_acc_unused_params():
+    run_both(shared_grad_acc_unused_params)
+
+
+def test_ddp_new_tensor_in_fwd():
+    run_both(new_tensor_in_fwd)
+
+
+def test_ddp_zero_output_features():
+    run_both(zero_output_features)
+
+
+def test_ddp_create_graph():
+    run_both(create_graph)
+
+
+def test_ddp_ignore_params_arg():
+    run_both(ignore_params_arg)
+
+
+def test_ddp_broadcast_buffer():
+    run_both(broadcast_buffer)
+
+
+def test_ddp_inference():
+    run_both(inference)
+
+
+def test_accumulate_gradients_no_sync():
+    run_both(accumulate_gradients_no_sync)
+
+
+@pytest.mark.parametrize("divide", [True, False], ids=["initial_world_size", "effective_world_size"])
+def test_ddp_grad_div_uneven_inputs(divide):
+    run_both(grad_div_uneven_inputs, divide)
+
+
+def test_ddp_join_model_equivalence():
+    run_both(uneven_inputs_model_equivalence)
+
+
+def test_ddp_uneven_input_join_disable():
+    run_both(uneven_input_join_disable)
+
+
+def test_ddp_uneven_input_exception():
+    run_both(uneven_input_exception)
+
+
+def test_ddp_uneven_inputs_throw_on_early_termination():
+    run_both(uneven_inputs_throw_on_early_termination)
+
+
+def test_ddp_unused_params_rebuild_buckets_exception():
+    # Where DDP fails, hsync trains correctly (README: Differences from DDP).
+    for result in run_both(unused_params_without_find_unused, compare=False):
+        assert result["hsync"] == "trained", result
+
+
+@pytest.mark.ddp_only
+def test_sparse_gradients():
+    for result in run_both(sparse_gradients, compare=False):
+        assert result == {"ddp": "reduced", "hsync": "refused"}
+
+
+@pytest.mark.ddp_only
+def test_ddp_comm_hook_future_passing_cpu():
+    for result in run_both(comm_hook_future_passing, compare=False):
+        assert result == {"ddp": "used", "hsync": "absent"}
