@@ -174,7 +174,7 @@ class WeightedDDP(nn.Module, Joinable):
         self._syncing = True  # DDP's require_backward_grad_sync
         self._buffers_due = True  # DDP's require_forward_param_sync: the last forward fed a synced step
         self._join_announced = False  # what this rank's last forward under Join told the joined ranks
-        self._plain_steps_join = False  # whether the engine's plain steps are set up for Join
+        self._plain_steps_join: bool | None = None  # the engine's plain steps under Join: their divide flag
         self._divide_by_initial_world_size = True
         self._window: _Window | None = None
         self._engine = None
@@ -224,7 +224,7 @@ class WeightedDDP(nn.Module, Joinable):
                                "process group (no process_group or device_mesh argument), as with DDP; "
                                "pickle model.module instead")
         state = self.__dict__.copy()
-        state.update(_engine=None, _group=None, _window=None, _plain_steps_join=False, _buffers_due=False)
+        state.update(_engine=None, _group=None, _window=None, _plain_steps_join=None, _buffers_due=False)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -260,12 +260,13 @@ class WeightedDDP(nn.Module, Joinable):
         buffers_due = self._buffers_due and self.forward_sync_buffers
         root = 0
         joining = self._join_config.enable
-        if joining != self._plain_steps_join:
+        plain_steps = self._divide_by_initial_world_size if joining else None
+        if plain_steps != self._plain_steps_join:
             # Under Join plain steps carry step scalars too, so joined ranks can shadow them: Note [Join].
             plain = self._new_window().local
             plain[WEIGHT] = 1.0
             engine.set_join_plain_step(plain if joining else None, self._divide_by_initial_world_size)
-            self._plain_steps_join = joining
+            self._plain_steps_join = plain_steps
         if joining:
             Join.notify_join_context(self)
             _, _, root = self._exchange_join_info(synced, buffers_due, joined=False)

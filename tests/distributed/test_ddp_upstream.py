@@ -208,6 +208,28 @@ def checkpointing(rank, world_size, wrap, twice: bool, unused: bool):
     return [p.grad.clone() for p in model.module.parameters() if p.grad is not None]
 
 
+class CheckpointReentrant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(20, 20)
+        self.l2 = nn.Linear(20, 20)
+
+    def forward(self, x):
+        return self.l2(checkpoint(self.l1, x, use_reentrant=True))
+
+
+def checkpointing_reentrant(rank, world_size, wrap):
+    """test_ddp_checkpointing_once with use_reentrant=True: DDP reduces the gradients of the nested
+    backward; hsync refuses it with a message that names it (README: Differences from DDP)."""
+    model = wrap(CheckpointReentrant())
+    try:
+        model(torch.randn(4, 20, requires_grad=True)).sum().backward()
+    except RuntimeError as error:
+        assert "reentrant activation checkpointing" in str(error)
+        return "refused"
+    return "reduced"
+
+
 # --- distributed_test.py: DistributedTest._DistTestBase --------------------------------------------
 
 
@@ -617,6 +639,11 @@ def test_save_load_checkpoint():
                          ids=["checkpointing_once", "checkpointing_twice", "checkpointing_unused_params"])
 def test_ddp_checkpointing(twice, unused):
     run_both(checkpointing, twice, unused)
+
+
+def test_ddp_checkpointing_reentrant_is_refused_clearly():
+    for result in run_both(checkpointing_reentrant, compare=False):
+        assert result == {"ddp": "reduced", "hsync": "refused"}
 
 
 def test_requires_grad():
