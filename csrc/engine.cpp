@@ -126,6 +126,7 @@ std::vector<std::vector<int64_t>> Engine::bucket_params() const {
 void Engine::start_step() {
   in_step_ = true;
   step_task_id_ = -1;
+  any_task_ = false;
   next_bucket_ = 0;
   normalise_at_write_back_ = false;
   std::fill(ready_.begin(), ready_.end(), false);
@@ -148,6 +149,7 @@ void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& re
               "the reference weight must be a float64 scalar on ", device_);
   start_weighted_step(scalars, ref_weight.reshape({}), /*scale_by_world_size=*/false);
   plain_step_ = false;
+  any_task_ = true;  // finalized by the caller once backward returns: Note [Nested backwards]
   expect_gradients_.store(true);
 }
 
@@ -206,33 +208,43 @@ at::Tensor Engine::step_scalars() {
   return step_scalars_host_;
 }
 
+void Engine::begin_backward() {
+  if (!expect_gradients_.load()) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  const int task = torch::autograd::get_current_graph_task_id();
+  if (in_step_ && (!plain_step_ || task == step_task_id_)) return;  // weighted, or another output's hook
+  if (in_step_) comm_->check();  // the likelier reason, if it holds
+  HSYNC_CHECK(!in_step_, "a new backward started before the previous gradient reduction finished (an earlier "
+              "backward was interrupted); rebuild the model wrapper");
+  start_plain_step(task);
+  any_task_ = true;  // Note [Nested backwards]
+}
+
+void Engine::start_plain_step(int task) {
+  if (join_scalars_.defined()) {
+    start_weighted_step(join_scalars_.clone(), at::ones({}, join_scalars_.options()), join_divide_by_world_size_);
+  } else {
+    pack_scale_ = plain_scale_;
+    start_step();
+  }
+  plain_step_ = true;
+  step_task_id_ = task;
+  // Runs when this backward completes (as c10d's reducer does), so a plain loss.backward()
+  // finishes the reduction with no call from the user.
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+}
+
 void Engine::on_gradient_ready(size_t index) {
   if (!expect_gradients_.load()) return;  // Note [Which backward synchronises]
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!in_step_) {
-    if (join_scalars_.defined()) {
-      start_weighted_step(join_scalars_.clone(), at::ones({}, join_scalars_.options()),
-                          join_divide_by_world_size_);
-    } else {
-      pack_scale_ = plain_scale_;
-      start_step();
-    }
-    plain_step_ = true;
-  }
   const int task = torch::autograd::get_current_graph_task_id();
-  if (step_task_id_ != -1 && step_task_id_ != task) comm_->check();  // the likelier reason, if it holds
-  HSYNC_CHECK(step_task_id_ == -1 || step_task_id_ == task,
+  if (!in_step_) start_plain_step(task);
+  if (!any_task_ && task != step_task_id_) comm_->check();  // the likelier reason, if it holds
+  HSYNC_CHECK(any_task_ || task == step_task_id_,
               "a new backward started before the previous gradient reduction finished (an earlier backward "
               "was interrupted, or a nested backward such as reentrant activation checkpointing reached "
-              "the wrapped parameters); rebuild the model wrapper");
-  if (step_task_id_ == -1) {
-    step_task_id_ = task;
-    if (plain_step_) {
-      // Runs when this backward completes (as c10d's reducer does), so a plain
-      // loss.backward() finishes the reduction with no call from the user.
-      torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
-    }
-  }
+              "the wrapped parameters of a model whose output the wrapper did not see); rebuild the model "
+              "wrapper");
   HSYNC_CHECK(!ready_[index], "the gradient of '", names_[index],
               "' became ready twice in one backward; hsync reduces each gradient once per step");
   ready_[index] = true;

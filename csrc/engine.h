@@ -60,6 +60,16 @@
 // undefined (a custom Function returning None for a parameter) counts as unused on this rank,
 // as in DDP: it contributes zeros and, used nowhere, leaves .grad untouched.
 //
+// Note [Nested backwards]
+// Reentrant activation checkpointing runs a nested backward, a graph task of its own, inside the
+// outer one, and its hooks feed the same step. A plain step must then end with the outermost
+// backward, so the wrapper hooks the autograd nodes of its forward's outputs (begin_backward),
+// which run first in the outermost task: the step begins there and its finalize callback waits for
+// that task, while hooks of any task feed it. A weighted step ends when its caller's backward
+// returns, so nested tasks may feed it too. Only a plain step begun by a gradient hook (the
+// wrapper saw no output tensor) keeps to the hook's own graph task; a hook of another task then
+// means an earlier backward never finished.
+//
 // Note [Join]
 // Under torch's Join context a rank whose data ran out shadows every synchronised step of the
 // others with a weighted step of weight 0 (hsync/ddp.py). For that it must issue the same
@@ -123,6 +133,9 @@ class Engine {
   // Whether gradient hooks feed a synchronised step: Note [Which backward synchronises].
   void expect_gradients(bool expected) { expect_gradients_.store(expected); }
 
+  // Called when backward reaches an output of the wrapper's forward: Note [Nested backwards].
+  void begin_backward();
+
   // Under Join, plain steps all-reduce `scalars` (this rank's, weight 1) as weighted steps do;
   // an undefined tensor turns that off. Note [Join].
   void set_join_plain_step(const std::optional<at::Tensor>& scalars, bool divide_by_world_size);
@@ -145,6 +158,7 @@ class Engine {
   void move_grads_into_slots();  // Note [Gradients as bucket views]
   void on_gradient_ready(size_t index);
   void start_step();                       // caller holds mutex_
+  void start_plain_step(int task);
   void start_weighted_step(const at::Tensor& scalars, const at::Tensor& ref_weight, bool scale_by_world_size);
   void skip_unused(size_t index);          // Note [Step lifecycle]
   void resolve_pack_scale();               // caller holds mutex_
@@ -176,7 +190,8 @@ class Engine {
   bool join_divide_by_world_size_ = true;
   bool in_step_ = false;
   bool plain_step_ = false;                // begun by a hook: finalize runs as an autograd callback
-  int step_task_id_ = -1;                  // the autograd graph task whose hooks feed this step
+  int step_task_id_ = -1;                  // the autograd graph task that began a plain step
+  bool any_task_ = false;                  // hooks of nested graph tasks feed it: Note [Nested backwards]
   size_t next_bucket_ = 0;                  // next bucket to launch, Note [Step lifecycle]
   std::vector<bool> ready_;
   std::vector<int64_t> ready_order_;        // recorded until the buckets are rebuilt

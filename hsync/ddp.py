@@ -14,7 +14,7 @@ import numbers
 import os
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -276,7 +276,10 @@ class WeightedDDP(nn.Module, Joinable):
             if buffers:
                 engine.broadcast_coalesced(buffers, root)
         self._buffers_due = synced
-        return self.module(*inputs, **kwargs)
+        output = self.module(*inputs, **kwargs)
+        if synced:
+            _on_backward_start(output, engine.begin_backward)
+        return output
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -479,6 +482,24 @@ class _JoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.model._sync_final_model(is_last_joiner)
+
+
+def _on_backward_start(output, callback: Callable[[], None]) -> None:
+    """Calls `callback` when backward reaches an output tensor (Note [Nested backwards] in csrc/engine.h)."""
+    nodes = {id(t.grad_fn): t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None}
+    for node in nodes.values():
+        node.register_prehook(lambda grad_outputs: callback())
+
+
+def _tensors_in(value) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, Mapping):  # dicts, and transformers' ModelOutput
+        for item in value.values():
+            yield from _tensors_in(item)
 
 
 def _ignored_names(module: nn.Module) -> set[str]:

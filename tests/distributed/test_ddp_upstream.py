@@ -172,28 +172,31 @@ def save_load_checkpoint(rank, world_size, wrap):
 
 
 class CheckpointOnce(nn.Module):
-    def __init__(self, twice: bool = False, unused: bool = False) -> None:
+    def __init__(self, twice: bool, unused: bool, reentrant: bool) -> None:
         super().__init__()
         self.l1 = nn.Linear(20, 20)
         self.l2 = nn.Linear(20, 20)
         self.unused = nn.Linear(20, 20) if unused else None
         self.twice = twice
+        self.reentrant = reentrant
 
     def forward(self, x):
-        x = checkpoint(self.l1, x, use_reentrant=False)
+        x = checkpoint(self.l1, x, use_reentrant=self.reentrant)
         if self.twice:
-            x = checkpoint(self.l1, x, use_reentrant=False)
-        return self.l2(x).relu()
+            x = checkpoint(self.l1, x, use_reentrant=self.reentrant)
+        # Upstream's module checkpoints its last layer: with use_reentrant, backward starts in a nested task.
+        return checkpoint(self.l2, x, use_reentrant=True).relu() if self.reentrant else self.l2(x).relu()
 
 
-def checkpointing(rank, world_size, wrap, twice: bool, unused: bool):
-    """test_ddp_checkpointing_once / _twice / _unused_params (use_reentrant=False): activation
-    checkpointing inside the model gives the gradients of local training."""
+def checkpointing(rank, world_size, wrap, twice: bool, unused: bool, reentrant: bool):
+    """test_ddp_checkpointing_once / _twice / _unused_params: activation checkpointing inside the model
+    gives the gradients of local training (use_reentrant=True too where DDP supports it without
+    static_graph: once, every parameter used)."""
     torch.manual_seed(0)
-    local = CheckpointOnce(twice, unused)
+    local = CheckpointOnce(twice, unused, reentrant)
     model = wrap(copy.deepcopy(local), find_unused_parameters=unused)
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(world_size * 4, 20, generator=g)
+    x = torch.randn(world_size * 4, 20, generator=g, requires_grad=True)
     y = torch.randn(world_size * 4, 20, generator=g)
     for _ in range(3):
         for m in (model, local):
@@ -206,28 +209,6 @@ def checkpointing(rank, world_size, wrap, twice: bool, unused: bool):
             else:
                 torch.testing.assert_close(a.grad, b.grad)
     return [p.grad.clone() for p in model.module.parameters() if p.grad is not None]
-
-
-class CheckpointReentrant(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = nn.Linear(20, 20)
-        self.l2 = nn.Linear(20, 20)
-
-    def forward(self, x):
-        return self.l2(checkpoint(self.l1, x, use_reentrant=True))
-
-
-def checkpointing_reentrant(rank, world_size, wrap):
-    """test_ddp_checkpointing_once with use_reentrant=True: DDP reduces the gradients of the nested
-    backward; hsync refuses it with a message that names it (README: Differences from DDP)."""
-    model = wrap(CheckpointReentrant())
-    try:
-        model(torch.randn(4, 20, requires_grad=True)).sum().backward()
-    except RuntimeError as error:
-        assert "reentrant activation checkpointing" in str(error)
-        return "refused"
-    return "reduced"
 
 
 # --- distributed_test.py: DistributedTest._DistTestBase --------------------------------------------
@@ -635,15 +616,12 @@ def test_save_load_checkpoint():
     run_both(save_load_checkpoint)
 
 
-@pytest.mark.parametrize(("twice", "unused"), [(False, False), (True, False), (False, True)],
-                         ids=["checkpointing_once", "checkpointing_twice", "checkpointing_unused_params"])
-def test_ddp_checkpointing(twice, unused):
-    run_both(checkpointing, twice, unused)
-
-
-def test_ddp_checkpointing_reentrant_is_refused_clearly():
-    for result in run_both(checkpointing_reentrant, compare=False):
-        assert result == {"ddp": "reduced", "hsync": "refused"}
+@pytest.mark.parametrize(("twice", "unused", "reentrant"),
+                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True)],
+                         ids=["checkpointing_once", "checkpointing_twice", "checkpointing_unused_params",
+                              "checkpointing_once_reentrant"])
+def test_ddp_checkpointing(twice, unused, reentrant):
+    run_both(checkpointing, twice, unused, reentrant)
 
 
 def test_requires_grad():
