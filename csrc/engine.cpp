@@ -210,6 +210,9 @@ at::Tensor Engine::step_scalars() {
 
 void Engine::begin_backward() {
   if (!expect_gradients_.load()) return;
+  // torch.autograd.grad (a gradient penalty, say) computes gradients without filling .grad: not the step.
+  const auto* only_some_nodes = torch::autograd::get_current_graph_task_exec_info();
+  if (only_some_nodes != nullptr && !only_some_nodes->empty()) return;
   std::lock_guard<std::mutex> lock(mutex_);
   const int task = torch::autograd::get_current_graph_task_id();
   if (in_step_ && (!plain_step_ || task == step_task_id_)) return;  // weighted, or another output's hook

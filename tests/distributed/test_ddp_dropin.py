@@ -138,6 +138,32 @@ def test_a_backward_that_skipped_the_wrappers_forward_stays_local():
     assert_same(results)
 
 
+def gradient_penalty(rank: int, net: nn.Module) -> dict:
+    """WGAN-GP style: torch.autograd.grad through the output, then the step's own backward."""
+    _, _, slices = global_batch(0, [4, 4])
+    x, y = slices[rank]
+    x = x.clone().requires_grad_()
+    out = net(x)
+    (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    (mse(out, y) + grad_x.pow(2).sum()).backward()
+    return grads_of(net.module if hasattr(net, "module") else net)
+
+
+def gradient_penalty_wrapped(rank, world_size):
+    import hsync
+
+    return gradient_penalty(rank, hsync.WeightedDDP(make_net(seed=0)))
+
+
+def test_torch_autograd_grad_before_backward_leaves_the_step_to_backward():
+    # Exact: the mean over ranks of each rank's local gradient. (torch DDP's differs here: its
+    # reducer does not support a backward through a graph made with create_graph=True.)
+    local = [gradient_penalty(rank, make_net(seed=0)) for rank in range(2)]
+    expected = {name: None if g is None else (g + local[1][name]) / 2 for name, g in local[0].items()}
+    for rank, grads in enumerate(run_ranks(gradient_penalty_wrapped, 2)):
+        torch.testing.assert_close(grads, expected, rtol=1e-12, atol=1e-12, msg=lambda m, r=rank: f"rank {r}: {m}")
+
+
 def pickled_copies(rank, world_size, wrap):
     model = wrap(make_net(seed=0), find_unused_parameters=True)
     _, _, slices = global_batch(0, [4] * world_size)
