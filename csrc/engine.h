@@ -29,8 +29,9 @@
 // before the sum as described above.
 //
 // Note [Step lifecycle]
-// A step begins with the first gradient hook that fires while syncing (or with
-// begin_weighted_step). Each hook packs its gradient and launches every bucket that is complete,
+// A step begins when backward reaches an output of the wrapper's forward (begin_backward), with
+// the first gradient hook that fires while syncing, or with begin_weighted_step. Each hook packs
+// its gradient and launches every bucket that is complete,
 // in bucket order, so all ranks issue the same collectives in the same order. At the end of
 // backward, finalize() packs what no hook delivered (parameters unused on this rank: their
 // accumulated gradient if they have one, zeros otherwise), launches the remaining buckets,
@@ -38,9 +39,7 @@
 // reduced (as c10d's reducer does). A parameter with no gradient on any rank keeps
 // no gradient, as with DDP's find_unused_parameters. finalize() runs as an autograd callback at
 // the end of a plain loss.backward(); a weighted step is finalized by its caller after
-// backward returns, so a nested backward (reentrant checkpointing) cannot end the step early.
-// Hooks of a second graph task within one step are refused: that backward would feed
-// gradients of the wrong step.
+// backward returns. Which graph tasks may feed a step: Note [Nested backwards].
 //
 // Note [Gradients as bucket views]
 // With grads_as_views, each parameter's .grad *is* its slot in the bucket (as DDP's
@@ -189,7 +188,7 @@ class Engine {
   at::Tensor join_scalars_;                 // Note [Join]; undefined outside Join
   bool join_divide_by_world_size_ = true;
   bool in_step_ = false;
-  bool plain_step_ = false;                // begun by a hook: finalize runs as an autograd callback
+  bool plain_step_ = false;                // begun by backward itself: finalize runs as an autograd callback
   int step_task_id_ = -1;                  // the autograd graph task that began a plain step
   bool any_task_ = false;                  // hooks of nested graph tasks feed it: Note [Nested backwards]
   size_t next_bucket_ = 0;                  // next bucket to launch, Note [Step lifecycle]

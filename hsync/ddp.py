@@ -348,7 +348,7 @@ class WeightedDDP(nn.Module, Joinable):
         dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=self.process_group)
         tensors = [p.detach() for p in _reduced_parameters(self.module)]
         tensors += self._synced_buffers() if self.forward_sync_buffers else []
-        self._engine.broadcast_coalesced(tensors, int(candidate.item()))
+        self._ensure_engine().broadcast_coalesced(tensors, int(candidate.item()))
 
     def backward(
         self,

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.distributed.workloads import global_batch, make_net, mse
-from tests.spawn import run_ranks
+from tests.spawn import run_ranks, run_ranks_expecting_errors
 
 pytestmark = pytest.mark.distributed
 
@@ -260,41 +260,66 @@ def test_ddps_constructor_arguments_are_accepted_honoured_or_refused():
                                                               "True or False, got str 'yes'")
 
 
-def join_weighted(rank, world_size, sizes_per_rank: list[list[int]]):
-    """Weighted steps under join(): rank r runs len(sizes_per_rank[r]) batches of those sizes."""
+def join_weighted(rank, world_size, sizes_per_rank: list[list[int]], micro_steps: int):
+    """Weighted steps under join(): rank r runs len(sizes_per_rank[r]) steps of that many examples
+    per micro-step, accumulating all but the last micro-step under no_sync."""
+    import contextlib
+
     import hsync
 
     model = hsync.WeightedDDP(make_net(seed=0), bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    stats = []
+    weights = []
     with model.join():
         for step, n in enumerate(sizes_per_rank[rank]):
-            _, _, slices = global_batch(step, [sizes[step] if step < len(sizes) else 0 for sizes in sizes_per_rank])
-            x, y = slices[rank]
+            sizes = [s[step] if step < len(s) else 0 for s in sizes_per_rank]
             opt.zero_grad()
-            stats.append(model.backward(mse(model(x), y), weight=n).weight)
+            for micro in range(micro_steps):
+                x, y = global_batch(step, sizes, micro)[2][rank]
+                with contextlib.nullcontext() if micro == micro_steps - 1 else model.no_sync():
+                    stats = model.backward(mse(model(x), y), weight=n)
+            weights.append(stats.weight)
             opt.step()
-    return {name: p.detach() for name, p in model.module.named_parameters()}, stats
+    return {name: p.detach() for name, p in model.module.named_parameters()}, weights
 
 
-def reference_uneven(sizes_per_rank: list[list[int]]):
+def reference_uneven(sizes_per_rank: list[list[int]], micro_steps: int):
     net = make_net(seed=0)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     for step in range(max(len(s) for s in sizes_per_rank)):
         sizes = [s[step] if step < len(s) else 0 for s in sizes_per_rank]
-        x_all, y_all, _ = global_batch(step, sizes)
+        x = torch.cat([global_batch(step, sizes, micro)[0] for micro in range(micro_steps)])
+        y = torch.cat([global_batch(step, sizes, micro)[1] for micro in range(micro_steps)])
         opt.zero_grad()
-        mse(net(x_all), y_all).backward()  # the mean over every example still in play
+        mse(net(x), y).backward()  # the mean over every example still in play
         opt.step()
     return {name: p.detach() for name, p in net.named_parameters()}
 
 
-def test_join_keeps_weighted_steps_exact():
+@pytest.mark.parametrize("micro_steps", [1, 2], ids=["synced", "no_sync"])
+def test_join_keeps_weighted_steps_exact(micro_steps):
     sizes = [[3, 5], [4, 1, 6, 2], [2, 2, 7]]
-    results = run_ranks(join_weighted, 3, sizes)
-    expected = reference_uneven(sizes)
+    results = run_ranks(join_weighted, 3, sizes, micro_steps)
+    expected = reference_uneven(sizes, micro_steps)
     for rank, (params, weights) in enumerate(results):
-        assert weights == [sum(s[i] for s in sizes if i < len(s)) for i in range(len(sizes[rank]))]
+        assert weights == [micro_steps * sum(s[i] for s in sizes if i < len(s)) for i in range(len(sizes[rank]))]
         for name, value in expected.items():
             # Every rank ends with the last joiner's parameters: the whole run's.
             torch.testing.assert_close(params[name], value, rtol=1e-10, atol=1e-12, msg=f"rank {rank}, {name}")
+
+
+def join_with_mismatched_no_sync(rank, world_size):
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0))
+    x, y = global_batch(0, [2, 2])[2][rank]
+    with model.join():
+        for _ in range(2):
+            out = model(x)  # outside no_sync: the joined rank expects a synchronised step
+            with model.no_sync():
+                model.backward(mse(out, y), weight=2)
+
+
+def test_join_refuses_a_backward_whose_forward_said_otherwise():
+    for text in run_ranks_expecting_errors(join_with_mismatched_no_sync, 2):
+        assert "under join(), run each micro-step's forward in the same no_sync() state" in text, text
