@@ -323,3 +323,19 @@ def join_with_mismatched_no_sync(rank, world_size):
 def test_join_refuses_a_backward_whose_forward_said_otherwise():
     for text in run_ranks_expecting_errors(join_with_mismatched_no_sync, 2):
         assert "under join(), run each micro-step's forward in the same no_sync() state" in text, text
+
+
+def bad_weight_while_a_rank_is_joined(rank, world_size):
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0))
+    x, y = global_batch(0, [2, 2])[2][rank]
+    with model.join():
+        for step in range(1 + rank):
+            model.backward(mse(model(x), y), weight=-1 if step == 1 else 2)
+
+
+def test_bad_input_while_a_rank_is_joined_raises_there_too():
+    texts = run_ranks_expecting_errors(bad_weight_while_a_rank_is_joined, 2)
+    for text in texts:
+        assert "rank 1 passed a weight that is negative, NaN or infinite" in text, text
