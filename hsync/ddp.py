@@ -183,7 +183,8 @@ class WeightedDDP(nn.Module, Joinable):
         self._build_engine(process_group or dist.group.WORLD)
         if init_sync:
             # Like DDP: every rank starts from rank 0's parameters (and buffers, unless broadcast_buffers=False).
-            buffers = self._synced_buffers() if forward_sync_buffers or broadcast_buffers is not False else []
+            init_buffers = forward_sync_buffers is not None or broadcast_buffers is not False
+            buffers = self._synced_buffers() if init_buffers else []
             self._engine.broadcast_coalesced([p.detach() for p in _reduced_parameters(module)] + buffers, 0)
 
     def _build_engine(self, group: dist.ProcessGroup) -> None:
