@@ -231,6 +231,10 @@ def model_diff_across_ranks(rank, world_size, wrap, variant: str):
         module = nn.Linear(2, 10 if rank == 0 else 7)
     else:
         module = nn.Sequential(*[nn.Linear(2, 2) for _ in range(2 if rank == 0 else 3)])
+    # A rank can leave the previous wrapper's failed check up to one timeout before another
+    # (gloo detects the mismatch on one side only); meet on the default group before making
+    # the new one, whose own set-up is bound by the short timeout too.
+    dist.barrier()
     group = dist.new_group(timeout=datetime.timedelta(seconds=10), backend="gloo")
     with pytest.raises(RuntimeError):
         wrap(module, process_group=group)
