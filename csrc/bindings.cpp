@@ -91,5 +91,6 @@ PYBIND11_MODULE(_C, m) {
            release_gil())
       .def("last_grad_nonfinite", &Engine::last_grad_nonfinite)
       .def("check", &Engine::check)
-      .def("bucket_params", &Engine::bucket_params);
+      .def("bucket_params", &Engine::bucket_params)
+      .def("peer_wait_seconds", &Engine::peer_wait_seconds);
 }

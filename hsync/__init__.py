@@ -1,8 +1,9 @@
 """hsync: instance-weighted gradient synchronisation for data-parallel PyTorch on mixed GPUs."""
 
 from hsync._extension import _C  # noqa: F401 - loaded first: it refuses a missing or CPU-only build
+from hsync.balance import BalanceConfig, Balancer
 from hsync.ddp import WeightedDDP
 from hsync.stats import StepStats
 
-__all__ = ["StepStats", "WeightedDDP"]
+__all__ = ["BalanceConfig", "Balancer", "StepStats", "WeightedDDP"]
 __version__ = "0.1.0"

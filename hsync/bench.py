@@ -19,7 +19,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cache, partial
 
@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import BertConfig, BertForPreTraining
 
 import hsync
-from hsync.balance import BACKWARD_TO_FORWARD, plan_batch_sizes, rebalance
+from hsync.balance import SimulatedSlowdown
 
 MIB = 1024 * 1024
 NAN = float("nan")
@@ -167,8 +167,9 @@ def train_step(variant: str, workload: Workload, net: nn.Module, opt: torch.opti
     finish_step(net, loss, workload.samples if variant == "hsync" else None, opt, device, workload.bucket_views)
 
 
-def time_variants(workload: Workload, rounds: int, steps: int, rank: int, device: torch.device) -> Result:
+def time_variants(workload: Workload, rounds: int, steps: int, device: torch.device) -> Result:
     """Interleaved rounds: each round runs `steps` timed steps of every variant in turn."""
+    rank = dist.get_rank()
     models = {}
     for variant in VARIANTS:
         torch.manual_seed(0)
@@ -338,70 +339,90 @@ def comm_path(device: torch.device, megabytes: float, rounds: int) -> Result:
                   p90["nosync"], 0, extra=extra)
 
 
-def mixed_speeds(device: torch.device, slowdown: float, rounds: int, steps: int) -> Result:
-    """Two ranks, rank 1 `slowdown` times slower (it sleeps in proportion to its compute): hsync with a
-    batch plan from measured speeds against DDP with equal batches, in samples per second."""
+def mixed_speeds(name: str, device: torch.device, slowdowns: list[float], rounds: int, steps: int,
+                 quick: bool) -> Result:
+    """Ranks slowed down by `slowdowns` (SimulatedSlowdown: rank r's steps take slowdowns[r] times its
+    work): hsync.Balancer planning from measurements against DDP with equal batches, in samples per
+    second. Rounds of each alternate; the first step of a round, which carries the switch, is not timed.
+
+    If every step of a rank takes f_r times its work, the best split finishes all ranks together and
+    beats DDP's by max(f) * sum(1 / f) / world, whatever the fixed part of a step (`ideal_speedup`)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    factor = slowdown if rank == 1 else 1.0
-    workload = bert_workload("mixed", 128, 2, 16, 64, device)
+    if len(slowdowns) != world:
+        raise ValueError(f"{len(slowdowns)} slowdowns for {world} ranks")
+    hidden, layers, batch, seq = (32, 1, 4, 32) if quick else (128, 2, 16, 64)
+    workload = bert_workload("mixed", hidden, layers, batch, seq, device)
     global_batch = workload.samples * world
-    g = torch.Generator().manual_seed(rank)
-
-    def run(net, sizes: list[int], weighted: bool) -> tuple[list[float], float]:
-        """Step times, and this rank's measured speed in samples per second of compute (from the median
-        step after the first, which carries one-off costs)."""
-        opt = torch.optim.SGD(net.parameters(), lr=1e-4)
-        times, computes = [], []
-        for _ in range(steps):
-            mine = sizes[rank]
-            batch = masked_batch(g, mine, 64, 8000, device)
-            dist.barrier()
-            started = time.perf_counter()
-            loss = workload.loss(net, batch)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            compute = (1 + BACKWARD_TO_FORWARD) * (time.perf_counter() - started)  # estimated as the trainer does
-            time.sleep((factor - 1) * compute)
-            computes.append(factor * compute)
-            finish_step(net, loss, mine if weighted else None, opt, device)
-            times.append(time.perf_counter() - started)
-        return times, mine / statistics.median(computes[1:] or computes)
-
-    def measured(speed: float) -> list[float]:
-        speeds = torch.zeros(world, dtype=torch.float64)
-        speeds[rank] = speed
-        dist.all_reduce(speeds)
-        return speeds.tolist()
+    pool = masked_batch(torch.Generator().manual_seed(0), 8 * global_batch, seq, 8000, device)  # alike everywhere
 
     torch.manual_seed(0)
     ours = hsync.WeightedDDP(workload.make_model())
     torch.manual_seed(0)
     theirs = DistributedDataParallel(workload.make_model())
-    equal = [global_batch // world] * world
-    # Warm-up on equal batches doubles as the speed measurement, as in the trainer's --balance auto,
-    # and each round's hsync steps re-measure, as the trainer's --rebalance-every does.
-    _, speed = run(ours, equal, True)
-    first_speeds = measured(speed)
-    first_plan = plan = plan_batch_sizes(global_batch, first_speeds)
-    run(theirs, equal, False)
-    times = {"hsync": [], "ddp": []}
-    for round_index in range(rounds):
-        if round_index:
-            plan = rebalance(plan, measured(speed))
-        hsync_times, speed = run(ours, plan, True)
-        times["hsync"] += hsync_times
-        times["ddp"] += run(theirs, equal, False)[0]
+    balancer = hsync.Balancer(ours, len(pool[0]), hsync.BalanceConfig(
+        global_batch_size=global_batch, simulate_slowdown=slowdowns[rank]))
+    ddp_slowdown = SimulatedSlowdown(slowdowns[rank], device)
+    optimizers = {"hsync": torch.optim.SGD(ours.parameters(), lr=1e-4),
+                  "ddp": torch.optim.SGD(theirs.parameters(), lr=1e-4)}
+
+    def micro_batches() -> Iterator[list[int]]:
+        while True:
+            yield from balancer
+
+    hsync_batches = micro_batches()
+    ddp_cursor = 0
+
+    def hsync_step() -> None:
+        while True:
+            indices = next(hsync_batches)
+            loss = workload.loss(ours, tuple(t[indices] for t in pool))
+            if balancer.backward(loss) is not None:
+                break
+        optimizers["hsync"].step()
+        optimizers["hsync"].zero_grad()
+
+    def ddp_step() -> None:
+        nonlocal ddp_cursor
+        share = workload.samples
+        start = (ddp_cursor + rank * share) % len(pool[0])
+        ddp_cursor += global_batch
+        loss = workload.loss(theirs, tuple(t[start:start + share] for t in pool))
+        loss.backward()
+        ddp_slowdown.pause()  # after the reduction, unlike hsync's: in a steady state the same wait
+        optimizers["ddp"].step()
+        optimizers["ddp"].zero_grad()
+        ddp_slowdown.step_done()
+
+    def timed(step: Callable[[], None], count: int) -> list[float]:
+        step()  # the switch from the other wrapper's round
+        times, started = [], time.perf_counter()
+        for _ in range(count):
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            times.append(now - started)
+            started = now
+        return times
+
+    # Warm-up: the balancer's warm-up and probe steps, until its first plan is in force.
+    while balancer.cost_models is None:
+        hsync_step()
+    first_plan = balancer.planned_split()
+    timed(ddp_step, 2)
+    times: dict[str, list[float]] = {"hsync": [], "ddp": []}
+    for _ in range(rounds):
+        times["hsync"] += timed(hsync_step, steps)
+        times["ddp"] += timed(ddp_step, steps)
     stacked = torch.tensor([times["hsync"], times["ddp"]], dtype=torch.float64)
-    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)  # a step lasts as long as on its slowest rank
     hs, dd = (statistics.median(row.tolist()) for row in stacked)
     hs90, dd90 = (statistics.quantiles(row.tolist(), n=10)[-1] for row in stacked)
-    factors = [1.0, slowdown]
     extra = {"hsync_samples_per_s": global_batch / hs, "ddp_samples_per_s": global_batch / dd,
-             "speedup_vs_ddp": dd / hs, "ideal_speedup": slowdown * sum(1 / f for f in factors) / world,
-             "first_plan_rank0": first_plan[0], "plan_rank0": plan[0], "plan_rank1": plan[1],
-             "first_speed_ratio": first_speeds[0] / first_speeds[1]}
-    return Result(f"mixed-speeds-{slowdown:g}x", hs, dd, float("nan"), hs90, dd90, float("nan"), global_batch,
-                  extra=extra)
+             "speedup_vs_ddp": dd / hs, "ideal_speedup": max(slowdowns) * sum(1 / f for f in slowdowns) / world}
+    extra |= {f"first_plan_rank{r}": n for r, n in enumerate(first_plan)}
+    extra |= {f"plan_rank{r}": n for r, n in enumerate(balancer.last_plan)}
+    return Result(name, hs, dd, NAN, hs90, dd90, NAN, global_batch, extra=extra)
 
 
 def environment(device: torch.device) -> dict:
@@ -420,12 +441,16 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def run_all(args: argparse.Namespace) -> None:
-    rank = dist.get_rank()
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+@dataclass
+class Job:
+    name: str
+    world: int | None
+    """Ranks it needs; None: --world-size."""
+    run: Callable[[], Result]
+
+
+def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
+    """Every workload the options select, in the order they run."""
     if args.quick:
         plan = [("bert", dict(name="bert-micro", hidden=32, layers=1, batch=4, seq=32)), ("mover", 50),
                 ("bert", dict(name="bert-micro-bucket-views", hidden=32, layers=1, batch=4, seq=32,
@@ -445,35 +470,51 @@ def run_all(args: argparse.Namespace) -> None:
     sweep_spec = dict(plan[0][1]) if args.quick else (dict(hidden=256, layers=4, batch=8, seq=64)
                                                        if device.type == "cpu" else dict(plan[0][1]))
     sweep_spec.pop("name", None)
-    jobs: list[tuple[str, Callable[[], Result]]] = []
+    jobs = []
     for kind, spec in plan:
         workload = bert_workload(device=device, **spec) if kind == "bert" else mover_workload(device, spec)
-        jobs.append((workload.name, partial(time_variants, workload, args.rounds, args.steps, rank, device)))
+        jobs.append(Job(workload.name, None, partial(time_variants, workload, args.rounds, args.steps, device)))
     for cap in caps:
         workload = bert_workload(f"bucket-cap-{cap:g}MiB", device=device, bucket_cap_mb=cap, **sweep_spec)
-        jobs.append((workload.name, partial(time_variants, workload, args.rounds, args.steps, rank, device)))
+        jobs.append(Job(workload.name, None, partial(time_variants, workload, args.rounds, args.steps, device)))
     for mb in comm_mb:
-        jobs.append((f"comm-path-{mb:g}MiB", partial(comm_path, device, mb, args.rounds * args.steps)))
-    if dist.get_world_size() == 2:
-        jobs.append(("mixed-speeds-2x", partial(mixed_speeds, device, 2.0, args.rounds, args.steps)))
+        jobs.append(Job(f"comm-path-{mb:g}MiB", None, partial(comm_path, device, mb, args.rounds * args.steps)))
+    for name, slowdowns in (("mixed-speeds-2x", [1.0, 2.0]), ("mixed-speeds-1-1-2-4", [1.0, 1.0, 2.0, 4.0]),
+                            ("equal-speeds-auto", [1.0, 1.0])):
+        jobs.append(Job(name, len(slowdowns), partial(mixed_speeds, name, device, slowdowns, args.rounds,
+                                                               args.steps, args.quick)))
+    return [job for job in jobs if not args.only or any(pattern in job.name for pattern in args.only)]
+
+
+def run_jobs(args: argparse.Namespace) -> dict:
+    """Runs, on every rank of this world, the selected jobs that need as many ranks as it has; returns the
+    results (on rank 0) with the environment."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     results = []
-    for name, job in jobs:
-        if not args.only or any(pattern in name for pattern in args.only):
-            results.append(job())
+    for job in plan_jobs(args, device):
+        if (job.world or args.world_size) == world:
+            results.append(job.run())
             report(rank, results[-1])
-    if rank == 0:
-        # NaN (no floor for this workload) is not JSON: it is written as null.
-        output = {"env": environment(device),
-                  "results": [{k: None if v != v else v for k, v in asdict(r).items()} for r in results]}
-        print("\n" + "\n".join(table(output)))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(output, f, indent=1)
-        if args.plot:
-            plot(output, args.plot)
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write(markdown(output, args))
+    # NaN (no floor for this workload) is not JSON: it is written as null.
+    return {"env": environment(device),
+            "results": [{k: None if v != v else v for k, v in asdict(r).items()} | {"world_size": world}
+                        for r in results]}
+
+
+def write_outputs(args: argparse.Namespace, output: dict) -> None:
+    print("\n" + "\n".join(table(output)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(output, f, indent=1)
+    if args.plot:
+        plot(output, args.plot)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(output, args))
 
 
 def report(rank: int, result: Result) -> None:
@@ -493,7 +534,9 @@ def table(output: dict) -> list[str]:
     for r in output["results"]:
         notes = ", ".join(f"{k} {v:.3g}" for k, v in r["extra"].items())
         memory = " / ".join(f"{r['peak_memory_mb'][v]:.1f}" for v in MEMORY_VARIANTS) if r["peak_memory_mb"] else "-"
-        lines.append(f"| {r['workload']} | {r['hsync_step_s'] * 1e3:.2f} ({r['hsync_p90_s'] * 1e3:.2f}) | "
+        ranks = r.get("world_size", env["world_size"])
+        name = r["workload"] + (f" ({ranks} ranks)" if ranks != env["world_size"] else "")
+        lines.append(f"| {name} | {r['hsync_step_s'] * 1e3:.2f} ({r['hsync_p90_s'] * 1e3:.2f}) | "
                      f"{_ms(r['hsync_plain_step_s'])} | {r['ddp_step_s'] * 1e3:.2f} ({r['ddp_p90_s'] * 1e3:.2f}) | "
                      f"{_ms(r['nosync_step_s'])} | {r['ratio_vs_ddp']:.3f} | {_ratio(r['plain_ratio_vs_ddp'])} | "
                      f"{_pct(r['hsync_overhead_vs_nosync'])} | {_pct(r['ddp_overhead_vs_nosync'])} | "
@@ -562,13 +605,16 @@ def plot(output: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
-        run_all(args)
+        output = run_jobs(args)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(output, f)
     finally:
         dist.destroy_process_group()
 
@@ -577,7 +623,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the memory profiler's own chatter, on every step
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the models run")
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="ranks to spawn (under torchrun: its world); rows that need another number of "
+                             "ranks (mixed-speeds-*) get their own")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per workload (plus a warm-up)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per variant and round")
     parser.add_argument("--quick", action="store_true", help="tiny workloads: checks the suite runs, measures little")
@@ -586,21 +634,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", help="write a PNG of the step times here")
     parser.add_argument("--markdown", help="write a results page (command, environment, table, plot) here")
     args = parser.parse_args(argv)
+    for flag in ("world_size", "rounds", "steps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     if "RANK" in os.environ:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        args.world_size = dist.get_world_size()
         try:
-            run_all(args)
+            output = run_jobs(args)
         finally:
             dist.destroy_process_group()
+        if int(os.environ["RANK"]) == 0:
+            write_outputs(args, output)
         return
     import socket
+    import tempfile
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(args.world_size, port, args), nprocs=args.world_size)
+    worlds = sorted({args.world_size} | {job.world for job in plan_jobs(args, torch.device(args.device)) if job.world})
+    output: dict = {"env": None, "results": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in worlds:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            path = os.path.join(tmp, f"world-{world}.json")
+            mp.spawn(worker, args=(world, port, args, path), nprocs=world)
+            with open(path) as f:
+                part = json.load(f)
+            if world == args.world_size or output["env"] is None:
+                output["env"] = part["env"]
+            output["results"] += part["results"]
+    write_outputs(args, output)
 
 
 if __name__ == "__main__":

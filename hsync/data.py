@@ -1,4 +1,4 @@
-"""Corpus preparation, BERT pretraining examples, and a sampler that splits each step unevenly.
+"""Corpus preparation and BERT pretraining examples.
 
 The corpus format is plain text: one sentence a line, a blank line between documents.
 """
@@ -166,63 +166,6 @@ def collate(examples: PretrainingExamples, indices: list[int], vocab_size: int, 
     nsp = torch.tensor([examples.is_random_next[i] for i in indices], dtype=torch.long)
     return {"input_ids": input_ids, "token_type_ids": token_type, "attention_mask": attention,
             "labels": labels, "next_sentence_label": nsp}
-
-
-class UnevenDistributedSampler:
-    """Splits each epoch among ranks in proportion to their batch sizes.
-
-    Every step takes the next sum(batch_sizes) examples of the epoch's permutation and gives rank
-    r the next batch_sizes[r] of them; the last step of an epoch splits what is left in the same
-    proportion. So every rank finishes the epoch at the same step, and no example is dropped or
-    seen twice, whatever plan each step used. The state (epoch, cursor) is all a checkpoint needs.
-    """
-
-    def __init__(self, num_examples: int, seed: int = 0) -> None:
-        if num_examples <= 0:
-            raise ValueError("the sampler needs at least one example")
-        self.num_examples = num_examples
-        self.seed = seed
-        self.epoch = 0
-        self.cursor = 0
-        self._order = self._permutation()
-
-    def _permutation(self) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.num_examples, generator=g).tolist()
-
-    def next_step(self, batch_sizes: list[int], rank: int) -> tuple[list[int], int]:
-        """This rank's indices for the next step, and the epoch they belong to."""
-        if self.cursor >= self.num_examples:
-            self.epoch += 1
-            self.cursor = 0
-            self._order = self._permutation()
-        epoch = self.epoch
-        sizes = split_proportionally(min(sum(batch_sizes), self.num_examples - self.cursor), batch_sizes)
-        start = self.cursor + sum(sizes[:rank])
-        self.cursor += sum(sizes)
-        return self._order[start: start + sizes[rank]], epoch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "num_examples": self.num_examples}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["num_examples"] != self.num_examples:
-            raise ValueError(f"checkpoint's sampler covers {state['num_examples']} examples, this corpus "
-                             f"{self.num_examples}: it was written for other data")
-        self.seed, self.epoch, self.cursor = state["seed"], state["epoch"], state["cursor"]
-        self._order = self._permutation()
-
-
-def split_proportionally(total: int, weights: list[float]) -> list[int]:
-    """Integers proportional to `weights` that add up to `total` (largest remainders get the rest)."""
-    if total < 0 or not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"cannot split {total} by weights {weights}")
-    exact = [total * w / sum(weights) for w in weights]
-    sizes = [int(x) for x in exact]
-    by_remainder = sorted(range(len(weights)), key=lambda i: exact[i] - sizes[i], reverse=True)
-    for i in by_remainder[: total - sum(sizes)]:
-        sizes[i] += 1
-    return sizes
 
 
 def _mix(*values: int) -> int:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import itertools
 import math
 import numbers
 import os
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -178,6 +180,8 @@ class WeightedDDP(nn.Module, Joinable):
         self._divide_by_initial_world_size = True
         self._window: _Window | None = None
         self._engine = None
+        self._last_step_done = None  # when this rank's last weighted step completed, see _StepClock
+        self._before_sync: Callable[[], None] | None = None  # runs when a weighted step's local work is done
         device = next(p.device for p in _reduced_parameters(module) if p.requires_grad)
         self.device_ids, self.output_device = _check_device_ids(device_ids, output_device, device)
         self._build_engine(process_group or dist.group.WORLD)
@@ -225,7 +229,8 @@ class WeightedDDP(nn.Module, Joinable):
                                "process group (no process_group or device_mesh argument), as with DDP; "
                                "pickle model.module instead")
         state = self.__dict__.copy()
-        state.update(_engine=None, _group=None, _window=None, _plain_steps_join=None, _buffers_due=False)
+        state.update(_engine=None, _group=None, _window=None, _plain_steps_join=None, _buffers_due=False,
+                     _last_step_done=None, _before_sync=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -241,6 +246,12 @@ class WeightedDDP(nn.Module, Joinable):
     def broadcast_buffers(self) -> bool:
         """Whether buffers are broadcast from rank 0 before forwards (DDP's name for forward_sync_buffers)."""
         return self.forward_sync_buffers
+
+    def _declare_metrics(self, names: Sequence[str]) -> None:
+        """Adds metric slots to the step's scalars, on every rank alike, between steps (hsync.Balancer's)."""
+        if self._window is not None:
+            raise RuntimeError("hsync.WeightedDDP: metrics can be added between steps only, not inside no_sync")
+        self.metric_names = (*self.metric_names, *(n for n in names if n not in self.metric_names))
 
     def _synced_buffers(self) -> list[torch.Tensor]:
         # Looked up each time, as DDP does: a buffer reassigned since wrap time is the one to send.
@@ -394,11 +405,17 @@ class WeightedDDP(nn.Module, Joinable):
         finally:
             # Also after a failed backward (out of memory, say): this rank still completes the
             # step's collectives, so its peers are not left waiting.
+            if self._before_sync is not None:
+                self._before_sync()
+            local_done = _StepClock.mark(self.device)
+            waited = engine.peer_wait_seconds()
             engine.finalize_if_pending()
+        previous, self._last_step_done = self._last_step_done, _StepClock.mark(self.device)
         host = engine.step_scalars()
         if host[BAD_RANKS] > 0:
             raise ValueError(_bad_input_message(host, window.problem, self.rank))
-        return StepStats(host, engine.last_grad_nonfinite(), self.metric_names, engine.check)
+        busy = None if previous is None else functools.partial(_StepClock.seconds, previous, local_done, waited)
+        return StepStats(host, engine.last_grad_nonfinite(), self.metric_names, engine.check, busy)
 
     def _new_window(self) -> _Window:
         def zeros(*shape: int) -> torch.Tensor:
@@ -469,6 +486,28 @@ class WeightedDDP(nn.Module, Joinable):
     def bucket_params(self) -> list[list[int]]:
         """Each bucket's parameters (indices into the parameters that require grad), in launch order."""
         return self._ensure_engine().bucket_params()
+
+
+class _StepClock:
+    """Instants of a step on the timeline where its work happens: the host's clock on the CPU, CUDA
+    events on a GPU (whose work is asynchronous: the host's clock tells when work was queued)."""
+
+    @staticmethod
+    def mark(device: torch.device) -> float | torch.cuda.Event:
+        if device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def seconds(start: float | torch.cuda.Event, end: float | torch.cuda.Event, waited: float = 0.0) -> float:
+        """Seconds from start to end, less `waited` (host seconds spent waiting for peers in between);
+        on a GPU this waits for the work before `end`."""
+        if isinstance(end, float):
+            return end - start - waited
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 - waited
 
 
 class _JoinHook(JoinHook):

@@ -40,11 +40,22 @@ class StepStats:
     """
 
     def __init__(self, reduced: torch.Tensor, grad_nonfinite: torch.Tensor, metric_names: tuple[str, ...],
-                 check_comm: Callable[[], None] = lambda: None):
+                 check_comm: Callable[[], None] = lambda: None, busy: Callable[[], float] | None = None):
         self._reduced = reduced.tolist()  # already on the host, see WeightedDDP.backward
         self._grad_nonfinite = grad_nonfinite
         self._metric_names = metric_names
         self._check_comm = check_comm
+        self._busy = busy
+
+    @property
+    def busy_seconds(self) -> float | None:
+        """This rank's own time for the step: from the end of its previous weighted step to the end of
+        its backward in this one, less the time it waited for its peers meanwhile (for the step's
+        total weight, and then for their gradients). It counts the data, forward, backward and
+        optimizer work between the two, on the device's timeline (CUDA events on a GPU, where a wait
+        for the total is the device's and is counted: reading it waits for this rank's backward).
+        None for a rank's first weighted step."""
+        return None if self._busy is None else self._busy()
 
     @property
     def weight(self) -> float:

@@ -72,10 +72,12 @@ class TrainConfig:
     """Linear warm-up steps."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
-    measure_steps: int = 5
-    """With --balance auto: steps of equal split measured before the first plan."""
-    rebalance_every: int = 50
-    """With --balance auto: re-measure over this many steps and re-plan when speeds drift."""
+    probe_steps: int = 2
+    """With --balance auto: steps of each of the three probe splits (after two warm-up steps) that
+    measure every rank at two sizes before the first plan."""
+    rebalance_every: int = 25
+    """With --balance auto: fit the ranks' costs again every N steps, and re-plan when that predicts
+    steps at least 4% shorter."""
     save_dir: str = ""
     """Directory for checkpoints (none are written without it)."""
     save_every: int = 0
@@ -115,7 +117,7 @@ class TrainConfig:
             raise ValueError(f"--balance must be equal, auto or manual, got {filled.balance!r}")
         if filled.balance == "manual" and not filled.rank_batch_sizes:
             raise ValueError("--balance manual needs --rank-batch-sizes")
-        for flag in ("update_freq", "max_steps", "log_every", "rebalance_every", "measure_steps"):
+        for flag in ("update_freq", "max_steps", "log_every", "rebalance_every", "probe_steps"):
             if getattr(filled, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
         if filled.collective_timeout < 0:
@@ -125,6 +127,17 @@ class TrainConfig:
         if filled.resume and not filled.save_dir:
             raise ValueError("--resume needs --save-dir")
         return filled, preset
+
+
+def parse_rank_values(text: str, world_size: int, what: str, default: float) -> list[float]:
+    """'1=2.0,3=1.5' as a list of one value per rank (the others get `default`)."""
+    values = [default] * world_size
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        rank, sep, value = item.partition("=")
+        if not sep or not rank.strip().isdigit() or int(rank) >= world_size:
+            raise ValueError(f"{what}: '{item}' is not RANK=VALUE with a rank below {world_size}")
+        values[int(rank)] = float(value)
+    return values
 
 
 def field_docs(cls: type) -> dict[str, str]:

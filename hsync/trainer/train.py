@@ -12,7 +12,6 @@ BERT's 15% masking makes nearly so.)
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import hashlib
 import json
@@ -34,74 +33,65 @@ from torch import nn
 from transformers import BertConfig, BertForPreTraining
 
 import hsync
-from hsync import balance, data
+from hsync import data
+from hsync.balance import split_proportionally
 from hsync.trainer import checkpoint
-from hsync.trainer.config import ModelPreset, TrainConfig, parse_args
+from hsync.trainer.config import ModelPreset, TrainConfig, parse_args, parse_rank_values
 from hsync.trainer.consensus import agree, fail_together
-
-MEMORY_FRACTION = 0.9  # of a GPU's memory that a batch plan may fill
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg, preset = parse_args(argv, description=__doc__).resolved()
     device = init_distributed(cfg.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    slowdown = balance.parse_rank_values(cfg.simulate_slowdown, world, "--simulate-slowdown", 1.0)[rank]
+    slowdown = parse_rank_values(cfg.simulate_slowdown, world, "--simulate-slowdown", 1.0)[rank]
     examples, vocab = prepare_data(cfg, preset)
-    micro_batch = cfg.global_batch_size // cfg.update_freq
-    plan = initial_plan(cfg, micro_batch, world)
+    balance_config = balancing(cfg, world, slowdown)
 
     torch.manual_seed(cfg.seed)
     timeout = datetime.timedelta(seconds=cfg.collective_timeout) if cfg.collective_timeout else None
     model = hsync.WeightedDDP(build_model(preset, vocab).to(device), broadcast_buffers=False,
-                              gradient_as_bucket_view=cfg.bucket_views, metric_names=per_rank_metrics(world),
-                              timeout=timeout)
+                              gradient_as_bucket_view=cfg.bucket_views, metric_names=("tokens",), timeout=timeout)
     torch.manual_seed(cfg.seed + rank)  # rank 0's weights everywhere, but each rank its own dropout
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
-    sampler = data.UnevenDistributedSampler(len(examples), seed=cfg.seed)
+    balancer = hsync.Balancer(model, len(examples), balance_config)
     meta = {"preset": asdict(preset), "world_size": world, "examples": len(examples), "seed": cfg.seed,
             "vocab_sha256": hashlib.sha256("\n".join(vocab.tokens).encode()).hexdigest(),
             "global_batch_size": cfg.global_batch_size, "update_freq": cfg.update_freq}
-    step = 0
     if checkpoint.should_resume(cfg.save_dir, cfg.resume):
         state = checkpoint.load(Path(cfg.save_dir), meta)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
-        sampler.load_state_dict(state["sampler"])
-        plan, step = state["plan"], state["step"]
+        balancer.load_state_dict(state["balancer"])
     log = Logger(cfg, rank, world)
-    window = balance.SpeedWindow()
-    capacity = 0.0  # examples this rank's memory could hold per micro-batch, from the last step (0: unknown)
-    report(rank, f"batch plan (micro-batch per rank): {plan} x {cfg.update_freq} micro-steps")
+    plans = PlanReport(balancer, rank)
 
     last_step = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
-    while step < last_step:
-        started = time.perf_counter()
-        for micro in range(cfg.update_freq):
-            indices, epoch = sampler.next_step(plan, rank)
-            batch = {k: v.to(device) for k, v in vocab.collate(examples, indices or [0], cfg.seed, epoch).items()}
-            with contextlib.nullcontext() if micro == cfg.update_freq - 1 else model.no_sync():
-                stats, capacity = train_micro_step(model, batch, len(indices), slowdown, device, rank, capacity)
-        lr = optimizer.param_groups[0]["lr"]
-        if stats.finite:
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-        optimizer.zero_grad(set_to_none=not cfg.bucket_views)  # bucket views stay where they are
-        step += 1
-        if step > 1 or cfg.measure_steps == 1:  # step 1 pays one-off costs (allocation, GPU warm-up)
-            window.add(*rank_speeds(stats, world))
-        log.step(step, stats, plan, time.perf_counter() - started, lr)
-        measured = step == cfg.measure_steps or step % cfg.rebalance_every == 0
-        if cfg.balance == "auto" and measured and step < last_step:
-            plan = replan(plan, window, capacities(stats, world, cfg.update_freq), rank)
-            window = balance.SpeedWindow()
-        if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last_step):
-            checkpoint.save(Path(cfg.save_dir), step, {
-                "model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                "schedule": schedule.state_dict(), "sampler": sampler.state_dict(), "plan": plan, "meta": meta})
+    started = time.perf_counter()
+    while balancer.global_step < last_step:
+        for indices in balancer:  # this rank's micro-batches, step after step, to the epoch's end
+            batch = {k: v.to(device) for k, v in vocab.collate(examples, indices, cfg.seed, balancer.epoch).items()}
+            stats = train_micro_step(model, balancer, batch)
+            if stats is None:
+                continue  # more micro-batches of this step to come
+            lr = optimizer.param_groups[0]["lr"]
+            if stats.finite:
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                schedule.step()
+            optimizer.zero_grad(set_to_none=not cfg.bucket_views)  # bucket views stay where they are
+            step = balancer.global_step
+            log.step(step, stats, balancer.last_plan, time.perf_counter() - started, lr)
+            plans.update(step)
+            started = time.perf_counter()
+            if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last_step):
+                checkpoint.save(Path(cfg.save_dir), step, {
+                    "model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                    "schedule": schedule.state_dict(), "balancer": balancer.state_dict(), "meta": meta})
+            if step == last_step:
+                break
     log.close()
     dist.destroy_process_group()
 
@@ -113,84 +103,61 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int) -> float:
     return max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps))
 
 
-def train_micro_step(model: hsync.WeightedDDP, batch: dict[str, torch.Tensor], examples: int, slowdown: float,
-                     device: torch.device, rank: int, capacity: float) -> tuple[hsync.StepStats | None, float]:
-    """Forward, loss and backward of one micro-batch; the weight is its number of masked tokens.
+def balancing(cfg: TrainConfig, world: int, slowdown: float) -> hsync.BalanceConfig:
+    """The balancer's settings from the flags. --update-freq F runs an equal share in F micro-batches, so
+    a rank given more examples runs more of them; a manual plan gives each rank's micro-batch."""
+    if cfg.global_batch_size % cfg.update_freq:
+        raise ValueError(f"--global-batch-size {cfg.global_batch_size} is not a multiple of --update-freq "
+                         f"{cfg.update_freq}")
+    micro_batch = cfg.global_batch_size // cfg.update_freq
+    limit, fixed = None, None
+    if cfg.update_freq > 1:
+        limit = -(-micro_batch // world)
+    if cfg.balance == "equal":
+        fixed = split_proportionally(cfg.global_batch_size, [1] * world)
+    elif cfg.balance == "manual":
+        plan = [int(x) for x in cfg.rank_batch_sizes.split(",")]
+        if len(plan) != world or sum(plan) != micro_batch or min(plan) < 0:
+            raise ValueError(f"--rank-batch-sizes {cfg.rank_batch_sizes} does not add up: it needs {world} "
+                             f"non-negative sizes summing to {micro_batch} (global batch {cfg.global_batch_size} / "
+                             f"update freq {cfg.update_freq})")
+        fixed, limit = [n * cfg.update_freq for n in plan], [max(1, n) for n in plan]
+    return hsync.BalanceConfig(global_batch_size=cfg.global_batch_size, rank_batch_sizes=fixed,
+                               micro_batch_limit=limit, probe_steps=cfg.probe_steps,
+                               replan_every=cfg.rebalance_every, seed=cfg.seed, simulate_slowdown=slowdown)
 
-    Also returns how many examples this rank's GPU could take per micro-batch, from this step's peak
-    memory; it travels to the other ranks with the next step's scalars (0 on CPU: no limit known)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # time this forward alone, not queued work before it
-        torch.cuda.reset_peak_memory_stats(device)
-        resident = torch.cuda.memory_allocated(device)
-    started = time.perf_counter()
+
+def train_micro_step(model: hsync.WeightedDDP, balancer: hsync.Balancer,
+                     batch: dict[str, torch.Tensor]) -> hsync.StepStats | None:
+    """Forward, loss and backward of one micro-batch; the weight is its number of masked tokens."""
+    device = batch["input_ids"].device
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         out = model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
                     attention_mask=batch["attention_mask"])
         masked = batch["labels"] != -100
         mlm = nn.functional.cross_entropy(out.prediction_logits[masked].float(), batch["labels"][masked])
         nsp = nn.functional.cross_entropy(out.seq_relationship_logits.float(), batch["next_sentence_label"])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    forward = time.perf_counter() - started
-    # Compute time estimated from the forward pass, the only part free of waiting for other ranks.
-    compute = forward * (1 + balance.BACKWARD_TO_FORWARD)
-    if slowdown > 1:
-        time.sleep((slowdown - 1) * compute)
-        compute *= slowdown
-    masked_tokens = int(masked.sum()) if examples else 0
-    tokens = float(batch["attention_mask"].sum()) if examples else 0.0
-    metrics = {f"examples/{rank}": examples, f"seconds/{rank}": compute, f"tokens/{rank}": tokens,
-               f"capacity/{rank}": capacity}
-    stats = model.backward(mlm + nsp, weight=masked_tokens, metrics=metrics)
-    if device.type == "cuda" and examples:
-        per_example = (torch.cuda.max_memory_allocated(device) - resident) / examples
-        total = torch.cuda.get_device_properties(device).total_memory
-        capacity = max(1.0, (MEMORY_FRACTION * total - resident) / per_example) if per_example > 0 else capacity
-    return stats, capacity
+    tokens = batch["attention_mask"].sum()
+    return balancer.backward(mlm + nsp, weight=masked.sum(), metrics={"tokens": tokens})
 
 
-def per_rank_metrics(world: int) -> tuple[str, ...]:
-    return tuple(f"{name}/{r}" for name in ("examples", "seconds", "tokens", "capacity") for r in range(world))
+class PlanReport:
+    """Says on rank 0 when the balancer adopts new cost models, and the plan they give."""
 
+    def __init__(self, balancer: hsync.Balancer, rank: int) -> None:
+        self.balancer, self.rank = balancer, rank
+        self.models = balancer.cost_models
+        report(rank, f"batch plan: {balancer.config.rank_batch_sizes or 'equal, then measured'} "
+                     f"examples per rank and step")
 
-def capacities(stats: hsync.StepStats, world: int, micro_steps: int) -> list[int] | None:
-    """Each rank's largest micro-batch by memory, when every rank measured one (GPUs). Every
-    micro-step of the step reported it, and metrics add up over micro-steps."""
-    caps = [int(stats.metrics[f"capacity/{r}"] / micro_steps) for r in range(world)]
-    return caps if all(c > 0 for c in caps) else None
-
-
-def rank_speeds(stats: hsync.StepStats, world: int) -> tuple[list[float], list[float]]:
-    m = stats.metrics
-    return [m[f"examples/{r}"] for r in range(world)], [m[f"seconds/{r}"] for r in range(world)]
-
-
-def initial_plan(cfg: TrainConfig, micro_batch: int, world: int) -> list[int]:
-    if cfg.global_batch_size % cfg.update_freq:
-        raise ValueError(f"--global-batch-size {cfg.global_batch_size} is not a multiple of --update-freq "
-                         f"{cfg.update_freq}")
-    if cfg.balance != "manual":
-        return data.split_proportionally(micro_batch, [1] * world)
-    plan = [int(x) for x in cfg.rank_batch_sizes.split(",")]
-    if len(plan) != world or sum(plan) != micro_batch or min(plan) < 0:
-        raise ValueError(f"--rank-batch-sizes {cfg.rank_batch_sizes} does not add up: it needs {world} "
-                         f"non-negative sizes summing to {micro_batch} (global batch {cfg.global_batch_size} / "
-                         f"update freq {cfg.update_freq})")
-    return plan
-
-
-def replan(plan: list[int], window: balance.SpeedWindow, max_sizes: list[int] | None, rank: int) -> list[int]:
-    """A plan from the window's speeds within each rank's memory (see balance.rebalance)."""
-    speeds = window.speeds()
-    if max_sizes and sum(max_sizes) < sum(plan):
-        max_sizes = None  # the current plan runs, so the estimate is too cautious: speed alone decides
-    new = balance.rebalance(plan, speeds, max_sizes)
-    if rank == 0:
-        shown = ", ".join(f"rank {r}: {s:.1f} ex/s" for r, s in enumerate(speeds))
-        room = f", memory for at most {max_sizes}" if max_sizes else ""
-        report(rank, f"measured {shown}{room}; batch plan {plan} -> {new}")
-    return new
+    def update(self, step: int) -> None:
+        models = self.balancer.cost_models
+        if models is self.models or not models:
+            return
+        self.models = models
+        shown = ", ".join(f"rank {r}: {m.fixed_s * 1e3:.1f} ms + {1 / m.per_unit_s:.1f} ex/s"
+                          for r, m in enumerate(models))
+        report(self.rank, f"measured {shown}; from step {step + 1} about {self.balancer.planned_split()}")
 
 
 class Logger:
@@ -219,13 +186,11 @@ class Logger:
         self.bar.set_postfix(loss=f"{stats.loss:.3f}", refresh=False)
         if step % self.every and step != self.bar.total:
             return
-        tokens = [stats.metrics[f"tokens/{r}"] for r in range(self.world)]
-        compute = [stats.metrics[f"seconds/{r}"] for r in range(self.world)]
+        busy = [stats.metrics[f"hsync.balance.busy/{r}"] for r in range(self.world)]
         record = {"step": step, "loss": round(stats.loss, 5), "lr": lr, "finite": stats.finite,
                   "masked_tokens": stats.weight, "step_seconds": round(seconds, 4),
-                  "tokens_per_s": round(sum(tokens) / seconds, 1),
-                  "rank_tokens_per_s": [round(t / c, 1) if c else 0.0 for t, c in zip(tokens, compute, strict=True)],
-                  "plan": plan}
+                  "tokens_per_s": round(stats.metrics["tokens"] / seconds, 1),
+                  "rank_busy_seconds": [round(b, 4) for b in busy], "plan": plan}
         tqdm_write = self.bar.write if not self.bar.disable else print
         tqdm_write(json.dumps(record))
         if self.file:

@@ -1,0 +1,440 @@
+"""Per-rank batches for any training loop, planned from each rank's measured speed and memory.
+
+Note [Balancer]
+Each optimizer step takes the next global_batch_size examples of the epoch's shuffled order, as one
+GPU would, and splits them among ranks by planner.split_step under the cost model in force for that
+step. Which examples form a step never depends on the plan, only who runs which, and WeightedDDP's
+update is the exact weighted mean however a step is split: changing plans, a different world size
+after a restart, or a rank that takes several micro-batches all leave the updates the same, up to
+the order of floating-point sums. Every rank runs every step (a rank left without an example in the
+last step of an epoch runs a filler micro-batch of weight 0), so all ranks end each epoch together.
+
+Measurements travel in the step's fused scalars, as WeightedDDP metrics (one slot per rank and
+quantity): every rank fits the same cost models from the same numbers and takes the same decisions,
+with no collective of its own. A rank reports its previous step (its busy time is known only once
+that step ends): its StepStats.busy_seconds, its units of work, the micro-batch its memory allows,
+and the last step its sampler has already split. The sampler runs ahead of the loop (a DataLoader
+with workers prefetches), so a new cost model takes effect at the first step no rank has split yet.
+
+Plans start from an equal split. After warm-up, probe steps run three splits that give every rank
+at least two sizes (shares 1 + delta * cos(2 pi r / world + phase), for three phases), so that each
+rank's fixed cost and throughput can be told apart; from then on the fit is re-made every
+replan_every steps and a new model is adopted only if it predicts a step at least min_gain shorter
+than the plan in force: noise on equal hardware does not move the plan.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hsync.balance.planner import (
+    RankCost,
+    fit_affine,
+    micro_batches,
+    proportional_costs,
+    split_proportionally,
+    split_step,
+    step_time,
+)
+from hsync.balance.simulate import SimulatedSlowdown
+from hsync.ddp import WeightedDDP
+from hsync.stats import StepStats
+
+_PROBE_DELTA = 0.5
+_BIN_RATIO = 1.1  # measurements of sizes within 10% of each other share a bin
+_BINS = 8  # sizes remembered per rank; the least recently seen is dropped
+_BIN_DEPTH = 16  # measurements per size; their median is the bin's time
+_BIN_QUORUM = 3
+_CAPACITY_GROWTH = 2.0  # a micro-batch may grow at most this much beyond the largest one measured
+_QUANTITIES = ("busy", "units", "capacity", "split_through")
+
+
+@dataclass
+class BalanceConfig:
+    """How a Balancer splits each step among ranks."""
+
+    global_batch_size: int
+    """Examples in one optimizer step, summed over ranks (an epoch's last step takes what is left)."""
+    rank_batch_sizes: Sequence[int] | None = None
+    """A fixed split of every step, one size per rank, adding up to global_batch_size; nothing is
+    measured. None: the split is planned from measured speeds."""
+    micro_batch_limit: float | Sequence[float] | None = None
+    """Most units of work (examples, or tokens when examples have costs) in one micro-batch, for every
+    rank or one value per rank: a larger share runs as several micro-batches in a no_sync window.
+    None: no limit on the CPU; on a GPU, found from the peak memory of the steps run so far."""
+    warmup_steps: int = 2
+    """Steps not measured after the start: they carry one-off costs (allocations, the first connection)."""
+    probe_steps: int = 2
+    """Steps per probe split (three splits) before the first planned one."""
+    replan_every: int = 25
+    """Steps between two fits of the cost models."""
+    min_gain: float = 0.04
+    """A new plan is taken only if it predicts steps at least this much shorter (a fraction)."""
+    memory_fraction: float = 0.9
+    """Of a GPU's memory, what a micro-batch may fill at its peak."""
+    seed: int = 0
+    """Seeds the order of examples: epoch e is a permutation drawn from (seed, e)."""
+    shuffle: bool = True
+    """Whether each epoch shuffles the examples; False keeps the dataset's order."""
+    simulate_slowdown: float = 1.0
+    """For benchmarks and tests: this rank's steps are made this many times longer (SimulatedSlowdown)."""
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, value, least: int = 1) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"BalanceConfig.{name} must be an integer >= {least}, got {value!r}")
+
+        positive_int("global_batch_size", self.global_batch_size)
+        positive_int("warmup_steps", self.warmup_steps, 0)
+        positive_int("probe_steps", self.probe_steps)
+        positive_int("replan_every", self.replan_every)
+        if not 0 <= self.min_gain < 1:
+            raise ValueError(f"BalanceConfig.min_gain must be in [0, 1), got {self.min_gain!r}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"BalanceConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        if self.rank_batch_sizes is not None:
+            sizes = list(self.rank_batch_sizes)
+            if any(not isinstance(n, int) or n < 0 for n in sizes) or sum(sizes) != self.global_batch_size:
+                raise ValueError(f"BalanceConfig.rank_batch_sizes {sizes} must be non-negative integers adding "
+                                 f"up to global_batch_size {self.global_batch_size}")
+
+
+@dataclass
+class _MicroBatch:
+    step: int            # global step index
+    last: bool           # the step's last micro-batch on this rank: its backward synchronises
+    examples: int
+    units: float
+    filler: bool         # a rank without examples in this step: run with weight 0
+
+
+@dataclass
+class _Fit:
+    """One rank's measurements of one quantity against units of work, binned by size."""
+
+    bins: dict[int, deque] = field(default_factory=dict)
+
+    def add(self, units: float, value: float) -> None:
+        key = round(math.log(units) / math.log(_BIN_RATIO))
+        points = self.bins.pop(key, None) or deque(maxlen=_BIN_DEPTH)
+        points.append((units, value))
+        self.bins[key] = points  # most recently seen last
+        while len(self.bins) > _BINS:
+            del self.bins[next(iter(self.bins))]
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed, per_unit) through each bin's median, weighted by its measurements (Note [Cost model]
+        in planner.py). Bins of fewer than _BIN_QUORUM measurements count only while no bin has more:
+        a size seen once (an epoch's short last step) is a guess, not a measurement."""
+        bins = [p for p in self.bins.values() if len(p) >= _BIN_QUORUM] or list(self.bins.values())
+        return fit_affine([(statistics.fmean(u for u, _ in p), statistics.median(v for _, v in p), len(p))
+                           for p in bins])
+
+    def largest_units(self) -> float:
+        return max((u for points in self.bins.values() for u, _ in points), default=0.0)
+
+
+class Balancer:
+    """A batch sampler that hands each rank its share of every global batch, planned from measurements.
+
+        balancer = hsync.Balancer(model, len(dataset), hsync.BalanceConfig(global_batch_size=64))
+        loader = DataLoader(dataset, batch_sampler=balancer, num_workers=2, pin_memory=True)
+        for epoch in range(epochs):
+            balancer.set_epoch(epoch)
+            for x, y in loader:
+                loss = loss_fn(model(x.to(device)), y.to(device))
+                if balancer.backward(loss):  # the step's StepStats on its last micro-batch, else None
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+    Iterating yields this rank's micro-batches (lists of dataset indices), step after step; call
+    backward() once per micro-batch, in order. `examples` is the dataset's size, or one cost per
+    example (its length in tokens) to balance and weigh by tokens. See Note [Balancer].
+    """
+
+    def __init__(self, model: WeightedDDP, examples: int | Sequence[float], config: BalanceConfig) -> None:
+        if not isinstance(model, WeightedDDP):
+            raise TypeError(f"hsync.Balancer needs the hsync.WeightedDDP that trains, got {type(model).__name__}")
+        self.model = model
+        self.config = config
+        self.rank, self.world_size = model.rank, model.world_size
+        self._costs = self._example_costs(examples)
+        limit = config.micro_batch_limit
+        limits = list(limit) if isinstance(limit, Sequence) else [limit] * self.world_size
+        if len(limits) != self.world_size or any(v is not None and not v > 0 for v in limits):
+            raise ValueError(f"BalanceConfig.micro_batch_limit must be a positive number or one per rank "
+                             f"({self.world_size}), got {limit!r}")
+        self._limits = [math.inf if v is None else float(v) for v in limits]
+        if config.rank_batch_sizes is not None and len(config.rank_batch_sizes) != self.world_size:
+            raise ValueError(f"BalanceConfig.rank_batch_sizes has {len(config.rank_batch_sizes)} sizes for "
+                             f"{self.world_size} ranks")
+        self._check_same_everywhere()
+        self._names = {q: [f"hsync.balance.{q}/{r}" for r in range(self.world_size)] for q in _QUANTITIES}
+        model._declare_metrics([name for names in self._names.values() for name in names])
+        self._slowdown = SimulatedSlowdown(config.simulate_slowdown, model.device)
+        if config.simulate_slowdown > 1:
+            model._before_sync = self._slowdown.pause
+        self.epoch = 0
+        self._step_in_epoch = 0     # steps of this epoch completed
+        self.global_step = 0        # steps completed, over all epochs (and runs, once resumed)
+        self._first_step = 0        # this process's first step: probing and warm-up count from it
+        self._adopted: list[tuple[int, list[RankCost]]] = []  # (first step, cost models), in order
+        self._decided_at = -1
+        self._pending: deque[_MicroBatch] = deque()
+        self._split_through = -1    # the last step the sampler has split
+        self._step_costs: dict[int, list[float]] = {}  # the costs of each split step not completed yet
+        self._step_units = 0.0      # this rank's units of work in the current step
+        self._previous: tuple[StepStats, float] | None = None  # the last step's stats and this rank's units
+        self._time_fits = [_Fit() for _ in range(self.world_size)]
+        self._memory_fit = _Fit()   # this rank's peak memory per micro-batch
+        self._capacities = [0.0] * self.world_size
+        self.last_plan: list[int] = []
+        """Examples of each rank in the last completed step."""
+        self._plans: dict[int, list[int]] = {}
+
+    # -- the sampler -------------------------------------------------------------------------------
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-len(self._costs) // self.config.global_batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Starts `epoch` (each has its own order), or goes on where a resumed run left it."""
+        if epoch != self.epoch:
+            self.epoch, self._step_in_epoch = epoch, 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        # A new iteration (a DataLoader's next epoch, or a loop that broke off) starts at the first step
+        # not completed: what an earlier iterator split ahead is forgotten.
+        self._pending.clear()
+        self._split_through = self.global_step - 1
+        first = self._step_in_epoch
+        base = self.global_step - first  # the global index of this epoch's step 0
+        order = self._order(self.epoch)
+        batch = self.config.global_batch_size
+        for s in range(first, self.steps_per_epoch):
+            step = base + s
+            positions = order[s * batch:(s + 1) * batch]
+            costs = [self._costs[i] for i in positions]
+            ranks = self._cost_models(step)
+            shares = self._split(costs, ranks)
+            self._plans[step] = [len(share) for share in shares]
+            self._step_costs[step] = costs
+            self._split_through = step
+            mine = [positions[p] for p in shares[self.rank]]
+            ranges = micro_batches([self._costs[i] for i in mine], ranks[self.rank].micro_cap)
+            if not ranges:
+                batches, filler = [[positions[0]]], True
+            else:
+                batches, filler = [mine[a:b] for a, b in ranges], False
+            for j, indices in enumerate(batches):
+                units = len(indices) * max(self._costs[i] for i in indices)
+                self._pending.append(_MicroBatch(step, j == len(batches) - 1, 0 if filler else len(indices),
+                                                 units, filler))
+                yield indices
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.config.shuffle:
+            return list(range(len(self._costs)))
+        g = torch.Generator().manual_seed(self.config.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self._costs), generator=g).tolist()
+
+    def _split(self, costs: list[float], ranks: list[RankCost]) -> list[list[int]]:
+        fixed = self.config.rank_batch_sizes
+        if fixed is None:
+            return split_step(costs, ranks)
+        sizes = split_proportionally(len(costs), fixed)
+        bounds = [sum(sizes[:r]) for r in range(self.world_size + 1)]
+        return [list(range(bounds[r], bounds[r + 1])) for r in range(self.world_size)]
+
+    # -- the training loop's side ------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, weight: float | torch.Tensor | None = None,
+                 metrics: Mapping[str, float | torch.Tensor] | None = None) -> StepStats | None:
+        """WeightedDDP.backward for the micro-batch the sampler yielded last-but-pending: inside no_sync
+        except on this rank's last micro-batch of the step, where it synchronises, feeds the
+        measurements back and returns the step's StepStats (None before). `weight` defaults to the
+        micro-batch's number of examples; pass tokens when the loss is a mean over tokens."""
+        if not self._pending:
+            raise RuntimeError("hsync.Balancer.backward: no micro-batch of this balancer is waiting for its "
+                               "backward (call it once per batch its sampler yielded, in order)")
+        micro = self._pending.popleft()
+        weight = 0.0 if micro.filler else (micro.examples if weight is None else weight)
+        self._step_units += micro.units
+        self._measure_memory(micro.units)
+        if not micro.last:
+            with self.model.no_sync():
+                return self.model.backward(loss, weight, metrics)
+        ours = dict(metrics or {})
+        if self._previous is not None and (busy := self._busy_seconds(self._previous[0])) is not None:
+            ours[self._names["busy"][self.rank]] = busy
+            ours[self._names["units"][self.rank]] = self._previous[1]
+        ours[self._names["capacity"][self.rank]] = self._capacity()
+        ours[self._names["split_through"][self.rank]] = self._split_through + 1  # 0: nothing split
+        stats = self.model.backward(loss, weight, ours)
+        self._slowdown.step_done()
+        self._step_done(micro.step, stats)
+        return stats
+
+    def _busy_seconds(self, stats: StepStats) -> float | None:
+        """This rank's time for the step (tests replace it with a known cost model)."""
+        return stats.busy_seconds
+
+    def _step_done(self, step: int, stats: StepStats) -> None:
+        values = stats.metrics
+        measured_step = step - 1  # what the ranks reported is the step before this one
+        if measured_step >= self._first_step + self.config.warmup_steps:
+            for r in range(self.world_size):
+                busy, units = values[self._names["busy"][r]], values[self._names["units"][r]]
+                if busy > 0 and units > 0:
+                    self._time_fits[r].add(units, busy)
+        self._capacities = [values[self._names["capacity"][r]] for r in range(self.world_size)]
+        split_through = max(values[self._names["split_through"][r]] for r in range(self.world_size)) - 1
+        self._previous = (stats, self._step_units)
+        self._step_units = 0.0
+        self.last_plan = self._plans.pop(step, [])
+        costs = self._step_costs.pop(step, [])
+        self.global_step += 1
+        self._step_in_epoch += 1
+        if self._step_in_epoch >= self.steps_per_epoch:
+            self.epoch, self._step_in_epoch = self.epoch + 1, 0
+        if self.config.rank_batch_sizes is None and self.world_size > 1 and self._decision_due(step):
+            self._decide(step, costs, int(split_through) + 1)
+
+    def _decision_due(self, step: int) -> bool:
+        first = self._first_step + self.config.warmup_steps + 3 * self.config.probe_steps
+        return step >= first and (self._decided_at < 0 or step - self._decided_at >= self.config.replan_every)
+
+    def _decide(self, step: int, costs: list[float], first_free_step: int) -> None:
+        fitted = [fit.line() for fit in self._time_fits]
+        if any(line is None for line in fitted) or not costs:
+            return  # a rank has no measurement yet: decide at a later step
+        self._decided_at = step
+        effective = max(step + 1, first_free_step)
+        candidate = [RankCost(fixed, per_unit, self._micro_cap(r))
+                     for r, (fixed, per_unit) in enumerate(fitted)]
+        current = self._adopted[-1][1] if self._adopted else self._equal(candidate)
+        new_time = step_time(costs, split_step(costs, candidate), candidate)
+        old_time = step_time(costs, split_step(costs, current), candidate)
+        if new_time <= (1 - self.config.min_gain) * old_time:
+            self._adopted.append((effective, candidate))
+        elif not self._adopted:
+            self._adopted.append((effective, current))
+
+    def _equal(self, like: list[RankCost]) -> list[RankCost]:
+        return [RankCost(0.0, 1.0, rank.micro_cap) for rank in like]
+
+    def _cost_models(self, step: int) -> list[RankCost]:
+        """The cost models that split `step`: the adopted ones, or before them the warm-up's equal split
+        and the probe splits. They depend on nothing that could differ between ranks or in time."""
+        adopted = [ranks for first, ranks in self._adopted if first <= step]
+        if adopted:
+            return adopted[-1]
+        probing = step - self._first_step - self.config.warmup_steps
+        if self.world_size == 1 or probing < 0 or self.config.rank_batch_sizes is not None:
+            weights = [1.0] * self.world_size
+        else:
+            phase = 2 * math.pi * ((probing // self.config.probe_steps) % 3) / 3
+            weights = [1 + _PROBE_DELTA * math.cos(2 * math.pi * r / self.world_size + phase)
+                       for r in range(self.world_size)]
+        return [RankCost(c.fixed_s, c.per_unit_s, self._micro_cap(r, measured=False))
+                for r, c in enumerate(proportional_costs(weights))]
+
+    @property
+    def cost_models(self) -> list[RankCost] | None:
+        """The ranks' cost models in force at the last step split, once measurements gave them."""
+        adopted = [ranks for first, ranks in self._adopted if first <= self._split_through]
+        return adopted[-1] if adopted else None
+
+    def planned_split(self) -> list[int]:
+        """Examples per rank of a whole global batch of equal examples under the newest cost models."""
+        ranks = self._adopted[-1][1] if self._adopted else self._cost_models(self.global_step)
+        return [len(share) for share in split_step([1.0] * self.config.global_batch_size, ranks)]
+
+    # -- memory ------------------------------------------------------------------------------------
+
+    def _micro_cap(self, rank: int, measured: bool = True) -> float:
+        """Units of work rank `rank` may run in one micro-batch: the configured limit, and on a GPU what its
+        memory allows as it last reported, or, before that is known, an equal share."""
+        cap = self._limits[rank]
+        if self.model.device.type == "cuda":
+            capacity = self._capacities[rank] if measured else 0.0
+            equal_share = self.config.global_batch_size / self.world_size * max(self._costs)
+            cap = min(cap, capacity if capacity > 0 else equal_share)
+        return cap
+
+    def _measure_memory(self, units: float) -> None:
+        device = self.model.device
+        if device.type != "cuda":
+            return
+        # The peak since the last micro-batch's backward: this micro-batch's forward and backward
+        # (and the optimizer step before it, when it is a step's first).
+        self._memory_fit.add(units, float(torch.cuda.max_memory_allocated(device)))
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def _capacity(self) -> float:
+        """This rank's largest micro-batch in units by its measured peak memory (0: not known)."""
+        device = self.model.device
+        line = self._memory_fit.line() if device.type == "cuda" else None
+        if line is None:
+            return 0.0
+        base, per_unit = line
+        room = self.config.memory_fraction * torch.cuda.get_device_properties(device).total_memory - base
+        return max(1.0, min(room / per_unit, _CAPACITY_GROWTH * self._memory_fit.largest_units()))
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Where the loop is: the epoch and the steps completed in it, counted in global batches, so a
+        run resumes at the next step whatever its world size. Measurements are not kept: a resumed run
+        measures its ranks anew."""
+        return {"epoch": self.epoch, "step_in_epoch": self._step_in_epoch, "global_step": self.global_step,
+                "seed": self.config.seed, "global_batch_size": self.config.global_batch_size,
+                "num_examples": len(self._costs)}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        for key, ours in (("num_examples", len(self._costs)), ("global_batch_size", self.config.global_batch_size),
+                          ("seed", self.config.seed)):
+            if state[key] != ours:
+                raise ValueError(f"hsync.Balancer: the checkpoint has {key} {state[key]}, this run {ours}: "
+                                 "it was written for other data or another batch")
+        self.epoch, self._step_in_epoch = state["epoch"], state["step_in_epoch"]
+        self.global_step = self._first_step = state["global_step"]
+        self._adopted, self._decided_at, self._previous = [], -1, None
+        self._pending.clear()
+
+    # -- set-up ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _example_costs(examples: int | Sequence[float]) -> list[float]:
+        if isinstance(examples, int) and not isinstance(examples, bool):
+            if examples < 1:
+                raise ValueError(f"hsync.Balancer needs at least one example, got {examples}")
+            return [1.0] * examples
+        costs = [float(c) for c in examples]
+        if not costs or any(not (c > 0) or math.isinf(c) for c in costs):
+            raise ValueError("hsync.Balancer: example costs must be finite positive numbers (lengths), and "
+                             "there must be at least one")
+        return costs
+
+    def _check_same_everywhere(self) -> None:
+        """Every rank must split the same steps of the same data: a difference is refused on every rank."""
+        config = self.config
+        mine = (len(self._costs), sum(self._costs), config.global_batch_size, config.seed, config.shuffle,
+                config.rank_batch_sizes and list(config.rank_batch_sizes), self._limits, config.replan_every,
+                config.warmup_steps, config.probe_steps, config.min_gain)
+        group = self.model.process_group
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=group)
+        different = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+        if different:
+            raise ValueError(f"hsync.Balancer: ranks {different} were given other data or settings than rank 0 "
+                             f"(examples, their total cost, the BalanceConfig): rank 0 has {everyone[0]}, "
+                             f"rank {different[0]} {everyone[different[0]]}")

@@ -1,0 +1,238 @@
+"""hsync.Balancer in real training loops: exact gradients, every example once, resume, decisions."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from tests.spawn import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+
+class Numbers(Dataset):
+    """Example i: a feature vector drawn from i, a target, and i itself."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(6, generator=g, dtype=torch.float64), torch.randn(1, generator=g, dtype=torch.float64), i
+
+
+def stacked(data: Numbers, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features and targets of these examples, as one batch."""
+    return torch.stack([data[i][0] for i in indices]), torch.stack([data[i][1] for i in indices])
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+
+def gather_indices(indices: list[int]) -> list[int]:
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, indices)
+    return sorted(i for part in everyone for i in part)
+
+
+def each_example_once(rank, world_size, slowdown: float, lengths: bool):
+    """A DataLoader with workers over the balancer, through epochs whose plans change (probe splits, then
+    planned ones; with lengths, every step is split anew)."""
+    import hsync
+
+    size = 150
+    model = hsync.WeightedDDP(make_model())
+    costs = [float(1 + (i * 7) % 13) for i in range(size)] if lengths else size
+    config = hsync.BalanceConfig(global_batch_size=16, replan_every=4, warmup_steps=1, probe_steps=1,
+                                 simulate_slowdown=slowdown if rank == 1 else 1.0,
+                                 micro_batch_limit=6 if lengths else None)
+    balancer = hsync.Balancer(model, costs, config)
+    loader = DataLoader(Numbers(size), batch_sampler=balancer, num_workers=2, pin_memory=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    plans, epochs = set(), []
+    for epoch in range(3):
+        balancer.set_epoch(epoch)
+        seen, step_seen = [], []
+        for x, y, index in loader:
+            step_seen += index.tolist()
+            loss = nn.functional.mse_loss(model(x), y)
+            if balancer.backward(loss) is not None:
+                optimizer.step()
+                optimizer.zero_grad()
+                plans.add(tuple(balancer.last_plan))
+                seen += step_seen
+                step_seen = []
+        assert not step_seen, "the epoch ended inside a step"
+        epochs.append(gather_indices(seen))
+    return epochs, sorted(plans), balancer.global_step
+
+
+@pytest.mark.parametrize("lengths", [False, True], ids=["examples", "tokens"])
+def test_every_example_once_per_epoch_with_a_dataloader_and_changing_plans(lengths):
+    results = run_ranks(each_example_once, 2, 3.0, lengths, timeout=180)
+    epochs, plans, steps = results[0]
+    for seen in epochs:
+        assert seen == list(range(150)), "every example exactly once per epoch, over all ranks"
+    assert steps == 3 * 10 and results[1][2] == steps, "all ranks run the same steps: ceil(150 / 16) per epoch"
+    assert len(plans) >= 3, f"the plans changed during the run: {plans}"
+
+
+def exact_gradients(rank, world_size, lengths: bool):
+    """Per-rank accumulation counts (micro-batch limits 2 and 5 examples, a fixed uneven split, or
+    token lengths with a token limit): the gradient of every step is the one of the whole global batch."""
+    import hsync
+
+    size = 40
+    data = Numbers(size)
+    costs = [float(1 + i % 5) for i in range(size)] if lengths else size
+    config = hsync.BalanceConfig(global_batch_size=16, rank_batch_sizes=None if lengths else [11, 5],
+                                 micro_batch_limit=[6, 9] if lengths else [2, 5], seed=3)
+    model = hsync.WeightedDDP(make_model())
+    reference = make_model()
+    balancer = hsync.Balancer(model, costs, config)
+    micro_steps, step_indices = [], []
+    count = 0
+    for indices in balancer:
+        x, y = stacked(data, indices)
+        step_indices += indices
+        count += 1
+        # Token mode: the loss is a mean over "tokens" (each example's squared error counted length times).
+        w = torch.tensor([costs[i] for i in indices], dtype=torch.float64) if lengths else torch.ones(len(indices))
+        loss = ((model(x) - y).pow(2).squeeze(1) * w).sum() / w.sum()
+        stats = balancer.backward(loss, weight=w.sum() if lengths else None)
+        if stats is None:
+            continue
+        everything = gather_indices(step_indices)
+        micro_steps.append(count)
+        count, step_indices = 0, []
+        rx, ry = stacked(data, everything)
+        rw = torch.tensor([costs[i] for i in everything], dtype=torch.float64) if lengths else torch.ones(len(rx))
+        reference.zero_grad()
+        (((reference(rx) - ry).pow(2).squeeze(1) * rw).sum() / rw.sum()).backward()
+        for ours, theirs in zip(model.module.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-10, atol=1e-12)
+        with torch.no_grad():
+            for ours, theirs in zip(model.module.parameters(), reference.parameters(), strict=True):
+                ours -= 0.1 * ours.grad
+                theirs -= 0.1 * theirs.grad
+        model.zero_grad()
+    return micro_steps
+
+
+@pytest.mark.parametrize("lengths", [False, True], ids=["examples", "tokens"])
+def test_gradients_are_exact_with_per_rank_accumulation_counts(lengths):
+    micro_steps = run_ranks(exact_gradients, 2, lengths, timeout=120)
+    assert len(micro_steps[0]) == len(micro_steps[1]) == 3, "ceil(40 / 16) steps on every rank"
+    if not lengths:
+        # 11 examples by 2 and 5 examples by 5; the last step's 8 split 6 + 2 (largest remainders of 11:5).
+        assert micro_steps == [[6, 6, 3], [1, 1, 1]]
+    else:
+        assert micro_steps[0] != micro_steps[1], "the ranks ran different numbers of micro-batches"
+
+
+def train(model, balancer, optimizer, steps: int) -> None:
+    data = Numbers(len(balancer._costs))
+    done = 0
+    while done < steps:
+        for indices in balancer:
+            x, y = stacked(data, indices)
+            loss = nn.functional.mse_loss(model(x), y)
+            if balancer.backward(loss) is not None:
+                optimizer.step()
+                optimizer.zero_grad()
+                done += 1
+                if done == steps:
+                    return
+
+
+def resume(rank, world_size):
+    """Ten steps in one go against six, a checkpoint, and four more in a fresh model, optimizer and
+    balancer (whose plan differs: it probes anew), with a slow rank 1 so that plans move."""
+    import hsync
+
+    def fresh():
+        model = hsync.WeightedDDP(make_model())
+        config = hsync.BalanceConfig(global_batch_size=12, warmup_steps=0, probe_steps=1, replan_every=2,
+                                     simulate_slowdown=2.0 if rank == 1 else 1.0)
+        return model, hsync.Balancer(model, 30, config), torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    model, balancer, optimizer = fresh()
+    train(model, balancer, optimizer, 10)
+    uninterrupted = [p.detach().clone() for p in model.module.parameters()]
+
+    model, balancer, optimizer = fresh()
+    train(model, balancer, optimizer, 6)
+    saved = copy.deepcopy({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                           "balancer": balancer.state_dict()})
+    model, balancer, optimizer = fresh()
+    model.module.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    balancer.load_state_dict(saved["balancer"])
+    assert (balancer.epoch, balancer.global_step) == (2, 6), "30 examples by 12: three steps an epoch"
+    train(model, balancer, optimizer, 4)
+    for ours, theirs in zip(model.module.parameters(), uninterrupted, strict=True):
+        torch.testing.assert_close(ours.detach(), theirs, rtol=1e-12, atol=1e-14)
+    return balancer.global_step
+
+
+def test_resumed_run_makes_the_same_updates():
+    assert run_ranks(resume, 2, timeout=120) == [10, 10]
+
+
+class KnownCosts:
+    """Busy times from a known cost model instead of the clock, with noise: decisions become checkable."""
+
+    def __init__(self, fixed: list[float], per_unit: list[float], noise: float) -> None:
+        self.fixed, self.per_unit, self.noise = fixed, per_unit, noise
+        self.g = torch.Generator().manual_seed(dist.get_rank())
+
+    def install(self, balancer) -> None:
+        def busy(stats):
+            units = balancer._previous[1]
+            r = balancer.rank
+            jitter = 1 + self.noise * (2 * torch.rand((), generator=self.g).item() - 1)
+            return (self.fixed[r] + units * self.per_unit[r]) * jitter
+
+        balancer._busy_seconds = busy
+
+
+def decisions(rank, world_size, fixed, per_unit, noise):
+    import hsync
+
+    model = hsync.WeightedDDP(make_model())
+    balancer = hsync.Balancer(model, 64 * 8, hsync.BalanceConfig(global_batch_size=64, replan_every=10))
+    KnownCosts(fixed, per_unit, noise).install(balancer)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    plans = []
+    data = Numbers(64 * 8)
+    for epoch in range(3):
+        balancer.set_epoch(epoch)
+        for indices in balancer:
+            x, y = stacked(data, indices)
+            if balancer.backward(nn.functional.mse_loss(model(x), y)):
+                optimizer.step()
+                plans.append(balancer.last_plan)
+    return plans
+
+
+def test_planned_split_reaches_the_optimum_of_the_true_costs():
+    # Rank 1 is twice as slow, and rank 0 pays a fixed 8 units more per step: the optimum balances
+    # 0.08 + n0 / 100 against 2 * (0.01 + n1 / 100) with n0 + n1 = 64 (n0 = 41.3 -> 41 + 23, 0.49 s).
+    plans = run_ranks(decisions, 2, [0.08, 0.01], [0.01, 0.02], 0.02, timeout=180)[0]
+    settled = plans[40:]
+    assert all(p == [41, 23] for p in settled), settled
+
+
+def test_equal_ranks_keep_an_equal_split_despite_noise():
+    plans = run_ranks(decisions, 2, [0.05, 0.05], [0.01, 0.01], 0.05, timeout=180)[0]
+    assert all(p == [32, 32] for p in plans[:2] + plans[10:]), plans
