@@ -181,6 +181,7 @@ class WeightedDDP(nn.Module, Joinable):
         self._window: _Window | None = None
         self._engine = None
         self._last_step_done = None  # when this rank's last weighted step completed, see _StepClock
+        self._peer_wait_s = 0.0  # host seconds waited for peers since then, outside the engine's steps
         self._before_sync: Callable[[], None] | None = None  # runs when a weighted step's local work is done
         device = next(p.device for p in _reduced_parameters(module) if p.requires_grad)
         self.device_ids, self.output_device = _check_device_ids(device_ids, output_device, device)
@@ -286,7 +287,9 @@ class WeightedDDP(nn.Module, Joinable):
         if buffers_due:
             buffers = self._synced_buffers()
             if buffers:
+                started = time.perf_counter()
                 engine.broadcast_coalesced(buffers, root)
+                self._peer_wait_s += time.perf_counter() - started  # mostly waiting for rank `root`
         self._buffers_due = synced
         output = self.module(*inputs, **kwargs)
         if synced:
@@ -408,9 +411,10 @@ class WeightedDDP(nn.Module, Joinable):
             if self._before_sync is not None:
                 self._before_sync()
             local_done = _StepClock.mark(self.device)
-            waited = engine.peer_wait_seconds()
+            waited = engine.peer_wait_seconds() + self._peer_wait_s
             engine.finalize_if_pending()
         previous, self._last_step_done = self._last_step_done, _StepClock.mark(self.device)
+        self._peer_wait_s = 0.0
         host = engine.step_scalars()
         if host[BAD_RANKS] > 0:
             raise ValueError(_bad_input_message(host, window.problem, self.rank))

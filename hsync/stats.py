@@ -50,8 +50,8 @@ class StepStats:
     @property
     def busy_seconds(self) -> float | None:
         """This rank's own time for the step: from the end of its previous weighted step to the end of
-        its backward in this one, less the time it waited for its peers meanwhile (for the step's
-        total weight, and then for their gradients). It counts the data, forward, backward and
+        its backward in this one, less the time it waited for its peers meanwhile (for rank 0's
+        buffers in a forward, for the step's total weight). It counts the data, forward, backward and
         optimizer work between the two, on the device's timeline (CUDA events on a GPU, where a wait
         for the total is the device's and is counted: reading it waits for this rank's backward).
         None for a rank's first weighted step."""

@@ -18,9 +18,12 @@ with workers prefetches), so a new cost model takes effect at the first step no 
 
 Plans start from an equal split. After warm-up, probe steps run three splits that give every rank
 at least two sizes (shares 1 + delta * cos(2 pi r / world + phase), for three phases), so that each
-rank's fixed cost and throughput can be told apart; from then on the fit is re-made every
-replan_every steps and a new model is adopted only if it predicts a step at least min_gain shorter
-than the plan in force: noise on equal hardware does not move the plan.
+rank's fixed cost and throughput can be told apart. The first decision puts the equal split in
+force, which measures it; every replan_every steps after that the fit is re-made, and a new plan
+is adopted only if it predicts a step at least min_gain shorter than the plan in force: noise on
+equal hardware does not move the plan. Predictions can be wrong where ranks share a machine
+(their speeds then depend on each other), so a plan that measured slower than the one it
+replaced is undone, and the next one must promise twice the gain.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ _BIN_RATIO = 1.1  # measurements of sizes within 10% of each other share a bin
 _BINS = 8  # sizes remembered per rank; the least recently seen is dropped
 _BIN_DEPTH = 16  # measurements per size; their median is the bin's time
 _BIN_QUORUM = 3
+_QUORUM_STEPS = 5  # steps measured under each of two plans before their times are compared
 _CAPACITY_GROWTH = 2.0  # a micro-batch may grow at most this much beyond the largest one measured
 _QUANTITIES = ("busy", "units", "capacity", "split_through")
 
@@ -71,8 +75,8 @@ class BalanceConfig:
     None: no limit on the CPU; on a GPU, found from the peak memory of the steps run so far."""
     warmup_steps: int = 2
     """Steps not measured after the start: they carry one-off costs (allocations, the first connection)."""
-    probe_steps: int = 2
-    """Steps per probe split (three splits) before the first planned one."""
+    probe_steps: int = 3
+    """Steps per probe split (three splits) before the equal split is measured and plans begin."""
     replan_every: int = 25
     """Steps between two fits of the cost models."""
     min_gain: float = 0.04
@@ -178,15 +182,19 @@ class Balancer:
         self._check_same_everywhere()
         self._names = {q: [f"hsync.balance.{q}/{r}" for r in range(self.world_size)] for q in _QUANTITIES}
         model._declare_metrics([name for names in self._names.values() for name in names])
-        self._slowdown = SimulatedSlowdown(config.simulate_slowdown, model.device)
+        self.slowdown = SimulatedSlowdown(config.simulate_slowdown, model.device)
+        """The simulated slowdown of this rank's steps (BalanceConfig.simulate_slowdown)."""
         if config.simulate_slowdown > 1:
-            model._before_sync = self._slowdown.pause
+            model._before_sync = self.slowdown.pause
         self.epoch = 0
         self._step_in_epoch = 0     # steps of this epoch completed
         self.global_step = 0        # steps completed, over all epochs (and runs, once resumed)
         self._first_step = 0        # this process's first step: probing and warm-up count from it
         self._adopted: list[tuple[int, list[RankCost]]] = []  # (first step, cost models), in order
+        self._measured: list[list[float]] = []  # per adopted plan: its steps' slowest busy times
+        self._required_gain = config.min_gain
         self._decided_at = -1
+        self._decisions = 0
         self._pending: deque[_MicroBatch] = deque()
         self._split_through = -1    # the last step the sampler has split
         self._step_costs: dict[int, list[float]] = {}  # the costs of each split step not completed yet
@@ -279,7 +287,7 @@ class Balancer:
         ours[self._names["capacity"][self.rank]] = self._capacity()
         ours[self._names["split_through"][self.rank]] = self._split_through + 1  # 0: nothing split
         stats = self.model.backward(loss, weight, ours)
-        self._slowdown.step_done()
+        self.slowdown.step_done()
         self._step_done(micro.step, stats)
         return stats
 
@@ -291,10 +299,14 @@ class Balancer:
         values = stats.metrics
         measured_step = step - 1  # what the ranks reported is the step before this one
         if measured_step >= self._first_step + self.config.warmup_steps:
+            busy = [values[self._names["busy"][r]] for r in range(self.world_size)]
             for r in range(self.world_size):
-                busy, units = values[self._names["busy"][r]], values[self._names["units"][r]]
-                if busy > 0 and units > 0:
-                    self._time_fits[r].add(units, busy)
+                units = values[self._names["units"][r]]
+                if busy[r] > 0 and units > 0:
+                    self._time_fits[r].add(units, busy[r])
+            index = self._adopted_index(measured_step)
+            if index >= 0 and all(b > 0 for b in busy):
+                self._measured[index].append(max(busy))  # the step took as long as its slowest rank
         self._capacities = [values[self._names["capacity"][r]] for r in range(self.world_size)]
         split_through = max(values[self._names["split_through"][r]] for r in range(self.world_size)) - 1
         self._previous = (stats, self._step_units)
@@ -313,30 +325,47 @@ class Balancer:
         return step >= first and (self._decided_at < 0 or step - self._decided_at >= self.config.replan_every)
 
     def _decide(self, step: int, costs: list[float], first_free_step: int) -> None:
+        """Note [Balancer]: the first decision puts the equal split in force, to measure it; later ones
+        take a fitted plan predicted min_gain faster (more after a plan that measured slower), and
+        go back to the previous plan if the last one measured slower than it."""
         fitted = [fit.line() for fit in self._time_fits]
         if any(line is None for line in fitted) or not costs:
             return  # a rank has no measurement yet: decide at a later step
         self._decided_at = step
+        self._decisions += 1
         effective = max(step + 1, first_free_step)
         candidate = [RankCost(fixed, per_unit, self._micro_cap(r))
                      for r, (fixed, per_unit) in enumerate(fitted)]
-        current = self._adopted[-1][1] if self._adopted else self._equal(candidate)
+        if not self._adopted:
+            self._adopt(effective, [RankCost(0.0, 1.0, c.micro_cap) for c in candidate])
+            return
+        if len(self._adopted) >= 2:
+            last, before = (self._measured[len(self._adopted) - k] for k in (1, 2))
+            if (min(len(last), len(before)) >= _QUORUM_STEPS and
+                    statistics.median(last) > (1 + self.config.min_gain) * statistics.median(before)):
+                self._adopt(effective, self._adopted[-2][1])
+                self._required_gain = min(0.5, 2 * self._required_gain)
+                return
+        current = self._adopted[-1][1]
         new_time = step_time(costs, split_step(costs, candidate), candidate)
         old_time = step_time(costs, split_step(costs, current), candidate)
-        if new_time <= (1 - self.config.min_gain) * old_time:
-            self._adopted.append((effective, candidate))
-        elif not self._adopted:
-            self._adopted.append((effective, current))
+        if new_time <= (1 - self._required_gain) * old_time:
+            self._adopt(effective, candidate)
 
-    def _equal(self, like: list[RankCost]) -> list[RankCost]:
-        return [RankCost(0.0, 1.0, rank.micro_cap) for rank in like]
+    def _adopt(self, first_step: int, ranks: list[RankCost]) -> None:
+        self._adopted.append((first_step, ranks))
+        self._measured.append([])
+
+    def _adopted_index(self, step: int) -> int:
+        """Which adopted models split `step` (-1: the warm-up or a probe split)."""
+        return max((i for i, (first, _) in enumerate(self._adopted) if first <= step), default=-1)
 
     def _cost_models(self, step: int) -> list[RankCost]:
         """The cost models that split `step`: the adopted ones, or before them the warm-up's equal split
         and the probe splits. They depend on nothing that could differ between ranks or in time."""
-        adopted = [ranks for first, ranks in self._adopted if first <= step]
-        if adopted:
-            return adopted[-1]
+        index = self._adopted_index(step)
+        if index >= 0:
+            return self._adopted[index][1]
         probing = step - self._first_step - self.config.warmup_steps
         if self.world_size == 1 or probing < 0 or self.config.rank_batch_sizes is not None:
             weights = [1.0] * self.world_size
@@ -350,8 +379,17 @@ class Balancer:
     @property
     def cost_models(self) -> list[RankCost] | None:
         """The ranks' cost models in force at the last step split, once measurements gave them."""
-        adopted = [ranks for first, ranks in self._adopted if first <= self._split_through]
-        return adopted[-1] if adopted else None
+        index = self._adopted_index(self._split_through)
+        return self._adopted[index][1] if index >= 0 else None
+
+    @property
+    def decisions(self) -> int:
+        """How many times the measurements have been weighed (the first puts the equal split in force)."""
+        return self._decisions
+
+    def fitted_costs(self) -> list[RankCost | None]:
+        """Each rank's cost model as its measurements fit it now (None before it has any)."""
+        return [None if line is None else RankCost(*line) for line in (fit.line() for fit in self._time_fits)]
 
     def planned_split(self) -> list[int]:
         """Examples per rank of a whole global batch of equal examples under the newest cost models."""
@@ -407,7 +445,8 @@ class Balancer:
                                  "it was written for other data or another batch")
         self.epoch, self._step_in_epoch = state["epoch"], state["step_in_epoch"]
         self.global_step = self._first_step = state["global_step"]
-        self._adopted, self._decided_at, self._previous = [], -1, None
+        self._adopted, self._measured, self._decided_at, self._decisions, self._previous = [], [], -1, 0, None
+        self._required_gain = self.config.min_gain
         self._pending.clear()
 
     # -- set-up ------------------------------------------------------------------------------------

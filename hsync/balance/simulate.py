@@ -10,10 +10,10 @@ import torch
 class SimulatedSlowdown:
     """Makes this rank's steps `factor` times longer than its own work takes.
 
-    A step's work runs from one step_done() to the pause() at its end, where the rank sleeps
-    (factor - 1) times that work. Work is counted in CPU seconds of this process on the CPU, so what
-    other processes do to the same cores (compete for them, or sleep and leave them free) does not
-    change it; on a GPU it is the device's time, which pause() synchronises to read."""
+    A step's work runs from one step_done() to the next. pause(), at the end of the work, sleeps
+    (factor - 1) times it. Work is counted in CPU seconds of this process on the CPU, so what other
+    processes do to the same cores (compete for them, or sleep and leave them free) does not change
+    it; on a GPU it is the device's wall time less the sleeps, which reading it synchronises."""
 
     def __init__(self, factor: float, device: torch.device) -> None:
         if not (1.0 <= factor < float("inf")):
@@ -21,19 +21,40 @@ class SimulatedSlowdown:
         self.factor = factor
         self._device = device
         self._started = self._now()
+        self._slept = 0.0      # in the current step
+        self._last_work = 0.0  # of the last complete step
 
     def _now(self) -> float:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
             return time.perf_counter()
-        return time.process_time()
+        return time.process_time()  # a sleeping process uses none
+
+    def _work(self) -> float:
+        return self._now() - self._started - (self._slept if self._device.type == "cuda" else 0.0)
+
+    def _sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+        self._slept += seconds
 
     def pause(self) -> None:
         """Sleeps for the rest of the slowed step: call it when the step's own work is done."""
         if self.factor > 1.0:
-            time.sleep((self.factor - 1.0) * (self._now() - self._started))
+            self._sleep((self.factor - 1.0) * self._work())
+
+    def pause_ahead(self) -> None:
+        """Sleeps (factor - 1) times the last complete step's work: for a loop that cannot pause at
+        the end of its work (torch DDP's backward ends with the reduction), called before it."""
+        if self.factor > 1.0:
+            self._sleep((self.factor - 1.0) * self._last_work)
 
     def step_done(self) -> None:
         """Starts the next step's count: call it once a step is complete."""
         if self.factor > 1.0:
-            self._started = self._now()
+            self._last_work = self._work()
+            self.restart()
+
+    def restart(self) -> None:
+        """Forgets the work since the last step: what ran in between was not this rank's steps (a
+        benchmark's other variant)."""
+        self._started, self._slept = self._now(), 0.0

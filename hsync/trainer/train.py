@@ -142,22 +142,22 @@ def train_micro_step(model: hsync.WeightedDDP, balancer: hsync.Balancer,
 
 
 class PlanReport:
-    """Says on rank 0 when the balancer adopts new cost models, and the plan they give."""
+    """Says on rank 0 when the balancer's plan changes, and what the ranks measured."""
 
     def __init__(self, balancer: hsync.Balancer, rank: int) -> None:
         self.balancer, self.rank = balancer, rank
-        self.models = balancer.cost_models
+        self.plan = balancer.planned_split()
         report(rank, f"batch plan: {balancer.config.rank_batch_sizes or 'equal, then measured'} "
                      f"examples per rank and step")
 
     def update(self, step: int) -> None:
-        models = self.balancer.cost_models
-        if models is self.models or not models:
+        plan = self.balancer.planned_split()
+        if plan == self.plan or self.balancer.cost_models is None:
             return
-        self.models = models
         shown = ", ".join(f"rank {r}: {m.fixed_s * 1e3:.1f} ms + {1 / m.per_unit_s:.1f} ex/s"
-                          for r, m in enumerate(models))
-        report(self.rank, f"measured {shown}; from step {step + 1} about {self.balancer.planned_split()}")
+                          for r, m in enumerate(self.balancer.fitted_costs()) if m is not None)
+        report(self.rank, f"measured {shown}; batch plan {self.plan} -> {plan} after step {step}")
+        self.plan = plan
 
 
 class Logger:

@@ -215,7 +215,7 @@ def decisions(rank, world_size, fixed, per_unit, noise):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     plans = []
     data = Numbers(64 * 8)
-    for epoch in range(3):
+    for epoch in range(8):
         balancer.set_epoch(epoch)
         for indices in balancer:
             x, y = stacked(data, indices)
@@ -228,11 +228,46 @@ def decisions(rank, world_size, fixed, per_unit, noise):
 def test_planned_split_reaches_the_optimum_of_the_true_costs():
     # Rank 1 is twice as slow, and rank 0 pays a fixed 8 units more per step: the optimum balances
     # 0.08 + n0 / 100 against 2 * (0.01 + n1 / 100) with n0 + n1 = 64 (n0 = 41.3 -> 41 + 23, 0.49 s).
-    plans = run_ranks(decisions, 2, [0.08, 0.01], [0.01, 0.02], 0.02, timeout=180)[0]
-    settled = plans[40:]
-    assert all(p == [41, 23] for p in settled), settled
+    # Steps 0-1 warm up, 2-10 probe, 12-21 measure the equal split, the plan applies from step 22.
+    plans = run_ranks(decisions, 2, [0.08, 0.01], [0.01, 0.02], 0.02, timeout=240)[0]
+    assert len(plans) == 64 and plans[12:22] == [[32, 32]] * 10, plans
+    assert all(p == [41, 23] for p in plans[22:]), plans
 
 
 def test_equal_ranks_keep_an_equal_split_despite_noise():
-    plans = run_ranks(decisions, 2, [0.05, 0.05], [0.01, 0.01], 0.05, timeout=180)[0]
-    assert all(p == [32, 32] for p in plans[:2] + plans[10:]), plans
+    plans = run_ranks(decisions, 2, [0.05, 0.05], [0.01, 0.01], 0.05, timeout=240)[0]
+    assert len(plans) == 64 and all(p == [32, 32] for p in plans[:2] + plans[12:]), plans
+
+
+def refused_on_every_rank(rank, world_size):
+    import hsync
+
+    model = hsync.WeightedDDP(make_model())
+    with pytest.raises(ValueError, match=r"ranks \[1\] were given other data or settings than rank 0"):
+        hsync.Balancer(model, 100 if rank == 0 else 99, hsync.BalanceConfig(global_batch_size=8))
+    with pytest.raises(ValueError, match="has 3 sizes for 2 ranks"):
+        hsync.Balancer(model, 100, hsync.BalanceConfig(global_batch_size=9, rank_batch_sizes=[3, 3, 3]))
+    balancer = hsync.Balancer(model, 100, hsync.BalanceConfig(global_batch_size=8))
+    with pytest.raises(RuntimeError, match="no micro-batch of this balancer is waiting"):
+        balancer.backward(model(torch.zeros(1, 6, dtype=torch.float64)).sum())
+    with pytest.raises(ValueError, match="written for other data"):
+        balancer.load_state_dict({**balancer.state_dict(), "num_examples": 7})
+    return True
+
+
+def test_different_data_or_settings_are_refused_on_every_rank():
+    assert run_ranks(refused_on_every_rank, 2, timeout=60) == [True, True]
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"global_batch_size": 0}, "global_batch_size must be an integer >= 1"),
+    ({"global_batch_size": 8, "rank_batch_sizes": [4, 3]}, "adding up to global_batch_size 8"),
+    ({"global_batch_size": 8, "min_gain": 1.5}, "min_gain must be in"),
+    ({"global_batch_size": 8, "replan_every": 0}, "replan_every must be an integer >= 1"),
+    ({"global_batch_size": 8, "memory_fraction": 0}, "memory_fraction must be in"),
+])
+def test_nonsense_settings_are_refused(fields, message):
+    import hsync
+
+    with pytest.raises(ValueError, match=message):
+        hsync.BalanceConfig(**fields)
