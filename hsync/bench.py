@@ -346,7 +346,9 @@ def mixed_speeds(name: str, device: torch.device, slowdowns: list[float], rounds
     second. Rounds of each alternate; the first step of a round, which carries the switch, is not timed.
 
     If every step of a rank takes f_r times its work, the best split finishes all ranks together and
-    beats DDP's by max(f) * sum(1 / f) / world, whatever the fixed part of a step (`ideal_speedup`)."""
+    beats DDP's by max(f) * sum(1 / f) / world, whatever the fixed part of a step (`ideal_speedup`),
+    on independent devices. Ranks on a CPU share its cores: at that split they would compute
+    sum(1 / f) cores' worth at once, and with fewer cores the best is less (`cores_bound_speedup`)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if len(slowdowns) != world:
         raise ValueError(f"{len(slowdowns)} slowdowns for {world} ranks")
@@ -426,6 +428,10 @@ def mixed_speeds(name: str, device: torch.device, slowdowns: list[float], rounds
     hs90, dd90 = (statistics.quantiles(row.tolist(), n=10)[-1] for row in stacked)
     extra = {"hsync_samples_per_s": global_batch / hs, "ddp_samples_per_s": global_batch / dd,
              "speedup_vs_ddp": dd / hs, "ideal_speedup": max(slowdowns) * sum(1 / f for f in slowdowns) / world}
+    if device.type == "cpu":
+        # At the ideal split rank r computes 1 / f_r of the time: ranks sharing too few cores cannot.
+        demand = sum(1 / f for f in slowdowns) / (os.cpu_count() or 1)
+        extra["cores_bound_speedup"] = extra["ideal_speedup"] / max(1.0, demand)
     extra |= {f"first_plan_rank{r}": n for r, n in enumerate(first_plan)}
     extra |= {f"plan_rank{r}": n for r, n in enumerate(balancer.last_plan)}
     return Result(name, hs, dd, NAN, hs90, dd90, NAN, global_batch, extra=extra)

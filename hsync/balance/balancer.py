@@ -276,10 +276,11 @@ class Balancer:
         micro = self._pending.popleft()
         weight = 0.0 if micro.filler else (micro.examples if weight is None else weight)
         self._step_units += micro.units
-        self._measure_memory(micro.units)
         if not micro.last:
             with self.model.no_sync():
-                return self.model.backward(loss, weight, metrics)
+                self.model.backward(loss, weight, metrics)
+            self._measure_memory(micro.units)
+            return None
         ours = dict(metrics or {})
         if self._previous is not None and (busy := self._busy_seconds(self._previous[0])) is not None:
             ours[self._names["busy"][self.rank]] = busy
@@ -287,6 +288,7 @@ class Balancer:
         ours[self._names["capacity"][self.rank]] = self._capacity()
         ours[self._names["split_through"][self.rank]] = self._split_through + 1  # 0: nothing split
         stats = self.model.backward(loss, weight, ours)
+        self._measure_memory(micro.units)
         self.slowdown.step_done()
         self._step_done(micro.step, stats)
         return stats
@@ -413,7 +415,8 @@ class Balancer:
         if device.type != "cuda":
             return
         # The peak since the last micro-batch's backward: this micro-batch's forward and backward
-        # (and the optimizer step before it, when it is a step's first).
+        # (and the optimizer step before it, when it is a step's first). The engine's buckets are
+        # resident throughout, so they are part of the fitted base.
         self._memory_fit.add(units, float(torch.cuda.max_memory_allocated(device)))
         torch.cuda.reset_peak_memory_stats(device)
 
