@@ -222,6 +222,8 @@ class Balancer:
         # A new iteration (a DataLoader's next epoch, or a loop that broke off) starts at the first step
         # not completed: what an earlier iterator split ahead is forgotten.
         self._pending.clear()
+        self._plans.clear()
+        self._step_costs.clear()
         self._split_through = self.global_step - 1
         first = self._step_in_epoch
         base = self.global_step - first  # the global index of this epoch's step 0
