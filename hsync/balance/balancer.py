@@ -170,6 +170,8 @@ class Balancer:
         self.config = config
         self.rank, self.world_size = model.rank, model.world_size
         self._costs = self._example_costs(examples)
+        # A GPU rank's micro-batch before its memory is measured: an equal share, at the longest length.
+        self._equal_share_units = config.global_batch_size / self.world_size * max(self._costs)
         limit = config.micro_batch_limit
         limits = list(limit) if isinstance(limit, Sequence) else [limit] * self.world_size
         if len(limits) != self.world_size or any(v is not None and not v > 0 for v in limits):
@@ -197,7 +199,8 @@ class Balancer:
         self._decisions = 0
         self._pending: deque[_MicroBatch] = deque()
         self._split_through = -1    # the last step the sampler has split
-        self._step_costs: dict[int, list[float]] = {}  # the costs of each split step not completed yet
+        # Per step split and not completed yet: each rank's number of examples, and the step's costs.
+        self._split_steps: dict[int, tuple[list[int], list[float]]] = {}
         self._step_units = 0.0      # this rank's units of work in the current step
         self._previous: tuple[StepStats, float] | None = None  # the last step's stats and this rank's units
         self._time_fits = [_Fit() for _ in range(self.world_size)]
@@ -205,7 +208,6 @@ class Balancer:
         self._capacities = [0.0] * self.world_size
         self.last_plan: list[int] = []
         """Examples of each rank in the last completed step."""
-        self._plans: dict[int, list[int]] = {}
 
     # -- the sampler -------------------------------------------------------------------------------
 
@@ -222,8 +224,7 @@ class Balancer:
         # A new iteration (a DataLoader's next epoch, or a loop that broke off) starts at the first step
         # not completed: what an earlier iterator split ahead is forgotten.
         self._pending.clear()
-        self._plans.clear()
-        self._step_costs.clear()
+        self._split_steps.clear()
         self._split_through = self.global_step - 1
         first = self._step_in_epoch
         base = self.global_step - first  # the global index of this epoch's step 0
@@ -233,10 +234,9 @@ class Balancer:
             step = base + s
             positions = order[s * batch:(s + 1) * batch]
             costs = [self._costs[i] for i in positions]
-            ranks = self._cost_models(step)
+            ranks = self._models_for(step)
             shares = self._split(costs, ranks)
-            self._plans[step] = [len(share) for share in shares]
-            self._step_costs[step] = costs
+            self._split_steps[step] = ([len(share) for share in shares], costs)
             self._split_through = step
             mine = [positions[p] for p in shares[self.rank]]
             ranges = micro_batches([self._costs[i] for i in mine], ranks[self.rank].micro_cap)
@@ -315,8 +315,7 @@ class Balancer:
         split_through = max(values[self._names["split_through"][r]] for r in range(self.world_size)) - 1
         self._previous = (stats, self._step_units)
         self._step_units = 0.0
-        self.last_plan = self._plans.pop(step, [])
-        costs = self._step_costs.pop(step, [])
+        self.last_plan, costs = self._split_steps.pop(step, ([], []))
         self.global_step += 1
         self._step_in_epoch += 1
         if self._step_in_epoch >= self.steps_per_epoch:
@@ -364,7 +363,7 @@ class Balancer:
         """Which adopted models split `step` (-1: the warm-up or a probe split)."""
         return max((i for i, (first, _) in enumerate(self._adopted) if first <= step), default=-1)
 
-    def _cost_models(self, step: int) -> list[RankCost]:
+    def _models_for(self, step: int) -> list[RankCost]:
         """The cost models that split `step`: the adopted ones, or before them the warm-up's equal split
         and the probe splits. They depend on nothing that could differ between ranks or in time."""
         index = self._adopted_index(step)
@@ -397,7 +396,7 @@ class Balancer:
 
     def planned_split(self) -> list[int]:
         """Examples per rank of a whole global batch of equal examples under the newest cost models."""
-        ranks = self._adopted[-1][1] if self._adopted else self._cost_models(self.global_step)
+        ranks = self._adopted[-1][1] if self._adopted else self._models_for(self.global_step)
         return [len(share) for share in split_step([1.0] * self.config.global_batch_size, ranks)]
 
     # -- memory ------------------------------------------------------------------------------------
@@ -408,8 +407,7 @@ class Balancer:
         cap = self._limits[rank]
         if self.model.device.type == "cuda":
             capacity = self._capacities[rank] if measured else 0.0
-            equal_share = self.config.global_batch_size / self.world_size * max(self._costs)
-            cap = min(cap, capacity if capacity > 0 else equal_share)
+            cap = min(cap, capacity if capacity > 0 else self._equal_share_units)
         return cap
 
     def _measure_memory(self, units: float) -> None:

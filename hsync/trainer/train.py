@@ -146,13 +146,18 @@ class PlanReport:
 
     def __init__(self, balancer: hsync.Balancer, rank: int) -> None:
         self.balancer, self.rank = balancer, rank
+        self.models = balancer.cost_models
         self.plan = balancer.planned_split()
         report(rank, f"batch plan: {balancer.config.rank_batch_sizes or 'equal, then measured'} "
                      f"examples per rank and step")
 
     def update(self, step: int) -> None:
+        models = self.balancer.cost_models
+        if models is None or models is self.models:
+            return  # the plan changes only with the models: no split to compute on most steps
+        self.models = models
         plan = self.balancer.planned_split()
-        if plan == self.plan or self.balancer.cost_models is None:
+        if plan == self.plan:
             return
         shown = ", ".join(f"rank {r}: {m.fixed_s * 1e3:.1f} ms + {1 / m.per_unit_s:.1f} ex/s"
                           for r, m in enumerate(self.balancer.fitted_costs()) if m is not None)
