@@ -25,13 +25,4 @@
                 __LINE__, " in ", #expr, ": ", ncclGetErrorString(result_),           \
                 " (", ncclGetLastError(nullptr), ")");                                \
   } while (0)
-
-// For calls on a non-blocking communicator, which may return ncclInProgress.
-#define HSYNC_NCCL_CHECK_ASYNC(expr)                                                  \
-  do {                                                                                \
-    ncclResult_t result_ = (expr);                                                    \
-    TORCH_CHECK(result_ == ncclSuccess || result_ == ncclInProgress,                  \
-                "hsync: NCCL error at ", __FILE__, ":", __LINE__, " in ", #expr, ": ",\
-                ncclGetErrorString(result_), " (", ncclGetLastError(nullptr), ")");   \
-  } while (0)
 #endif

@@ -320,6 +320,7 @@ void Engine::finalize() {
   }
   launch_complete_buckets();
   resolve_pack_scale();  // when normalising at write-back: N's all-reduce went before every bucket's
+  tails_on_host_ = at::Tensor();
   for (const Bucket& bucket : buckets_) {
     comm_->synchronize_through(bucket.seq);
     write_back(bucket);
@@ -336,6 +337,22 @@ void Engine::finalize() {
   in_step_ = false;
   plain_step_ = false;
   expect_gradients_.store(false);
+}
+
+bool Engine::used_on_some_rank(const Bucket& bucket, size_t k) {
+  if (!device_.is_cuda()) return bucket.used[k].item<double>() > 0;  // host memory, reduced already
+  if (!tails_on_host_.defined()) {
+    // Every bucket's tail in one copy: one wait for the device per step, however many parameters
+    // went without a gradient. synchronize() orders it after every collective, without a host wait.
+    comm_->synchronize();
+    std::vector<at::Tensor> tails;
+    for (const Bucket& b : buckets_) tails.push_back(b.tail);
+    tails_on_host_ = at::cat(tails).to(at::kCPU, at::kDouble);
+    comm_->check();  // a collective that failed meanwhile left garbage in the tails
+  }
+  int64_t offset = 0;
+  for (const Bucket* b = buckets_.data(); b != &bucket; ++b) offset += b->tail.numel();
+  return tails_on_host_.const_data_ptr<double>()[offset + 1 + static_cast<int64_t>(k)] > 0;
 }
 
 void Engine::write_back(const Bucket& bucket) {
@@ -355,9 +372,7 @@ void Engine::write_back(const Bucket& bucket) {
     const at::Tensor& reduced = bucket.slots[k];
     if (grad.defined()) {
       if (!grad.is_same(reduced)) unpack(reduced, grad);
-    } else if (bucket.used[k].item<double>() > 0) {
-      // Unused here but used elsewhere. Reading the flag synchronises with the device, which
-      // only happens when a parameter had no local gradient.
+    } else if (used_on_some_rank(bucket, k)) {  // unused here but used elsewhere
       grad = grads_as_views_ ? reduced : at::empty_like(reduced, at::MemoryFormat::Contiguous);
       if (!grad.is_same(reduced)) unpack(reduced, grad);
     }

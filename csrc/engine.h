@@ -170,6 +170,9 @@ class Engine {
   void launch_complete_buckets();
   void finalize();
   void write_back(const Bucket& bucket);
+  // Whether a parameter with no gradient on this rank got one elsewhere (its reduced used flag),
+  // which decides whether it gets a .grad here.
+  bool used_on_some_rank(const Bucket& bucket, size_t k);
   void rebuild_from_ready_order();
 
   std::vector<at::Tensor> params_;
@@ -205,6 +208,7 @@ class Engine {
   double peer_wait_seconds_ = 0.0;          // host time resolve_pack_scale waited in this step
   bool normalise_at_write_back_ = false;    // this step's, Note [Deferred normalisation]
   double write_back_scale_ = 1.0;           // 1 / N once resolved, when normalising at write-back
+  at::Tensor tails_on_host_;                // this step's reduced bucket tails, copied once (GPU)
   at::Tensor step_scalars_;                 // the weighted step's scalars, reduced in place
   uint64_t step_scalars_seq_ = 0;           // their all-reduce's sequence number
   bool scalars_due_ = false;                // their all-reduce waits for the first bucket's

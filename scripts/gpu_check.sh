@@ -1,58 +1,72 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one call: build the extension against the machine's own torch,
-# run the GPU tests (CUDA kernels against torch ops, the NCCL path with several ranks on one GPU),
-# the GPU benchmarks and then the rest of the suite, and write a report with the hardware and versions.
+# Everything that needs a GPU, in one command that ends within ten minutes on a bare GPU machine:
+# build the extension against the machine's own torch, run the CUDA kernel tests and the NCCL
+# tests (several ranks on one GPU), and a short GPU benchmark. The CPU suite is CI's job.
 #
-#   scripts/gpu_check.sh [REPORT_DIR]      (default: benchmarks/results)
+#   scripts/gpu_check.sh OUT_DIR
 #
-# Uses the python3 on PATH and its torch (no virtual environment, no network needed).
+# Every section runs under its own time limit, within GPU_CHECK_SECONDS in all (default 570), and
+# writes its log into OUT_DIR as it runs; OUT_DIR/report.md grows a section at a time, so a run
+# cut short still leaves what it had. Eight files in all (five logs, the report, the benchmark's
+# JSON and page). Uses the python3 on PATH and its torch (no network needed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-report_dir=${1:-benchmarks/results}
-mkdir -p "$report_dir"
-report="$report_dir/gpu-check-$(date -u +%Y-%m-%d).md"
+out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
+mkdir -p "$out"
+report="$out/report.md"
+started=$SECONDS
+budget=${GPU_CHECK_SECONDS:-570}
 export PYTHONUNBUFFERED=1
 
-# A hung test must not eat the whole GPU lease: each test gets a deadline where pytest-timeout exists.
-run_tests() {
-  local deadline=()
-  python3 -c "import pytest_timeout" 2>/dev/null && deadline=(--timeout 120)
-  python3 -m pytest -q -p no:cacheprovider "${deadline[@]}" "$@" 2>&1 | tail -n 30
+# section NAME LIMIT_S COMMAND...: runs COMMAND for at most LIMIT_S (less if the budget is nearly
+# spent), its output tee'd to OUT_DIR/NAME.log, and adds its status and last lines to the report.
+section() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((budget - (SECONDS - started)))
+  ((limit > left)) && limit=$left
+  if ((limit < 10)); then
+    printf '\n## %s\n\nskipped: the time budget was spent\n' "$name" >> "$report"
+    return 1
+  fi
+  local begun=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$out/$name.log"
+  local status=${PIPESTATUS[0]}
+  local verdict="passed"
+  if ((status == 124 || status == 137)); then
+    verdict="timed out after $limit s"
+  elif ((status != 0)); then
+    verdict="failed (exit $status)"
+  fi
+  {
+    printf '\n## %s: %s in %d s\n\n```\n' "$name" "$verdict" $((SECONDS - begun))
+    tail -n 25 "$out/$name.log"
+    printf '```\n'
+  } >> "$report"
+  return $status
 }
 
-TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
-  python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
-
-{
-  echo "# GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
-  echo
-  echo '```'
+versions() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 - <<'PY'
-import torch, hsync
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL (hsync) {hsync._C.nccl_version()}, "
-      f"NCCL (torch) {'.'.join(map(str, torch.cuda.nccl.version()))}")
-PY
-  echo '```'
-  echo
-  echo '## GPU tests'
-  echo
-  echo '```'
-  run_tests tests/gpu
-  echo '```'
-  echo
-  echo '## Benchmarks (one GPU, one rank)'
-  echo
-  plot=()
-  python3 -c "import matplotlib" 2>/dev/null && plot=(--plot "$report_dir/gpu-bench.png")
-  python3 -m hsync.bench --device cuda --world-size 1 --json "$report_dir/gpu-bench.json" \
-    --markdown "$report_dir/gpu-bench.md" "${plot[@]}" 2>&1 \
-    | grep -v '^  '
-  echo
-  echo '## The rest of the suite, against this torch'
-  echo
-  echo '```'
-  run_tests tests/unit tests/distributed
-  echo '```'
-} | tee "$report"
+  python3 -c "import torch; print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL (torch) '
+                                  + '.'.join(map(str, torch.cuda.nccl.version())))"
+  python3 -c "import hsync; print('NCCL (hsync)', hsync._C.nccl_version())" 2>/dev/null || true
+}
+
+# pytest-timeout, where installed, ends a hung test before the section's limit ends everything.
+pytest_args=(-q -p no:cacheprovider -rs)
+python3 -c "import pytest_timeout" 2>/dev/null && pytest_args+=(--timeout 150)
+
+printf '# GPU check, %s\n' "$(date -u '+%Y-%m-%d %H:%M UTC')" > "$report"
+TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+  section build 240 python3 -m pip install --no-build-isolation --no-deps -e .
+built=$?
+export -f versions  # timeout runs commands, not shell functions
+section versions 30 bash -c versions
+((built == 0)) || exit 1
+section kernels 90 python3 -m pytest "${pytest_args[@]}" tests/gpu/test_kernels_cuda.py
+section nccl 210 python3 -m pytest "${pytest_args[@]}" tests/gpu/test_nccl.py
+section bench 170 python3 -m hsync.bench --device cuda --world-size 1 --only bert-base comm-path \
+  --rounds 3 --steps 4 --json "$out/bench.json" --markdown "$out/bench.md"
+printf '\nwhole check: %d s\n' $((SECONDS - started)) >> "$report"
 echo "report: $report"

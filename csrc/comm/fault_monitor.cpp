@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdio>
+#include <system_error>
 
 namespace hsync {
 
@@ -42,17 +43,40 @@ struct FaultMonitor::State {
   c10::intrusive_ptr<c10d::Store> store;
   std::string key;
   std::string prefix;                // "hsync: rank R (backend): "
-  std::atomic<int> waiting{0};       // collectives being waited for, see add_waiting
+  std::atomic<Clock::rep> waiting_since{kNotWaiting};  // see set_waiting_since
+
+  static constexpr Clock::rep kNotWaiting = 0;
 };
 
 namespace {
 
-void post(c10d::Store& store, const std::string& key, const std::string& message) {
+// A store call whose host froze can block for the store's own timeout (minutes): the abort that
+// follows a post must not wait for it.
+constexpr std::chrono::seconds kPostLimit{2};
+
+void post(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, const std::string& message) {
+  run_bounded(
+      [store, key, message] {
+        try {
+          // First failure wins: an empty expected value sets the key only if it is absent.
+          store->compareSet(key, {}, std::vector<uint8_t>(message.begin(), message.end()));
+        } catch (const std::exception&) {
+          // The store is gone (its host died): peers rely on their own deadline.
+        }
+      },
+      kPostLimit);
+}
+
+// Runs a communicator's hook; what it throws is what failed.
+std::optional<std::string> guarded(const std::function<std::optional<std::string>()>& hook, const char* which) {
   try {
-    // First failure wins: an empty expected value sets the key only if it is absent.
-    store.compareSet(key, {}, std::vector<uint8_t>(message.begin(), message.end()));
-  } catch (const std::exception&) {
-    // The store is gone (its host died): peers rely on their own deadline.
+    return hook();
+  } catch (const c10::Error& error) {
+    return std::string("the communicator's ") + which + " raised: " + error.what_without_backtrace();
+  } catch (const std::exception& error) {
+    return std::string("the communicator's ") + which + " raised: " + error.what();
+  } catch (...) {
+    return std::string("the communicator's ") + which + " raised an unknown exception";
   }
 }
 
@@ -62,68 +86,108 @@ void post(c10d::Store& store, const std::string& key, const std::string& message
 void FaultMonitor::watch(const std::shared_ptr<State>& s) {
   auto next_store_poll = Clock::now();
   std::unique_lock<std::mutex> lock(s->mutex);
+  // Runs a hook without holding the lock (the destructor waits while one runs: in_hook) and
+  // returns what failed, if anything; a hook that throws failed.
+  const auto run_hook = [&](const std::function<std::optional<std::string>()>& hook, const char* which) {
+    s->in_hook = true;
+    lock.unlock();
+    std::optional<std::string> seen = guarded(hook, which);
+    lock.lock();
+    s->in_hook = false;
+    s->changed.notify_all();
+    return seen;
+  };
   // Posts this rank's own failure once, without holding the lock during the store call.
   const auto post_own_failure = [&](const c10::intrusive_ptr<c10d::Store>& store) {
-    if (!store || !s->failure || s->failure_is_peers || s->posted) return false;
+    if (!store || !s->failure || s->failure_is_peers || s->posted) return;
     s->posted = true;
     const std::string message = *s->failure;
     lock.unlock();
-    post(*store, s->key, message);
+    post(store, s->key, message);
     lock.lock();
-    return true;
   };
   while (!s->stop) {
     s->wake.wait_for(lock, FaultMonitor::kPollInterval);
     if (s->stop) break;
     if (s->poll && !s->failure) {
-      s->in_hook = true;
-      auto poll = s->poll;
-      lock.unlock();
-      std::optional<std::string> seen = poll();
-      lock.lock();
-      s->in_hook = false;
-      s->changed.notify_all();
+      const std::function<std::optional<std::string>()> poll = s->poll;
+      const std::optional<std::string> seen = run_hook(poll, "poll");
       if (seen && !s->failure) s->failure = s->prefix + *seen;
-    }
-    if (s->failure && !s->aborted && s->abort) {
-      s->aborted = true;
-      s->in_hook = true;
-      auto abort = s->abort;
-      lock.unlock();
-      abort();
-      lock.lock();
-      s->in_hook = false;
-      s->changed.notify_all();
     }
     // A copy: the destructor may drop the state's reference while a store call runs.
     const c10::intrusive_ptr<c10d::Store> store = s->store;
-    if (!store || post_own_failure(store)) continue;
-    if (!s->failure && s->waiting.load() > 0 && Clock::now() >= next_store_poll) {
-      next_store_poll = Clock::now() + FaultMonitor::kStorePollInterval;
-      lock.unlock();
-      std::optional<std::string> peer;
-      try {
-        if (store->check({s->key})) {
-          const std::vector<uint8_t> value = store->get(s->key);
-          peer = std::string(value.begin(), value.end());
-        }
-      } catch (const std::exception&) {
-        // The store's host ended or died. At the end of a run that is normal, so it is no
-        // failure by itself; a collective that needs the dead rank fails on its own.
-        lock.lock();
-        s->store.reset();
-        continue;
+    post_own_failure(store);  // before the abort, which may take seconds: peers learn at once
+    if (s->failure && !s->aborted && s->abort) {
+      s->aborted = true;
+      const std::function<void()> abort = s->abort;
+      const std::optional<std::string> error =
+          run_hook([&abort]() -> std::optional<std::string> { abort(); return std::nullopt; }, "abort");
+      if (error) std::fprintf(stderr, "%s%s\n", s->prefix.c_str(), error->c_str());
+    }
+    const Clock::rep since = s->waiting_since.load();
+    if (!store || s->failure || since == State::kNotWaiting) continue;
+    const Clock::time_point now = Clock::now();
+    if (now - Clock::time_point(Clock::duration(since)) < FaultMonitor::kStorePollAfter || now < next_store_poll) {
+      continue;
+    }
+    next_store_poll = now + FaultMonitor::kStorePollInterval;
+    lock.unlock();
+    std::optional<std::string> peer;
+    try {
+      if (store->check({s->key})) {
+        const std::vector<uint8_t> value = store->get(s->key);
+        peer = std::string(value.begin(), value.end());
       }
+    } catch (const std::exception&) {
+      // The store's host ended or died. At the end of a run that is normal, so it is no
+      // failure by itself; a collective that needs the dead rank fails on its own.
       lock.lock();
-      if (peer && !s->failure) {
-        s->failure = std::move(peer);
-        s->failure_is_peers = true;
-      }
+      s->store.reset();
+      continue;
+    }
+    lock.lock();
+    if (peer && !s->failure) {
+      s->failure = std::move(peer);
+      s->failure_is_peers = true;
     }
   }
-  post_own_failure(s->store);  // a failure recorded just before the monitor was destroyed
+  const c10::intrusive_ptr<c10d::Store> store = s->store;  // a copy, as in the loop
+  post_own_failure(store);  // a failure recorded just before the monitor was destroyed
   s->done = true;
   s->changed.notify_all();
+}
+
+bool run_bounded(std::function<void()> work, Clock::duration limit, const std::function<bool()>& give_up) {
+  struct Done {
+    std::mutex mutex;
+    std::condition_variable changed;
+    bool done = false;
+  };
+  auto state = std::make_shared<Done>();
+  auto guarded = [work = std::move(work)] {
+    try {
+      work();
+    } catch (...) {
+    }
+  };
+  try {
+    std::thread([guarded, state] {
+      guarded();
+      const std::lock_guard<std::mutex> lock(state->mutex);
+      state->done = true;
+      state->changed.notify_all();
+    }).detach();
+  } catch (const std::system_error&) {
+    guarded();  // no thread to be had: unbounded, but done
+    return true;
+  }
+  const auto deadline = Clock::now() + limit;
+  std::unique_lock<std::mutex> lock(state->mutex);
+  while (!state->done) {
+    if (Clock::now() >= deadline || (give_up && give_up())) return false;
+    state->changed.wait_for(lock, FaultMonitor::kPollInterval);
+  }
+  return true;
 }
 
 FaultMonitor::FaultMonitor(c10::intrusive_ptr<c10d::Store> store, std::string key, int rank,
@@ -182,7 +246,9 @@ void FaultMonitor::fail(const std::string& what) {
   TORCH_CHECK(false, message);
 }
 
-void FaultMonitor::add_waiting(int count) { state_->waiting.fetch_add(count); }
+void FaultMonitor::set_waiting_since(std::optional<Clock::time_point> since) {
+  state_->waiting_since.store(since ? since->time_since_epoch().count() : State::kNotWaiting);
+}
 
 bool FaultMonitor::failed() const {
   std::lock_guard<std::mutex> lock(state_->mutex);

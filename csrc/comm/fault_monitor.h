@@ -65,23 +65,26 @@ class FaultMonitor {
 
   bool failed() const;
 
-  // Marks collectives this rank waits for. The store is polled only while there are any: peers'
-  // failures matter only then, and a rank that polls its peers' store while they exit can upset
-  // their teardown.
-  void add_waiting(int count);
+  // Since when this rank has waited for its oldest collective not yet complete (none: nothing is
+  // awaited). The store is polled only once that wait is kStorePollAfter old: a healthy step never
+  // waits that long, so hundreds of ranks do not hammer one store, and a rank that polls its
+  // peers' store while they exit can upset their teardown.
+  void set_waiting_since(std::optional<Clock::time_point> since);
 
   // Throws if this rank failed or a peer posted a failure; `waiting_for` names what was being waited on.
   void check(const Collective* waiting_for = nullptr) const;
 
   // Set once by the communicator, before the first collective: `poll` runs on the monitor's thread
   // every kPollInterval and returns what failed if it sees a failure; `abort` runs once on the
-  // first failure, this rank's or a peer's.
+  // first failure, this rank's or a peer's, after this rank's own failure is posted (an abort may
+  // take long). A hook that throws is reported as the failure: the thread never terminates the process.
   void set_hooks(std::function<std::optional<std::string>()> poll, std::function<void()> abort);
   // Removes them, waiting for a run in progress: the communicator's destructor calls it first.
   void clear_hooks();
 
   static constexpr std::chrono::milliseconds kPollInterval{50};
-  static constexpr std::chrono::milliseconds kStorePollInterval{200};
+  static constexpr std::chrono::milliseconds kStorePollAfter{2000};
+  static constexpr std::chrono::milliseconds kStorePollInterval{500};
 
  private:
   struct State;  // shared with the thread, which may outlive the monitor (see the destructor)
@@ -92,11 +95,20 @@ class FaultMonitor {
   std::thread thread_;
 };
 
-// Counts as a collective being waited for (FaultMonitor::add_waiting) for as long as it lives.
+// Runs `work` on a thread of its own and waits for it at most `limit`, or until `give_up()` holds;
+// returns whether it finished. Unfinished work is left running, so it must own what it touches:
+// for calls that can hang (a store whose host froze, an NCCL abort). Never throws (what `work`
+// throws is dropped); if no thread can be started, runs `work` here.
+bool run_bounded(std::function<void()> work, Clock::duration limit, const std::function<bool()>& give_up = {});
+
+// Marks the host waiting for a collective issued at `since` (FaultMonitor::set_waiting_since), for
+// as long as it lives.
 class WaitingScope {
  public:
-  explicit WaitingScope(FaultMonitor& monitor) : monitor_(monitor) { monitor_.add_waiting(1); }
-  ~WaitingScope() { monitor_.add_waiting(-1); }
+  WaitingScope(FaultMonitor& monitor, Clock::time_point since) : monitor_(monitor) {
+    monitor_.set_waiting_since(since);
+  }
+  ~WaitingScope() { monitor_.set_waiting_since(std::nullopt); }
   WaitingScope(const WaitingScope&) = delete;
   WaitingScope& operator=(const WaitingScope&) = delete;
 

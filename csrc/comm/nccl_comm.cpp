@@ -4,31 +4,17 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
 #include <thread>
 #include <utility>
 
 #include "checks.h"
 
 namespace hsync {
-namespace {
-
-ncclDataType_t nccl_dtype(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat: return ncclFloat32;
-    case at::kDouble: return ncclFloat64;
-    case at::kHalf: return ncclFloat16;
-    case at::kBFloat16: return ncclBfloat16;
-    case at::kLong: return ncclInt64;
-    case at::kInt: return ncclInt32;
-    case at::kByte: return ncclUint8;
-    case at::kChar: return ncclInt8;
-    case at::kBool: return ncclUint8;
-    default: HSYNC_CHECK(false, "NCCL cannot reduce tensors of dtype ", type);
-  }
-  return ncclFloat32;  // unreachable
-}
-
-}  // namespace
 
 std::string nccl_unique_id() {
   ncclUniqueId id;
@@ -57,82 +43,151 @@ void StreamEvent::order(cudaStream_t signaller, cudaStream_t waiter) {
   HSYNC_CUDA_CHECK(cudaStreamWaitEvent(waiter, event_, 0));
 }
 
+namespace {
+
+ncclDataType_t nccl_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return ncclFloat32;
+    case at::kDouble: return ncclFloat64;
+    case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kLong: return ncclInt64;
+    case at::kInt: return ncclInt32;
+    case at::kByte: return ncclUint8;
+    case at::kChar: return ncclInt8;
+    case at::kBool: return ncclUint8;
+    default: HSYNC_CHECK(false, "NCCL cannot reduce tensors of dtype ", type);
+  }
+  return ncclFloat32;  // unreachable
+}
+
+
+}  // namespace
+
 NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int device_index,
                    const FaultOptions& options)
     : Communicator(rank, world_size, "nccl", options),
       device_index_(device_index),
+      setup_allowance_(std::max<std::chrono::milliseconds>(options.timeout, kSetupAllowance)),
       stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_index)),
       enter_event_(device_index) {
+  comm_ = create(unique_id);
+  monitor().set_hooks([this] { return poll(); }, [this] { abort(); });
+}
+
+ncclComm_t NcclComm::create(const std::string& unique_id) {
   ncclUniqueId id;
   HSYNC_CHECK(unique_id.size() == sizeof(id.internal), "NCCL unique id has ", unique_id.size(),
               " bytes, expected ", sizeof(id.internal));
   std::copy(unique_id.begin(), unique_id.end(), id.internal);
-  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  HSYNC_NCCL_CHECK_ASYNC(ncclCommInitRankConfig(&comm_, world_size, id, rank, &config));
-  try {
-    wait_ready(nullptr, "NCCL communicator initialisation (ncclCommInitRankConfig)");
-  } catch (...) {
-    ncclCommAbort(comm_);  // no destructor runs for a constructor that throws
-    throw;
+  const char* blocking = std::getenv("NCCL_COMM_BLOCKING");  // it would override the config below
+  HSYNC_CHECK(blocking == nullptr || std::string(blocking) != "0",
+              "NCCL_COMM_BLOCKING=0 is set, but hsync needs a blocking NCCL communicator (Note [NCCL failures] "
+              "in csrc/comm/nccl_comm.h); unset it");
+  struct Setup {
+    std::mutex mutex;
+    ncclComm_t comm = nullptr;
+    ncclResult_t result = ncclInProgress;
+    std::string error;
+    bool abandoned = false;
+  };
+  auto setup = std::make_shared<Setup>();
+  const auto make = [setup, id, world = world_size(), rank = rank(), device = device_index_] {
+    cudaSetDevice(device);  // the current device is per thread
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 1;
+    ncclComm_t comm = nullptr;
+    const ncclResult_t result = ncclCommInitRankConfig(&comm, world, id, rank, &config);
+    bool abandoned = false;
+    {
+      const std::lock_guard<std::mutex> lock(setup->mutex);
+      if (result != ncclSuccess) setup->error = ncclGetLastError(comm);
+      setup->comm = comm;
+      setup->result = result;
+      abandoned = setup->abandoned;
+    }
+    if (abandoned && comm != nullptr) ncclCommAbort(comm);  // on this thread, which nobody waits for
+  };
+  const WaitingScope waiting(monitor(), Clock::now());  // peers' posted failures end the wait
+  const bool finished = run_bounded(make, setup_allowance_, [this] { return monitor().failed(); });
+  ncclComm_t comm = nullptr;
+  ncclResult_t result = ncclInProgress;
+  std::string error;
+  {
+    const std::lock_guard<std::mutex> lock(setup->mutex);
+    setup->abandoned = !finished;
+    comm = setup->comm;  // set only if it finished after all, just now
+    result = setup->result;
+    error = setup->error;
   }
-  monitor().set_hooks([this] { return poll(); }, [this] { abort(); });
+  if (!finished) {
+    if (comm != nullptr) abort_within_limit(comm);
+    monitor().check();  // a peer failed first
+    monitor().fail("NCCL communicator setup (ncclCommInitRankConfig) did not finish within the " +
+                   seconds(setup_allowance_) + " allowance: a rank did not join, or the ranks cannot reach "
+                   "each other (NCCL_SOCKET_IFNAME, firewalls; NCCL_DEBUG=INFO tells more)");
+  }
+  if (result != ncclSuccess) {
+    if (comm != nullptr) abort_within_limit(comm);
+    monitor().fail("NCCL communicator setup (ncclCommInitRankConfig) failed: NCCL " +
+                   std::string(ncclGetErrorString(result)) + " (" + error + ")");
+  }
+  return comm;
+}
+
+void NcclComm::abort_within_limit(ncclComm_t comm) const {
+  const bool finished = run_bounded(
+      [comm, device = device_index_] {
+        cudaSetDevice(device);
+        ncclCommAbort(comm);
+      },
+      kTeardownLimit);
+  if (!finished) {
+    std::fprintf(stderr, "hsync: rank %d (nccl): ncclCommAbort did not return within %s; left to finish on its "
+                 "own thread\n", rank(), seconds(kTeardownLimit).c_str());
+  }
 }
 
 NcclComm::~NcclComm() {
   monitor().clear_hooks();
-  if (comm_ == nullptr) return;
   // Destructors must not throw: errors here only choose between destroy and abort.
-  bool clean = !aborted_ && !monitor().failed();
-  const auto deadline = Clock::now() + kDrainTimeout;
-  ncclResult_t state = ncclSuccess;
-  const auto healthy = [&] {
-    return ncclCommGetAsyncError(comm_, &state) == ncclSuccess && (state == ncclSuccess || state == ncclInProgress);
-  };
-  if (clean) {
-    cudaError_t drained = cudaStreamQuery(stream_.stream());
-    while (drained == cudaErrorNotReady && Clock::now() < deadline && healthy()) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      drained = cudaStreamQuery(stream_.stream());
+  if (!aborted_ && !monitor().failed() && drain()) {
+    const bool destroyed = run_bounded(
+        [comm = comm_, device = device_index_] {
+          cudaSetDevice(device);
+          if (ncclCommFinalize(comm) == ncclSuccess) {
+            ncclCommDestroy(comm);
+          } else {
+            ncclCommAbort(comm);
+          }
+        },
+        kTeardownLimit);
+    if (!destroyed) {
+      std::fprintf(stderr, "hsync: rank %d (nccl): destroying the NCCL communicator took over %s; left to "
+                   "finish on its own thread\n", rank(), seconds(kTeardownLimit).c_str());
     }
-    if (drained == cudaSuccess) {
-      const ncclResult_t finalized = ncclCommFinalize(comm_);  // non-blocking: completes in the background
-      clean = finalized == ncclSuccess || finalized == ncclInProgress;
-    } else {
-      clean = false;
-    }
-    while (clean && healthy() && state == ncclInProgress && Clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    clean = clean && state == ncclSuccess;
+  } else {
+    abort();
   }
-  if (clean) {
-    ncclCommDestroy(comm_);
-  } else if (!aborted_) {
-    ncclCommAbort(comm_);
+  const std::lock_guard<std::mutex> lock(mutex_);
+  for (const InFlight& f : in_flight_) {
+    if (f.done != nullptr) cudaEventDestroy(f.done);
   }
-  for (InFlight& f : in_flight_) cudaEventDestroy(f.done);
+  for (cudaEvent_t event : spare_events_) cudaEventDestroy(event);
 }
 
-void NcclComm::wait_ready(const Collective* collective, const std::string& what) {
-  const auto started = collective ? collective->issued : Clock::now();
-  auto pause = std::chrono::microseconds(10);
-  ncclResult_t state = ncclInProgress;
-  while (true) {
-    const ncclResult_t queried = ncclCommGetAsyncError(comm_, &state);
-    if (queried != ncclSuccess) state = queried;
-    if (state != ncclInProgress) break;
-    if (collective) monitor().check(collective);  // a peer gave up: stop waiting for it
-    if (Clock::now() - started > timeout()) {
-      monitor().fail(what + " did not finish within the " + seconds(timeout()) + " deadline");
+bool NcclComm::drain() {
+  const auto deadline = Clock::now() + kTeardownLimit;
+  while (Clock::now() < deadline) {
+    const cudaError_t state = cudaStreamQuery(stream_.stream());
+    if (state == cudaSuccess) return true;
+    ncclResult_t async = ncclSuccess;
+    if (state != cudaErrorNotReady || ncclCommGetAsyncError(comm_, &async) != ncclSuccess || async != ncclSuccess) {
+      return false;
     }
-    std::this_thread::sleep_for(pause);  // connecting to a slow peer can take long: do not spin
-    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  if (state != ncclSuccess) {
-    monitor().fail(what + " failed: NCCL " + ncclGetErrorString(state) + " (" + ncclGetLastError(comm_) + ")");
-  }
+  return false;
 }
 
 void NcclComm::enter(const at::Tensor& tensor) {
@@ -144,39 +199,62 @@ void NcclComm::enter(const at::Tensor& tensor) {
   c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), stream_);
 }
 
+cudaEvent_t NcclComm::take_event() {
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (!spare_events_.empty()) {
+      cudaEvent_t event = spare_events_.back();
+      spare_events_.pop_back();
+      return event;
+    }
+  }
+  cudaEvent_t event = nullptr;
+  HSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  return event;
+}
+
 void NcclComm::launch(const at::Tensor& tensor, const Collective& collective) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
   enter(tensor);
-  const std::lock_guard<std::mutex> lock(mutex_);
-  if (aborted_) monitor().check();  // aborted since issue() checked: raise the reason
   const ncclDataType_t dtype = nccl_dtype(tensor.scalar_type());
-  // A communicator with an async error refuses new work: report it as this collective's failure.
+  {
+    const std::lock_guard<std::mutex> lock(call_mutex_);
+    if (aborted_) monitor().check();  // aborted since issue() checked: raise the reason
+    ++calls_in_progress_;
+  }
+  cudaEvent_t done = take_event();
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    in_flight_.push_back({collective, nullptr});  // its deadline runs while NCCL connects
+  }
+  // The monitor's thread may end this call if it blocks (Note [NCCL failures]).
   const ncclResult_t issued =
       collective.root < 0
           ? ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype, ncclSum, comm_, stream_.stream())
           : ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype, collective.root, comm_,
                           stream_.stream());
-  if (issued != ncclSuccess && issued != ncclInProgress) {
-    monitor().fail(collective.describe() + " could not be issued: NCCL " + ncclGetErrorString(issued) + " (" +
-                   ncclGetLastError(comm_) + ")");
+  const std::string last_error = issued == ncclSuccess || aborted_ ? "" : ncclGetLastError(comm_);
+  {
+    const std::lock_guard<std::mutex> lock(call_mutex_);
+    --calls_in_progress_;
+    calls_changed_.notify_all();
   }
-  wait_ready(&collective, collective.describe());
-  cudaEvent_t done = nullptr;
-  cudaError_t recorded = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
-  if (recorded == cudaSuccess) {
-    in_flight_.push_back({collective, done});
-    monitor().add_waiting(1);
-    recorded = cudaEventRecord(done, stream_.stream());
+  const cudaError_t recorded = issued == ncclSuccess ? cudaEventRecord(done, stream_.stream()) : cudaSuccess;
+  const std::lock_guard<std::mutex> lock(mutex_);
+  if (issued != ncclSuccess || recorded != cudaSuccess) {
+    spare_events_.push_back(done);
+    if (aborted_) monitor().check();  // the abort ended the call: raise what caused it
+    monitor().fail(collective.describe() + (issued != ncclSuccess
+        ? " could not be issued: NCCL " + std::string(ncclGetErrorString(issued)) + " (" + last_error + ")"
+        : ": CUDA " + std::string(cudaGetErrorString(recorded))));
   }
-  if (recorded != cudaSuccess) {
-    monitor().fail(collective.describe() + ": CUDA " + cudaGetErrorString(recorded));
-  }
+  in_flight_.back().done = done;  // only this thread adds entries: the back is this collective
 }
 
 void NcclComm::synchronize_through(uint64_t seq) {
   monitor().check();
   const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device_index_).stream();
-  const std::lock_guard<std::mutex> lock(mutex_);  // the monitor's thread destroys completed events
+  const std::lock_guard<std::mutex> lock(mutex_);  // the monitor's thread retires completed events
   // Collectives complete in stream order, so the last one in flight up to `seq` (a fingerprint's
   // check shares its collective's number and goes first) stands for all; completed ones have left.
   const auto last = std::find_if(in_flight_.rbegin(), in_flight_.rend(),
@@ -185,45 +263,71 @@ void NcclComm::synchronize_through(uint64_t seq) {
 }
 
 std::optional<std::string> NcclComm::poll() {
+  if (aborted_) return std::nullopt;
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-  // The caller may hold the lock while NCCL connects to a slow peer; look again at the next poll.
-  const std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
-  if (!lock.owns_lock() || aborted_) return std::nullopt;
-  while (!in_flight_.empty()) {
-    const cudaError_t state = cudaEventQuery(in_flight_.front().done);
-    if (state == cudaErrorNotReady) break;
-    if (state != cudaSuccess) {
-      return in_flight_.front().collective.describe() + " failed: CUDA " + cudaGetErrorString(state);
+  std::optional<Collective> oldest;
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    while (!in_flight_.empty() && in_flight_.front().done != nullptr) {
+      const InFlight& front = in_flight_.front();
+      const cudaError_t state = cudaEventQuery(front.done);
+      if (state == cudaErrorNotReady || state == cudaErrorCudartUnloading) break;  // the latter: exiting
+      if (state != cudaSuccess) return front.collective.describe() + " failed: CUDA " + cudaGetErrorString(state);
+      completed_sizes_.emplace(front.collective.numel, static_cast<int>(front.collective.dtype));
+      spare_events_.push_back(front.done);
+      in_flight_.pop_front();
     }
-    cudaEventDestroy(in_flight_.front().done);
-    in_flight_.pop_front();
-    monitor().add_waiting(-1);
+    if (!in_flight_.empty()) oldest = in_flight_.front().collective;
   }
+  monitor().set_waiting_since(oldest ? std::optional<Clock::time_point>(oldest->issued) : std::nullopt);
   ncclResult_t state = ncclSuccess;
   const ncclResult_t queried = ncclCommGetAsyncError(comm_, &state);
   if (queried != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
-    const std::string during = in_flight_.empty() ? "" : " during " + in_flight_.front().collective.describe();
+    const std::string during = oldest ? " during " + oldest->describe() : "";
     return "NCCL reported " + std::string(ncclGetErrorString(queried != ncclSuccess ? queried : state)) + " (" +
            ncclGetLastError(comm_) + ")" + during + ". A peer probably exited (killed, crashed or out of memory)";
   }
-  if (!in_flight_.empty()) {
-    const Collective& oldest = in_flight_.front().collective;
-    const auto waited = Clock::now() - oldest.issued;
-    if (waited > timeout()) {
-      return oldest.describe() + " did not complete within the " + seconds(timeout()) + " deadline (" +
-             seconds(waited) + " since it was issued): a peer is stopped, hung, or far slower than this rank. "
-             "If steps legitimately differ this much, raise WeightedDDP(timeout=...)";
-    }
+  if (!oldest) return std::nullopt;
+  const auto waited = Clock::now() - oldest->issued;
+  bool first_of_its_size = false;
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    first_of_its_size = completed_sizes_.count({oldest->numel, static_cast<int>(oldest->dtype)}) == 0;
+  }
+  if (first_of_its_size && waited > setup_allowance_) {
+    return oldest->describe() + " did not complete within the " + seconds(setup_allowance_) + " allowance of a "
+           "collective's first use of its size (when NCCL connects to peers): a peer is stopped or hung, or the "
+           "ranks cannot reach each other";
+  }
+  if (!first_of_its_size && waited > timeout()) {
+    return oldest->describe() + " did not complete within the " + seconds(timeout()) + " deadline (" +
+           seconds(waited) + " since it was issued): a peer is stopped, hung, or far slower than this rank. "
+           "If steps legitimately differ this much, raise WeightedDDP(timeout=...)";
   }
   return std::nullopt;
 }
 
 void NcclComm::abort() {
-  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-  const std::lock_guard<std::mutex> lock(mutex_);
-  if (aborted_) return;
-  aborted_ = true;
-  ncclCommAbort(comm_);  // ends kernels that wait on dead peers; their events then complete
+  bool in_call = false;
+  {
+    const std::lock_guard<std::mutex> lock(call_mutex_);
+    if (aborted_ || comm_ == nullptr) return;
+    aborted_ = true;  // no NCCL call starts after this
+    in_call = calls_in_progress_ > 0;
+  }
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
+  if (in_call) {
+    // A call is blocked (connecting to a dead peer, say): revoking ends it without freeing the
+    // communicator under it; the abort then waits, within the limit, until it has returned.
+    ncclCommRevoke(comm_, NCCL_REVOKE_DEFAULT);
+    std::unique_lock<std::mutex> lock(call_mutex_);
+    calls_changed_.wait_for(lock, kTeardownLimit, [this] { return calls_in_progress_ == 0; });
+  }
+#else
+  // Older NCCL has no revoke: the abort itself ends a blocked call, as torch's watchdog relies on.
+  (void)in_call;
+#endif
+  abort_within_limit(comm_);
 }
 
 }  // namespace hsync

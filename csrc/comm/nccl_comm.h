@@ -8,18 +8,24 @@
 // Note [Stream ordering]
 // Collectives run on the communicator's stream. all_reduce_sum first makes that stream wait for
 // the caller's current stream (where the bucket was packed); synchronize_through(seq) makes the
-// caller's stream wait for the event recorded after collective `seq`. Nothing here blocks the host.
+// caller's stream wait for the event recorded after collective `seq`. The host never waits for the
+// device here (it may wait for NCCL to connect: Note [NCCL setup allowance]).
 #pragma once
 
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "comm/communicator.h"
 
@@ -44,17 +50,31 @@ class StreamEvent {
 };
 
 // Note [NCCL failures]
-// The communicator is non-blocking (ncclConfig_t::blocking = 0): no NCCL call can hang the host.
-// Each collective records an event when it completes. The fault monitor's thread polls those
-// events and ncclCommGetAsyncError; on an error, a passed deadline or a peer's posted failure it
-// aborts the communicator, which ends the kernels waiting on dead peers. The error is raised on
-// the host at the next call into the communicator and when the engine reads the step scalars.
+// Collectives run on a blocking communicator, as torch's do: ncclAllReduce returns once the work
+// is queued, with no thread or host polling of its own (a non-blocking communicator starts a
+// thread per call in NCCL 2.27+ and leaves the caller to poll). Each collective records an event
+// when it completes. The fault monitor's thread polls those events and ncclCommGetAsyncError; on
+// an error, a passed deadline or a peer's posted failure it posts this rank's failure, then aborts
+// the communicator. The abort ends kernels that wait on dead peers, and a host call blocked while
+// connecting to one, so no lock of ours is held across an NCCL call; a gate lets no call start
+// after the abort began. With NCCL >= 2.29 a blocked call is first ended by ncclCommRevoke and
+// the abort waits for it to return; older NCCL frees the communicator under it (torch's watchdog
+// runs the same risk). An abort can hang (NVIDIA/nccl#829), so it runs on a thread of its own
+// under kTeardownLimit; past that it is left to finish there. The error is raised on the host at
+// the next call into the communicator and when the engine reads the step scalars.
+//
+// Note [NCCL setup allowance]
+// Creating the communicator, and each collective of a size not yet completed (NCCL connects to
+// peers lazily, at the first use of an algorithm and protocol), can take far longer than a step,
+// most of all with several ranks on one time-sliced GPU. Those get max(timeout, kSetupAllowance)
+// instead of the collective deadline. Setup runs on a thread of its own, so the constructor can
+// give up on it at that allowance or at a peer's posted failure.
 class NcclComm final : public Communicator {
  public:
   NcclComm(const std::string& unique_id, int rank, int world_size, int device_index,
            const FaultOptions& options);
-  // Lets collectives in flight finish (for at most kDrainTimeout) and destroys the communicator;
-  // aborts it instead if it failed or the drain timed out, so it never blocks for long.
+  // Lets collectives in flight finish and destroys the communicator, or aborts it if it failed or
+  // did not drain; each within kTeardownLimit, so it never blocks for long.
   ~NcclComm() override;
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
@@ -67,27 +87,38 @@ class NcclComm final : public Communicator {
  private:
   struct InFlight {
     Collective collective;
-    cudaEvent_t done;
+    cudaEvent_t done = nullptr;  // null while the host is still in NCCL's call
   };
 
+  // The communicator, made on a thread of its own: Note [NCCL setup allowance].
+  ncclComm_t create(const std::string& unique_id);
   // Orders the communicator's stream after the caller's and keeps `tensor`'s memory from being
   // reused by the caching allocator until the collective is done.
   void enter(const at::Tensor& tensor);
-  // Waits while the non-blocking communicator is still busy with the last call: at most the deadline
-  // from `collective`'s issue (from now without one), and no longer once a peer posted a failure.
-  void wait_ready(const Collective* collective, const std::string& what);
+  cudaEvent_t take_event();  // a spare completion event, or a new one
   std::optional<std::string> poll();  // on the fault monitor's thread
-  void abort();                       // on the fault monitor's thread
+  void abort();                       // on the fault monitor's thread, or the destructor's
+  void abort_within_limit(ncclComm_t comm) const;
+  bool drain();                       // waits (bounded) for the stream; whether it emptied
 
-  static constexpr std::chrono::seconds kDrainTimeout{10};
+  static constexpr std::chrono::seconds kSetupAllowance{120};
+  static constexpr std::chrono::seconds kTeardownLimit{10};
 
   int device_index_;
-  ncclComm_t comm_ = nullptr;
+  std::chrono::milliseconds setup_allowance_;
   c10::cuda::CUDAStream stream_;
   StreamEvent enter_event_;
-  std::mutex mutex_;  // guards comm_ calls, in_flight_ and aborted_ against the monitor's thread
+  ncclComm_t comm_ = nullptr;
+  // The gate between NCCL calls and the abort: no call starts once aborted_ is set, and the
+  // abort knows whether one is in progress.
+  std::mutex call_mutex_;
+  std::condition_variable calls_changed_;
+  int calls_in_progress_ = 0;
+  std::atomic<bool> aborted_{false};
+  std::mutex mutex_;  // guards the members below against the monitor's thread; never held in NCCL
   std::deque<InFlight> in_flight_;
-  bool aborted_ = false;
+  std::vector<cudaEvent_t> spare_events_;
+  std::set<std::pair<int64_t, int>> completed_sizes_;  // (numel, dtype) of collectives completed
 };
 
 }  // namespace hsync

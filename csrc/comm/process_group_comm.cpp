@@ -73,7 +73,7 @@ void ProcessGroupComm::synchronize_through(uint64_t seq) {
 void ProcessGroupComm::wait(const Pending& p) {
   const Clock::time_point deadline = p.collective.issued + timeout();
   if (!p.future->completed()) {
-    const WaitingScope waiting(monitor());
+    const WaitingScope waiting(monitor(), p.collective.issued);
     std::unique_lock<std::mutex> lock(completion_->mutex);
     // The future, not the work: gloo runs the future's callbacks before it marks the work completed.
     while (!p.future->completed()) {

@@ -190,28 +190,35 @@ def test_resumed_run_makes_the_same_updates():
 
 
 class KnownCosts:
-    """Busy times from a known cost model instead of the clock, with noise: decisions become checkable."""
+    """Busy times from a known cost model instead of the clock, with noise: decisions become checkable.
+    From step `contended_from` on, an unequal split costs every rank `contention` times more (as ranks
+    that share cores do), which no fit of the earlier steps could foresee."""
 
-    def __init__(self, fixed: list[float], per_unit: list[float], noise: float) -> None:
+    def __init__(self, fixed: list[float], per_unit: list[float], noise: float, contended_from: int | None = None,
+                 contention: float = 1.0) -> None:
         self.fixed, self.per_unit, self.noise = fixed, per_unit, noise
+        self.contended_from, self.contention = contended_from, contention
         self.g = torch.Generator().manual_seed(dist.get_rank())
+        self.step = 0
 
     def install(self, balancer) -> None:
         def busy(stats):
+            self.step += 1  # asked once per step, for the step before
             units = balancer._previous[1]
             r = balancer.rank
             jitter = 1 + self.noise * (2 * torch.rand((), generator=self.g).item() - 1)
-            return (self.fixed[r] + units * self.per_unit[r]) * jitter
+            contended = self.contended_from is not None and self.step > self.contended_from and units != 32
+            return (self.fixed[r] + units * self.per_unit[r]) * jitter * (self.contention if contended else 1.0)
 
         balancer._busy_seconds = busy
 
 
-def decisions(rank, world_size, fixed, per_unit, noise):
+def decisions(rank, world_size, fixed, per_unit, noise, contended_from=None, contention=1.0):
     import hsync
 
     model = hsync.WeightedDDP(make_model())
     balancer = hsync.Balancer(model, 64 * 8, hsync.BalanceConfig(global_batch_size=64, replan_every=10))
-    KnownCosts(fixed, per_unit, noise).install(balancer)
+    KnownCosts(fixed, per_unit, noise, contended_from, contention).install(balancer)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     plans = []
     data = Numbers(64 * 8)
@@ -237,6 +244,17 @@ def test_planned_split_reaches_the_optimum_of_the_true_costs():
 def test_equal_ranks_keep_an_equal_split_despite_noise():
     plans = run_ranks(decisions, 2, [0.05, 0.05], [0.01, 0.01], 0.05, timeout=240)[0]
     assert len(plans) == 64 and all(p == [32, 32] for p in plans[:2] + plans[12:]), plans
+
+
+def test_a_plan_that_measured_slower_is_undone():
+    # The costs of the first test, until the fitted plan's steps turn out 1.6 times slower than the
+    # fit says (contention): measured against the equal split before it, that plan is undone, and
+    # each retry must promise twice the gain until none does.
+    plans = run_ranks(decisions, 2, [0.08, 0.01], [0.01, 0.02], 0.02, 22, 1.6, timeout=240)[0]
+    assert len(plans) == 64 and plans[12:22] == [[32, 32]] * 10 and plans[22] == [41, 23], plans
+    undone = next(i for i in range(23, 64) if plans[i] == [32, 32])
+    assert undone <= 33, plans  # at the first decision after the plan's ten steps
+    assert all(p == [32, 32] for p in plans[-10:]), plans
 
 
 def refused_on_every_rank(rank, world_size):

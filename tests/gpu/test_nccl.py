@@ -2,6 +2,8 @@
 
 NCCL refuses two ranks of one communicator on the same GPU; giving each rank its own NCCL_HOSTID
 makes them look like separate hosts that talk over sockets. Good for correctness, not for timings.
+torch's process group is gloo: hsync needs only its store, and a torch NCCL group on ranks that
+share a GPU could fail the survivors' teardown when a peer dies.
 """
 
 import pytest
@@ -26,7 +28,7 @@ def on_gpu(rank: int, world_size: int, steps, branch_ranks, grads: str):
 @pytest.mark.parametrize(("world_size", "grads"), [(2, "copied"), (3, "copied"), (2, "views"), (2, "views-zeroed")])
 def test_nccl_ranks_on_one_gpu_match_one_process(world_size, grads):
     steps = [[[3, 7, 2][:world_size]], [[0, 5, 1][:world_size]], [[2, 3, 4][:world_size], [4, 1, 1][:world_size]]]
-    results = run_ranks(on_gpu, world_size, steps, {1}, grads, backend="nccl", env=SOCKET_ENV, timeout=240)
+    results = run_ranks(on_gpu, world_size, steps, {1}, grads, env=SOCKET_ENV, timeout=240)
     ref_params, ref_grads, ref_losses = reference_training(steps, {1})
     for rank, (params, grads, stats, _) in enumerate(results):
         assert stats[0][2] and stats[-1][2]
@@ -39,8 +41,8 @@ def test_nccl_ranks_on_one_gpu_match_one_process(world_size, grads):
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_nccl_survivors_of_a_lost_peer_abort_and_raise(how):
     # On GPU the failure surfaces at the next call into hsync after the watchdog saw it (Note [NCCL failures]).
-    survivors = run_ranks_with_victim(train_until_victim_strikes, 3, VICTIM, how, {}, "cuda", backend="nccl",
-                                      env=SOCKET_ENV, timeout=120)
+    survivors = run_ranks_with_victim(train_until_victim_strikes, 3, VICTIM, how, {}, "cuda", env=SOCKET_ENV,
+                                      timeout=120)
     for rank, survivor in survivors.items():
         assert survivor.error is not None, f"rank {rank} raised nothing"
         assert f"hsync: rank {rank} (nccl): " in survivor.error, survivor.error
