@@ -150,6 +150,8 @@ void NcclComm::abort_within_limit(ncclComm_t comm) const {
 
 NcclComm::~NcclComm() {
   monitor().clear_hooks();
+  // The process is exiting and CUDA is already gone: the operating system reclaims everything.
+  if (cudaStreamQuery(stream_.stream()) == cudaErrorCudartUnloading) return;
   // Destructors must not throw: errors here only choose between destroy and abort.
   if (!aborted_ && !monitor().failed() && drain()) {
     const bool destroyed = run_bounded(
@@ -217,12 +219,16 @@ void NcclComm::launch(const at::Tensor& tensor, const Collective& collective) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
   enter(tensor);
   const ncclDataType_t dtype = nccl_dtype(tensor.scalar_type());
+  cudaEvent_t done = take_event();
   {
     const std::lock_guard<std::mutex> lock(call_mutex_);
-    if (aborted_) monitor().check();  // aborted since issue() checked: raise the reason
+    if (aborted_) {
+      const std::lock_guard<std::mutex> spare_lock(mutex_);
+      spare_events_.push_back(done);
+      monitor().check();  // aborted since issue() checked: raise the reason
+    }
     ++calls_in_progress_;
   }
-  cudaEvent_t done = take_event();
   {
     const std::lock_guard<std::mutex> lock(mutex_);
     in_flight_.push_back({collective, nullptr});  // its deadline runs while NCCL connects

@@ -110,7 +110,7 @@ class NcclComm final : public Communicator {
   StreamEvent enter_event_;
   ncclComm_t comm_ = nullptr;
   // The gate between NCCL calls and the abort: no call starts once aborted_ is set, and the
-  // abort knows whether one is in progress.
+  // abort knows whether one is in progress. Taken before mutex_ where both are.
   std::mutex call_mutex_;
   std::condition_variable calls_changed_;
   int calls_in_progress_ = 0;
