@@ -114,6 +114,7 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
     }
     bucket.nonfinite_flag = bucket.buffer.narrow(0, numel, 1);
     bucket.tail = bucket.buffer.narrow(0, numel, tail);
+    bucket.tail_offset = buckets_.empty() ? 0 : buckets_.back().tail_offset + buckets_.back().tail.numel();
     buckets_.push_back(std::move(bucket));
   }
 }
@@ -350,9 +351,7 @@ bool Engine::used_on_some_rank(const Bucket& bucket, size_t k) {
     tails_on_host_ = at::cat(tails).to(at::kCPU, at::kDouble);
     comm_->check();  // a collective that failed meanwhile left garbage in the tails
   }
-  int64_t offset = 0;
-  for (const Bucket* b = buckets_.data(); b != &bucket; ++b) offset += b->tail.numel();
-  return tails_on_host_.const_data_ptr<double>()[offset + 1 + static_cast<int64_t>(k)] > 0;
+  return tails_on_host_.const_data_ptr<double>()[bucket.tail_offset + 1 + static_cast<int64_t>(k)] > 0;
 }
 
 void Engine::write_back(const Bucket& bucket) {

@@ -105,6 +105,7 @@ struct Bucket {
   at::Tensor nonfinite_flag;       // one element
   std::vector<at::Tensor> used;    // per param: its one-element used flag
   at::Tensor tail;                 // nonfinite flag and used flags, zeroed at each step
+  int64_t tail_offset = 0;         // where the tail starts among all buckets' tails, in bucket order
   size_t pending = 0;              // params not packed yet in this step
   uint64_t seq = 0;                // its all-reduce's sequence number in this step
 };

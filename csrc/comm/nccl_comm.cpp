@@ -121,30 +121,34 @@ ncclComm_t NcclComm::create(const std::string& unique_id) {
     error = setup->error;
   }
   if (!finished) {
-    if (comm != nullptr) abort_within_limit(comm);
+    if (comm != nullptr) tear_down_within_limit(comm, /*destroy=*/false);
     monitor().check();  // a peer failed first
     monitor().fail("NCCL communicator setup (ncclCommInitRankConfig) did not finish within the " +
                    seconds(setup_allowance_) + " allowance: a rank did not join, or the ranks cannot reach "
                    "each other (NCCL_SOCKET_IFNAME, firewalls; NCCL_DEBUG=INFO tells more)");
   }
   if (result != ncclSuccess) {
-    if (comm != nullptr) abort_within_limit(comm);
+    if (comm != nullptr) tear_down_within_limit(comm, /*destroy=*/false);
     monitor().fail("NCCL communicator setup (ncclCommInitRankConfig) failed: NCCL " +
                    std::string(ncclGetErrorString(result)) + " (" + error + ")");
   }
   return comm;
 }
 
-void NcclComm::abort_within_limit(ncclComm_t comm) const {
+void NcclComm::tear_down_within_limit(ncclComm_t comm, bool destroy) const {
   const bool finished = run_bounded(
-      [comm, device = device_index_] {
+      [comm, destroy, device = device_index_] {
         cudaSetDevice(device);
-        ncclCommAbort(comm);
+        if (destroy && ncclCommFinalize(comm) == ncclSuccess) {
+          ncclCommDestroy(comm);
+        } else {
+          ncclCommAbort(comm);
+        }
       },
       kTeardownLimit);
   if (!finished) {
-    std::fprintf(stderr, "hsync: rank %d (nccl): ncclCommAbort did not return within %s; left to finish on its "
-                 "own thread\n", rank(), seconds(kTeardownLimit).c_str());
+    std::fprintf(stderr, "hsync: rank %d (nccl): %s the NCCL communicator took over %s; left to finish on its "
+                 "own thread\n", rank(), destroy ? "destroying" : "aborting", seconds(kTeardownLimit).c_str());
   }
 }
 
@@ -154,20 +158,7 @@ NcclComm::~NcclComm() {
   if (cudaStreamQuery(stream_.stream()) == cudaErrorCudartUnloading) return;
   // Destructors must not throw: errors here only choose between destroy and abort.
   if (!aborted_ && !monitor().failed() && drain()) {
-    const bool destroyed = run_bounded(
-        [comm = comm_, device = device_index_] {
-          cudaSetDevice(device);
-          if (ncclCommFinalize(comm) == ncclSuccess) {
-            ncclCommDestroy(comm);
-          } else {
-            ncclCommAbort(comm);
-          }
-        },
-        kTeardownLimit);
-    if (!destroyed) {
-      std::fprintf(stderr, "hsync: rank %d (nccl): destroying the NCCL communicator took over %s; left to "
-                   "finish on its own thread\n", rank(), seconds(kTeardownLimit).c_str());
-    }
+    tear_down_within_limit(comm_, /*destroy=*/true);
   } else {
     abort();
   }
@@ -272,6 +263,7 @@ std::optional<std::string> NcclComm::poll() {
   if (aborted_) return std::nullopt;
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
   std::optional<Collective> oldest;
+  bool first_of_its_size = false;  // the oldest's size never completed: Note [NCCL setup allowance]
   {
     const std::lock_guard<std::mutex> lock(mutex_);
     while (!in_flight_.empty() && in_flight_.front().done != nullptr) {
@@ -283,7 +275,10 @@ std::optional<std::string> NcclComm::poll() {
       spare_events_.push_back(front.done);
       in_flight_.pop_front();
     }
-    if (!in_flight_.empty()) oldest = in_flight_.front().collective;
+    if (!in_flight_.empty()) {
+      oldest = in_flight_.front().collective;
+      first_of_its_size = completed_sizes_.count({oldest->numel, static_cast<int>(oldest->dtype)}) == 0;
+    }
   }
   monitor().set_waiting_since(oldest ? std::optional<Clock::time_point>(oldest->issued) : std::nullopt);
   ncclResult_t state = ncclSuccess;
@@ -295,11 +290,6 @@ std::optional<std::string> NcclComm::poll() {
   }
   if (!oldest) return std::nullopt;
   const auto waited = Clock::now() - oldest->issued;
-  bool first_of_its_size = false;
-  {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    first_of_its_size = completed_sizes_.count({oldest->numel, static_cast<int>(oldest->dtype)}) == 0;
-  }
   if (first_of_its_size && waited > setup_allowance_) {
     return oldest->describe() + " did not complete within the " + seconds(setup_allowance_) + " allowance of a "
            "collective's first use of its size (when NCCL connects to peers): a peer is stopped or hung, or the "
@@ -333,7 +323,7 @@ void NcclComm::abort() {
   // Older NCCL has no revoke: the abort itself ends a blocked call, as torch's watchdog relies on.
   (void)in_call;
 #endif
-  abort_within_limit(comm_);
+  tear_down_within_limit(comm_, /*destroy=*/false);
 }
 
 }  // namespace hsync

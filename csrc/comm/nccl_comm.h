@@ -98,7 +98,8 @@ class NcclComm final : public Communicator {
   cudaEvent_t take_event();  // a spare completion event, or a new one
   std::optional<std::string> poll();  // on the fault monitor's thread
   void abort();                       // on the fault monitor's thread, or the destructor's
-  void abort_within_limit(ncclComm_t comm) const;
+  // Finalizes and destroys `comm` (an abort if finalizing fails), or aborts it, within kTeardownLimit.
+  void tear_down_within_limit(ncclComm_t comm, bool destroy) const;
   bool drain();                       // waits (bounded) for the stream; whether it emptied
 
   static constexpr std::chrono::seconds kSetupAllowance{120};
