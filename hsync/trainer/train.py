@@ -16,46 +16,52 @@ import datetime
 import hashlib
 import json
 import os
-import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-# Imported at module level, so before init_process_group: imported after it, transformers leaves
-# destroy_process_group unable to free gloo's threads (torch 2.14.1), and a gloo worker still releasing
-# a collective while the interpreter shuts down aborts the process (about one exit in 35).
-from transformers import BertConfig, BertForPreTraining
-
 import hsync
 from hsync import data
 from hsync.balance import split_proportionally
 from hsync.trainer import checkpoint
+from hsync.trainer.cli import init_distributed, report, world_size_from_env
 from hsync.trainer.config import ModelPreset, TrainConfig, parse_args, parse_rank_values
 from hsync.trainer.consensus import agree, fail_together
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, preset = parse_args(argv, description=__doc__).resolved()
+    cfg, preset = parse_args(argv, description=__doc__, world_size=world_size_from_env())
+    # transformers is imported after the flags are checked (a bad one is refused in a second, not six)
+    # but before init_process_group: imported after it, transformers leaves destroy_process_group unable
+    # to free gloo's threads (torch 2.14.1), and a gloo worker still releasing a collective while the
+    # interpreter shuts down aborts the process (about one exit in 35).
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # no bar per saved shard in the run's log
     device = init_distributed(cfg.device)
     rank, world = dist.get_rank(), dist.get_world_size()
+    fail_together(unwritable_outputs(cfg) if rank == 0 else None, "cannot write the run's outputs")
     slowdown = parse_rank_values(cfg.simulate_slowdown, world, "--simulate-slowdown", 1.0)[rank]
-    examples, vocab = prepare_data(cfg, preset)
-    balance_config = balancing(cfg, world, slowdown)
+    corpus = prepare_data(cfg, preset)
+    examples, vocab = corpus.train, corpus.vocab
 
     torch.manual_seed(cfg.seed)
     timeout = datetime.timedelta(seconds=cfg.collective_timeout) if cfg.collective_timeout else None
     model = hsync.WeightedDDP(build_model(preset, vocab).to(device), broadcast_buffers=False,
-                              gradient_as_bucket_view=cfg.bucket_views, metric_names=("tokens",), timeout=timeout)
+                              gradient_as_bucket_view=cfg.bucket_views, metric_names=("tokens", "mlm", "nsp"),
+                              timeout=timeout)
     torch.manual_seed(cfg.seed + rank)  # rank 0's weights everywhere, but each rank its own dropout
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
-    balancer = hsync.Balancer(model, len(examples), balance_config)
+    balancer = hsync.Balancer(model, len(examples), balancing(cfg, world, slowdown))
     meta = {"preset": asdict(preset), "world_size": world, "examples": len(examples), "seed": cfg.seed,
             "vocab_sha256": hashlib.sha256("\n".join(vocab.tokens).encode()).hexdigest(),
             "global_batch_size": cfg.global_batch_size, "update_freq": cfg.update_freq}
@@ -69,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     plans = PlanReport(balancer, rank)
 
     last_step = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
+    eval_batch = -(-cfg.global_batch_size // world)
     started = time.perf_counter()
     while balancer.global_step < last_step:
         for indices in balancer:  # this rank's micro-batches, step after step, to the epoch's end
@@ -85,15 +92,36 @@ def main(argv: list[str] | None = None) -> None:
             step = balancer.global_step
             log.step(step, stats, balancer.last_plan, time.perf_counter() - started, lr)
             plans.update(step)
-            started = time.perf_counter()
+            if corpus.valid is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == last_step):
+                log.evaluation(step, evaluate(model.module, corpus.valid, vocab, cfg.seed, eval_batch))
             if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last_step):
                 checkpoint.save(Path(cfg.save_dir), step, {
                     "model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                     "schedule": schedule.state_dict(), "balancer": balancer.state_dict(), "meta": meta})
+            started = time.perf_counter()
             if step == last_step:
                 break
+    if balancer.global_step == cfg.max_steps:
+        final = save_final_model(model.module, vocab, preset, Path(cfg.save_dir) / "final") if cfg.save_dir else None
+        report(rank, log.summary(final))
     log.close()
     dist.destroy_process_group()
+
+
+def unwritable_outputs(cfg: TrainConfig) -> str | None:
+    """Why --save-dir or --log-file cannot be written (rank 0 writes them), found before any work."""
+    try:
+        if cfg.save_dir:
+            save_dir = Path(cfg.save_dir)
+            save_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=save_dir):
+                pass
+        if cfg.log_file:
+            with open(cfg.log_file, "a"):
+                pass
+    except OSError as error:
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int) -> float:
@@ -106,9 +134,6 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int) -> float:
 def balancing(cfg: TrainConfig, world: int, slowdown: float) -> hsync.BalanceConfig:
     """The balancer's settings from the flags. --update-freq F runs an equal share in F micro-batches, so
     a rank given more examples runs more of them; a manual plan gives each rank's micro-batch."""
-    if cfg.global_batch_size % cfg.update_freq:
-        raise ValueError(f"--global-batch-size {cfg.global_batch_size} is not a multiple of --update-freq "
-                         f"{cfg.update_freq}")
     micro_batch = cfg.global_batch_size // cfg.update_freq
     limit, fixed = None, None
     if cfg.update_freq > 1:
@@ -116,11 +141,7 @@ def balancing(cfg: TrainConfig, world: int, slowdown: float) -> hsync.BalanceCon
     if cfg.balance == "equal":
         fixed = split_proportionally(cfg.global_batch_size, [1] * world)
     elif cfg.balance == "manual":
-        plan = [int(x) for x in cfg.rank_batch_sizes.split(",")]
-        if len(plan) != world or sum(plan) != micro_batch or min(plan) < 0:
-            raise ValueError(f"--rank-batch-sizes {cfg.rank_batch_sizes} does not add up: it needs {world} "
-                             f"non-negative sizes summing to {micro_batch} (global batch {cfg.global_batch_size} / "
-                             f"update freq {cfg.update_freq})")
+        plan = cfg.rank_plan(world)
         fixed, limit = [n * cfg.update_freq for n in plan], [max(1, n) for n in plan]
     return hsync.BalanceConfig(global_batch_size=cfg.global_batch_size, rank_batch_sizes=fixed,
                                micro_batch_limit=limit, probe_steps=cfg.probe_steps,
@@ -130,15 +151,58 @@ def balancing(cfg: TrainConfig, world: int, slowdown: float) -> hsync.BalanceCon
 def train_micro_step(model: hsync.WeightedDDP, balancer: hsync.Balancer,
                      batch: dict[str, torch.Tensor]) -> hsync.StepStats | None:
     """Forward, loss and backward of one micro-batch; the weight is its number of masked tokens."""
+    mlm_logits, nsp_logits, masked = pretraining_logits(model, batch)
+    mlm = nn.functional.cross_entropy(mlm_logits, batch["labels"][masked])
+    nsp = nn.functional.cross_entropy(nsp_logits, batch["next_sentence_label"])
+    weight = masked.sum()
+    # The MLM and NSP parts, summed with the loss's weights, so that each divided by the step's weight
+    # is its share of the step's loss.
+    metrics = {"tokens": batch["attention_mask"].sum(), "mlm": mlm.detach() * weight, "nsp": nsp.detach() * weight}
+    return balancer.backward(mlm + nsp, weight=weight, metrics=metrics)
+
+
+def pretraining_logits(model: nn.Module,
+                       batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The masked-LM logits of the masked tokens and the next-sentence logits (float32, from bf16
+    autocast on a GPU), and the mask of the tokens to predict."""
     device = batch["input_ids"].device
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         out = model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
                     attention_mask=batch["attention_mask"])
-        masked = batch["labels"] != -100
-        mlm = nn.functional.cross_entropy(out.prediction_logits[masked].float(), batch["labels"][masked])
-        nsp = nn.functional.cross_entropy(out.seq_relationship_logits.float(), batch["next_sentence_label"])
-    tokens = batch["attention_mask"].sum()
-    return balancer.backward(mlm + nsp, weight=masked.sum(), metrics={"tokens": tokens})
+    masked = batch["labels"] != -100
+    return out.prediction_logits[masked].float(), out.seq_relationship_logits.float(), masked
+
+
+def evaluate(net: nn.Module, examples: data.PretrainingExamples, vocab: Vocabulary, seed: int,
+             batch_size: int) -> dict[str, float]:
+    """Masked-LM and next-sentence loss and accuracy on held-out examples, exact over every rank: each
+    rank evaluates its shard, and the sums travel in one reduction. The masks are drawn for epoch 0 at
+    every evaluation, so evaluations compare."""
+    device = next(net.parameters()).device
+    sums = dict.fromkeys(("mlm_loss", "mlm_right", "mlm_count", "nsp_loss", "nsp_right", "nsp_count"), 0.0)
+    net.eval()
+    with torch.no_grad():
+        for indices in hsync.ShardSampler(len(examples), batch_size):
+            batch = {k: v.to(device) for k, v in vocab.collate(examples, indices, seed, 0).items()}
+            mlm_logits, nsp_logits, masked = pretraining_logits(net, batch)
+            labels, nsp_labels = batch["labels"][masked], batch["next_sentence_label"]
+            for key, value in (
+                ("mlm_loss", nn.functional.cross_entropy(mlm_logits, labels, reduction="sum")),
+                ("mlm_right", (mlm_logits.argmax(-1) == labels).sum()),
+                ("mlm_count", len(labels)),
+                ("nsp_loss", nn.functional.cross_entropy(nsp_logits, nsp_labels, reduction="sum")),
+                ("nsp_right", (nsp_logits.argmax(-1) == nsp_labels).sum()),
+                ("nsp_count", len(indices)),
+            ):
+                sums[key] += float(value)
+    net.train()
+    total = hsync.sum_over_ranks(sums)
+    return {"valid_loss": total["mlm_loss"] / total["mlm_count"] + total["nsp_loss"] / total["nsp_count"],
+            "valid_mlm_loss": total["mlm_loss"] / total["mlm_count"],
+            "valid_mlm_accuracy": total["mlm_right"] / total["mlm_count"],
+            "valid_nsp_loss": total["nsp_loss"] / total["nsp_count"],
+            "valid_nsp_accuracy": total["nsp_right"] / total["nsp_count"],
+            "valid_examples": int(total["nsp_count"])}
 
 
 class PlanReport:
@@ -166,17 +230,13 @@ class PlanReport:
 
 
 class Logger:
-    """tqdm progress and JSON lines on rank 0; numbers come from the step's fused stats."""
+    """tqdm progress and JSON lines on rank 0; numbers come from the step's fused stats and the evaluations."""
 
     def __init__(self, cfg: TrainConfig, rank: int, world: int) -> None:
         self.every, self.world, self.enabled = cfg.log_every, world, rank == 0
-        self.file, problem = None, None
-        if cfg.log_file and self.enabled:
-            try:
-                self.file = open(cfg.log_file, "a")  # noqa: SIM115 - open for the whole run
-            except OSError as error:
-                problem = str(error)
-        fail_together(problem, "cannot open --log-file")
+        self.last_evaluation: dict[str, float] | None = None
+        # unwritable_outputs() has opened the file once already, before any work.
+        self.file = open(cfg.log_file, "a") if cfg.log_file and self.enabled else None  # noqa: SIM115
         self.bar = None
         if self.enabled:
             from tqdm import tqdm
@@ -192,45 +252,40 @@ class Logger:
         if step % self.every and step != self.bar.total:
             return
         busy = [stats.metrics[f"hsync.balance.busy/{r}"] for r in range(self.world)]
-        record = {"step": step, "loss": round(stats.loss, 5), "lr": lr, "finite": stats.finite,
-                  "masked_tokens": stats.weight, "step_seconds": round(seconds, 4),
-                  "tokens_per_s": round(stats.metrics["tokens"] / seconds, 1),
-                  "rank_busy_seconds": [round(b, 4) for b in busy], "plan": plan}
-        tqdm_write = self.bar.write if not self.bar.disable else print
-        tqdm_write(json.dumps(record))
+        weight = stats.weight or 1.0
+        self.write({"step": step, "loss": round(stats.loss, 5), "mlm_loss": round(stats.metrics["mlm"] / weight, 5),
+                    "nsp_loss": round(stats.metrics["nsp"] / weight, 5), "lr": lr, "finite": stats.finite,
+                    "masked_tokens": stats.weight, "step_seconds": round(seconds, 4),
+                    "tokens_per_s": round(stats.metrics["tokens"] / seconds, 1),
+                    "rank_busy_seconds": [round(b, 4) for b in busy], "plan": plan})
+
+    def evaluation(self, step: int, metrics: dict[str, float]) -> None:
+        self.last_evaluation = metrics
+        if self.enabled:
+            self.write({"step": step, **{k: round(v, 5) for k, v in metrics.items()}})
+
+    def write(self, record: dict) -> None:
+        (self.bar.write if not self.bar.disable else print)(json.dumps(record))
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+
+    def summary(self, final: Path | None) -> str:
+        """The run's last line: where the usable model is, and how it does on held-out text."""
+        where = (f"trained model in {final} (BertForPreTraining.from_pretrained)" if final else
+                 "the model was not kept (pass --save-dir to keep it)")
+        v = self.last_evaluation
+        if v is None:
+            return f"{where}; no validation (--valid-fraction 0)"
+        return (f"{where}; validation loss {v['valid_loss']:.3f} on {v['valid_examples']} held-out examples "
+                f"(masked LM {v['valid_mlm_loss']:.3f}, accuracy {v['valid_mlm_accuracy']:.3f}; "
+                f"next sentence {v['valid_nsp_loss']:.3f}, accuracy {v['valid_nsp_accuracy']:.3f})")
 
     def close(self) -> None:
         if self.bar:
             self.bar.close()
         if self.file:
             self.file.close()
-
-
-def report(rank: int, message: str) -> None:
-    if rank == 0:
-        print(message, file=sys.stderr, flush=True)
-
-
-def init_distributed(device_choice: str) -> torch.device:
-    """torchrun's environment (RANK, WORLD_SIZE, ...), or a world of one for a plain `python` run."""
-    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    # torchrun's agent keeps one store across restarts, so workers of a new attempt could read the
-    # addresses that the dead workers of the last one posted (seen with gloo: connecting to a dead
-    # port, or hanging). Each attempt gets keys of its own.
-    store, rank, world_size = next(dist.rendezvous("env://"))
-    attempt = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group("nccl" if use_cuda else "gloo", store=attempt, rank=rank, world_size=world_size)
-    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
 class Vocabulary:
@@ -246,7 +301,19 @@ class Vocabulary:
         return data.collate(examples, indices, self.size, self.special, self.mask, self.pad, seed, epoch)
 
 
-def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> tuple[data.PretrainingExamples, Vocabulary]:
+@dataclass
+class Corpus:
+    """The examples of a run and its vocabulary."""
+
+    train: data.PretrainingExamples
+    """Examples of the training documents."""
+    valid: data.PretrainingExamples | None
+    """Examples of the held-out documents (None with --valid-fraction 0)."""
+    vocab: Vocabulary
+    """The WordPiece vocabulary, rank 0's on every rank."""
+
+
+def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> Corpus:
     """The corpus, prepared once per machine (by its local rank 0: nodes need not share a disk), and
     rank 0's vocabulary, sent to every rank. Any rank's problem stops every rank before training."""
     data_dir = Path(cfg.data_dir)
@@ -260,23 +327,60 @@ def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> tuple[data.Pretrainin
     fail_together(problem, "cannot prepare the data")  # also waits for every machine's corpus
     try:
         documents = data.read_documents(corpus)  # a missing or empty corpus fails here, before any work
+        train_docs, valid_docs = data.hold_out(documents, cfg.valid_fraction, cfg.seed)
+        digest = hashlib.sha256(corpus.read_bytes()).hexdigest()
         if dist.get_rank() == 0:
-            vocab_dir = data_dir / f"vocab-{corpus.stem}-{preset.vocab_size}"
+            # Keyed by the text, not the file's name: an edited corpus gets a vocabulary of its own.
+            vocab_dir = data_dir / f"vocab-{digest[:16]}-{preset.vocab_size}"
+            reused = (vocab_dir / "vocab.txt").exists()
             tokens = data.train_wordpiece_vocab(corpus, preset.vocab_size, vocab_dir).read_text("utf-8").splitlines()
+            report(0, f"vocabulary: {'reused' if reused else 'trained'} {vocab_dir} ({corpus}, sha256 {digest[:16]})")
     except (OSError, ValueError, RuntimeError) as error:
         problem = f"{type(error).__name__}: {error}"
     fail_together(problem, "cannot prepare the data")
     # The same text everywhere, or ranks would train on different data without knowing it.
-    fail_together(None if agree(hashlib.sha256(corpus.read_bytes()).hexdigest()) else
-                  f"the corpus {corpus} differs between machines", "cannot prepare the data")
+    fail_together(None if agree(digest) else f"the corpus {corpus} differs between machines",
+                  "cannot prepare the data")
     # WordPiece training breaks ties differently from run to run: every rank takes rank 0's.
     shared = [tokens]
     dist.broadcast_object_list(shared, src=0)
     vocab = Vocabulary(shared[0])
-    return data.build_examples(documents, vocab.tokens, preset.max_seq_len, cfg.seed), vocab
+    try:
+        train = data.build_examples(train_docs, vocab.tokens, preset.max_seq_len, cfg.seed)
+        valid = data.build_examples(valid_docs, vocab.tokens, preset.max_seq_len, cfg.seed) if valid_docs else None
+    except ValueError as error:  # the same data everywhere: every rank fails alike
+        raise SystemExit(f"hsync: cannot prepare the data: corpus {corpus}: {error}") from None
+    return Corpus(train, valid, vocab)
+
+
+def save_final_model(net: nn.Module, vocab: Vocabulary, preset: ModelPreset, final: Path) -> Path:
+    """Collective: rank 0 writes the model and its tokenizer in Hugging Face's format (loadable by
+    from_pretrained), replacing an earlier `final` whole only once the new one is complete."""
+    problem = None
+    if dist.get_rank() == 0:
+        from transformers import BertTokenizerFast
+
+        staging = final.with_name(final.name + ".tmp")
+        try:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            net.save_pretrained(staging)
+            (staging / "vocab.txt").write_text("\n".join(vocab.tokens) + "\n", encoding="utf-8")
+            # Read back from the folder, which every transformers version's constructor agrees on.
+            tokenizer = BertTokenizerFast.from_pretrained(staging, do_lower_case=True,
+                                                          model_max_length=preset.max_seq_len)
+            tokenizer.save_pretrained(staging)
+            shutil.rmtree(final, ignore_errors=True)
+            staging.replace(final)
+        except OSError as error:
+            problem = f"{type(error).__name__}: {error}"
+    fail_together(problem, f"cannot save the model to {final}")
+    return final
 
 
 def build_model(preset: ModelPreset, vocab: Vocabulary) -> nn.Module:
+    from transformers import BertConfig, BertForPreTraining
+
     config = BertConfig(vocab_size=vocab.size, hidden_size=preset.hidden_size,
                         num_hidden_layers=preset.num_layers, num_attention_heads=preset.num_heads,
                         intermediate_size=preset.intermediate_size, max_position_embeddings=preset.max_seq_len,

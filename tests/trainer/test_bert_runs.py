@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.spawn import free_port
+# At module level, so that a spawned rank imports it (unpickling its function) before init_process_group,
+# as examples/bert.py does (hsync/trainer/train.py says why).
+from transformers import AutoTokenizer, BertForPreTraining, BertForSequenceClassification
+
+from tests.spawn import free_port, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -33,17 +38,64 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
-def read_log(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def read_log(path: Path, kind: str = "loss") -> list[dict]:
+    """The log's training rows (kind "loss") or evaluation rows ("valid_loss")."""
+    return [row for row in map(json.loads, path.read_text().splitlines()) if kind in row]
 
 
-def test_tiny_run_on_two_ranks_learns(tmp_path):
-    log = tmp_path / "log.jsonl"
-    ok(torchrun(tmp_path, "--max-steps", "60", "--log-every", "10", "--log-file", str(log)))
-    rows = read_log(log)
-    assert [r["step"] for r in rows] == [10, 20, 30, 40, 50, 60]
-    assert all(r["finite"] for r in rows)
-    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
+def held_out_evaluation(rank: int, world_size: int, final: Path, valid_fraction: float) -> dict[str, float]:
+    """The trainer's evaluation of the saved model, redone by one process alone."""
+    from hsync import data
+    from hsync.trainer import train
+
+    documents = data.read_documents(SLICE)
+    _, held_out = data.hold_out(documents, valid_fraction, seed=0)
+    vocab = train.Vocabulary((final / "vocab.txt").read_text("utf-8").splitlines())
+    examples = data.build_examples(held_out, vocab.tokens, max_seq_len=64, seed=0)
+    return train.evaluate(BertForPreTraining.from_pretrained(final), examples, vocab, seed=0, batch_size=5)
+
+
+def test_tiny_run_learns_evaluates_exactly_and_leaves_a_model_that_from_pretrained_loads(tmp_path):
+    log, save = tmp_path / "log.jsonl", tmp_path / "run"
+    result = ok(torchrun(tmp_path, "--max-steps", "60", "--log-every", "10", "--eval-every", "30",
+                         "--valid-fraction", "0.1", "--save-dir", str(save), "--log-file", str(log)))
+    train_rows, valid_rows = read_log(log), read_log(log, "valid_loss")
+    assert [r["step"] for r in train_rows] == [10, 20, 30, 40, 50, 60]
+    assert all(r["finite"] for r in train_rows)
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 1.0, [r["loss"] for r in train_rows]
+    for r in train_rows:
+        assert r["mlm_loss"] + r["nsp_loss"] == pytest.approx(r["loss"], abs=1e-4), r
+    assert [r["step"] for r in valid_rows] == [30, 60]
+    assert valid_rows[1]["valid_mlm_loss"] < valid_rows[0]["valid_mlm_loss"], valid_rows
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert f"trained model in {save / 'final'}" in last_line and "validation loss" in last_line, last_line
+
+    # Two ranks' evaluation, each of its shard, equals one process's over every held-out example.
+    alone = run_ranks(held_out_evaluation, 1, save / "final", 0.1)[0]
+    logged = valid_rows[-1]
+    assert alone["valid_examples"] == logged["valid_examples"] > 0
+    for key in ("valid_mlm_loss", "valid_mlm_accuracy", "valid_nsp_loss", "valid_nsp_accuracy"):
+        assert alone[key] == pytest.approx(logged[key], abs=2e-5), key
+
+    pretrained = BertForPreTraining.from_pretrained(save / "final")
+    assert pretrained.config.num_hidden_layers == 2
+    classifier = BertForSequenceClassification.from_pretrained(save / "final", num_labels=2)
+    tokenizer = AutoTokenizer.from_pretrained(save / "final")
+    batch = tokenizer(["In the beginning God created the heaven and the earth."], return_tensors="pt")
+    assert tokenizer.unk_token_id not in batch["input_ids"][0].tolist()
+    assert classifier(**batch).logits.shape == (1, 2)
+
+    # ... and examples/finetune.py starts from it, in one process under plain python; texts longer than
+    # the model's 64 positions are cut, not a crash.
+    labelled = tmp_path / "labelled.txt"
+    long_text = " ".join(["and the lord said unto moses"] * 40)
+    labelled.write_text("".join(f"{i % 2}\t{long_text if i == 3 else 'let there be light'} {i}\n" for i in range(10)))
+    tuned = ok(subprocess.run([sys.executable, str(ROOT / "examples" / "finetune.py"), "--model", str(save / "final"),
+                               "--data", str(labelled), "--epochs", "1", "--batch-size", "4", "--device", "cpu"],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    epoch_line = r"epoch 1: train loss [0-9.]+, held-out accuracy [0-9.]+ on 2 examples"
+    assert re.search(epoch_line, tuned.stdout), tuned.stdout
 
 
 def test_auto_balance_follows_a_simulated_slow_rank(tmp_path):
@@ -67,9 +119,22 @@ def model_state(save_dir: Path) -> dict[str, torch.Tensor]:
 def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path):
     common = ("--max-steps", "8", "--balance", "manual", "--rank-batch-sizes", "20,12")
     ok(torchrun(tmp_path, *common, "--save-dir", str(tmp_path / "straight")))
-    ok(torchrun(tmp_path, *common, "--save-dir", str(tmp_path / "split"), "--stop-at", "3"))
-    ok(torchrun(tmp_path, *common, "--save-dir", str(tmp_path / "split"), "--resume"))
-    straight, resumed = model_state(tmp_path / "straight"), model_state(tmp_path / "split")
+    split = tmp_path / "split"
+    ok(torchrun(tmp_path, *common, "--save-dir", str(split), "--stop-at", "3"))
+    (written,) = split.glob("step-*.pt")
+    digest = hashlib.sha256(written.read_bytes()).hexdigest()
+
+    # A checkpoint of another run is refused before any work, and nothing is overwritten.
+    resume = ("--corpus", str(SLICE), "--max-steps", "8", "--save-dir", str(split), "--resume")
+    other_world = python(tmp_path, *resume)
+    assert other_world.returncode != 0 and "world_size=2" in other_world.stderr and "world_size=1" in other_world.stderr
+    other_model = python(tmp_path, *resume, "--preset", "base", "--global-batch-size", "32")
+    assert other_model.returncode != 0 and "was written with preset=" in other_model.stderr
+    assert [p.name for p in split.iterdir()] == [written.name]
+    assert hashlib.sha256(written.read_bytes()).hexdigest() == digest
+
+    ok(torchrun(tmp_path, *common, "--save-dir", str(split), "--resume"))
+    straight, resumed = model_state(tmp_path / "straight"), model_state(split)
     for name, value in straight.items():
         assert torch.equal(value, resumed[name]), name
 
@@ -90,25 +155,40 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_p
         assert torch.equal(value, restarted[name]), name
 
 
-def test_bad_input_fails_before_any_work_and_overwrites_nothing(tmp_path):
-    missing = torchrun(tmp_path, "--corpus", str(tmp_path / "nope.txt"))
-    assert missing.returncode != 0 and "nope.txt does not exist" in missing.stderr
-    (tmp_path / "empty.txt").write_text("\n")
-    empty = torchrun(tmp_path, "--corpus", str(tmp_path / "empty.txt"))
-    assert empty.returncode != 0 and "holds no text" in empty.stderr
-    plan = torchrun(tmp_path, "--balance", "manual", "--rank-batch-sizes", "8,8")
-    assert plan.returncode != 0 and "--rank-batch-sizes 8,8 does not add up" in plan.stderr
+def python(tmp_path: Path, *args: str, data_dir: str = "data") -> subprocess.CompletedProcess:
+    """examples/bert.py under plain python: one process, a world of one."""
+    cmd = [sys.executable, str(ROOT / "examples" / "bert.py"), "--data-dir", str(tmp_path / data_dir), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
-    save = tmp_path / "ckpt"
-    ok(torchrun(tmp_path, "--max-steps", "2", "--save-dir", str(save)))
-    (written,) = save.glob("step-*.pt")
-    digest = hashlib.sha256(written.read_bytes()).hexdigest()
-    other_world = torchrun(tmp_path, "--max-steps", "4", "--save-dir", str(save), "--resume", nproc=1)
-    assert other_world.returncode != 0 and "world_size=2" in other_world.stderr and "world_size=1" in other_world.stderr
-    other_model = torchrun(tmp_path, "--max-steps", "4", "--save-dir", str(save), "--resume", "--preset", "base")
-    assert other_model.returncode != 0 and "was written with preset=" in other_model.stderr
-    assert [p.name for p in save.iterdir()] == [written.name]
-    assert hashlib.sha256(written.read_bytes()).hexdigest() == digest
+
+def error_lines(result: subprocess.CompletedProcess, message: str) -> list[str]:
+    """The lines naming the problem, after checking that the run failed without a traceback of ours."""
+    assert result.returncode != 0, result.stdout[-2000:]
+    ours = [f'File "{ROOT / folder}' for folder in ("hsync", "examples")]  # torchrun's own traceback may follow
+    assert not any(frame in result.stderr for frame in ours), result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if message in line]
+    assert lines, result.stderr[-3000:]
+    return lines
+
+
+def test_bad_input_is_one_line_on_every_rank_before_any_work(tmp_path):
+    flag = torchrun(tmp_path, "--update-freq", "3")
+    # Every rank refuses it alone, at once; torchrun may stop the second before it prints.
+    lines = error_lines(flag, "--global-batch-size 32 is not a multiple of --update-freq 3")
+    assert len(lines) <= 2 and all(line.startswith("bert.py: error:") for line in lines), lines
+
+    one_sentence = tmp_path / "one.txt"
+    one_sentence.write_text("In the beginning God created the heaven and the earth.\n")
+    corpus = ("--corpus", str(one_sentence))
+    error_lines(torchrun(tmp_path, *corpus), "holds 1 document(s): too few to hold 2 out")
+    error_lines(python(tmp_path, *corpus, "--valid-fraction", "0"), "gave no training example")
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    error_lines(python(tmp_path, "--corpus", str(SLICE), "--save-dir", str(a_file / "run"), data_dir="unused"),
+                "cannot write the run's outputs")
+    assert not (tmp_path / "unused").exists(), "no data prepared before the outputs were found unwritable"
 
 
 def test_two_nodes_joined_by_c10d_rendezvous(tmp_path):

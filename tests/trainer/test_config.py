@@ -1,33 +1,64 @@
 """The trainer's configuration: the command line, validation, the learning-rate schedule."""
 
 import pytest
+import torch
 
-from hsync.trainer.config import TrainConfig, parse_args
+from hsync.trainer.config import parse_args
 from hsync.trainer.train import lr_factor
 
 
-def test_every_field_is_a_flag_with_its_docstring_as_help(capsys):
+def test_every_flag_shows_its_default_and_choices(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
-    help_text = capsys.readouterr().out
-    for flag in ("--rank-batch-sizes", "--simulate-slowdown", "--update-freq", "--save-every", "--resume"):
+    help_text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--rank-batch-sizes", "--simulate-slowdown", "--update-freq", "--save-every", "--resume",
+                 "--valid-fraction", "--eval-every"):
         assert flag in help_text
-    assert "RANK=FACTOR" in help_text
-    cfg = parse_args(["--preset", "tiny", "--update-freq", "2", "--resume", "--save-dir", "x"])
+    assert "RANK=FACTOR" in help_text and "{tiny,base}" in help_text and "{auto,equal,manual}" in help_text
+    assert "(default: 200)" in help_text and "(default: the preset's)" in help_text and "(default: tiny)" in help_text
+    cfg, preset = parse_args(["--preset", "tiny", "--update-freq", "2", "--resume", "--save-dir", "x"])
     assert (cfg.update_freq, cfg.resume, cfg.save_dir) == (2, True, "x")
+    assert cfg.global_batch_size == preset.global_batch_size
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    ({"preset": "huge"}, "--preset must be one of"),
-    ({"balance": "fast"}, "--balance must be equal, auto or manual"),
-    ({"balance": "manual"}, "--balance manual needs --rank-batch-sizes"),
-    ({"log_every": 0}, "--log-every must be at least 1"),
-    ({"warmup_steps": -1}, "cannot be negative"),
-    ({"resume": True}, "--resume needs --save-dir"),
+def test_the_presets_warm_up_is_cut_to_a_tenth_of_a_short_run():
+    assert parse_args(["--max-steps", "50"])[0].warmup_steps == 5
+    assert parse_args([])[0].warmup_steps == 20
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--update-freq", "3"], "--global-batch-size 32 is not a multiple of --update-freq 3"),
+    (["--balance", "manual", "--rank-batch-sizes", "eight,24"], "--rank-batch-sizes must be integers"),
+    (["--balance", "manual", "--rank-batch-sizes", "8,8"], "--rank-batch-sizes 8,8 does not add up"),
+    (["--balance", "manual"], "--balance manual needs --rank-batch-sizes"),
+    (["--rank-batch-sizes", "8,24"], "--rank-batch-sizes is only used with --balance manual"),
+    (["--global-batch-size", "-4"], "--global-batch-size must be at least 1, got -4"),
+    (["--global-batch-size", "0"], "--global-batch-size must be at least 1, got 0"),
+    (["--lr", "-1"], "--lr must be a finite number above 0, got -1.0"),
+    (["--lr", "nan"], "--lr must be a finite number above 0"),
+    (["--device", "cuda"], "--device cuda, but torch sees no GPU here"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+    (["--balance", "fast"], "argument --balance: invalid choice: 'fast'"),
+    (["--save-every", "5"], "--save-every needs --save-dir"),
+    (["--stop-at", "5"], "--stop-at needs --save-dir"),
+    (["--resume"], "--resume needs --save-dir"),
+    (["--warmup-steps", "300"], "--warmup-steps 300 is longer than the run (--max-steps 200)"),
+    (["--warmup-steps", "-1"], "--warmup-steps cannot be negative"),
+    (["--log-every", "0"], "--log-every must be at least 1"),
+    (["--max-steps", "ten"], "argument --max-steps: invalid int value: 'ten'"),
+    (["--valid-fraction", "0.9"], "--valid-fraction must be between 0 and 0.5"),
+    (["--simulate-slowdown", "1=0.5"], "--simulate-slowdown factors must be at least 1"),
+    (["--simulate-slowdown", "2=3"], "'2=3' is not RANK=VALUE with a rank below 2"),
 ])
-def test_bad_settings_are_named(args, message):
-    with pytest.raises(ValueError, match=message):
-        TrainConfig(**args).resolved()
+def test_a_bad_flag_is_one_line_naming_it(argv, message, capsys):
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda is valid here")
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv, world_size=2)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
 
 
 def test_learning_rate_warms_up_to_the_peak_then_decays_to_zero():

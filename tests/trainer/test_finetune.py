@@ -11,24 +11,31 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).parents[2]
+FINETUNE = ROOT / "examples" / "finetune.py"
 
 
 def test_demo_task_is_learned_across_two_ranks(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "examples" / "finetune.py"), "--epochs", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(FINETUNE),
+           "--epochs", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", result.stdout).group(1))
-    assert accuracy >= 0.7, result.stdout  # chance is 0.5; unseen adjectives need the pretrained weights
-    split = re.findall(r"last split \[(\d+), (\d+)\]", result.stdout)
-    assert len(split) == 2 and all(int(a) + int(b) == 16 for a, b in split), result.stdout
+    epochs = re.findall(r"epoch (\d): train loss [0-9.]+, held-out accuracy ([0-9.]+) on (\d+) examples, "
+                        r"last split \[(\d+), (\d+)\]", result.stdout)
+    assert [e[0] for e in epochs] == ["1", "2"], result.stdout
+    # chance is 0.5; unseen adjectives need the pretrained weights. Both ranks' shards are counted.
+    assert float(epochs[-1][1]) >= 0.7 and all(e[2] == "80" for e in epochs), result.stdout
+    assert all(int(a) + int(b) == 16 for *_, a, b in epochs), result.stdout
 
 
-def test_a_malformed_labelled_file_is_named(tmp_path):
+@pytest.mark.parametrize(("lines", "args", "message"), [
+    ("1\tfine\nnot a label line\n", (), "bad.txt:2: expected 'label<TAB>text'"),
+    ("1\tfine\n0\tpoor\n1\tgood\n", (), "bad.txt holds 3 labelled line(s): too few to hold a fifth out"),
+    ("1\tfine\n", ("--batch-size", "0"), "argument --batch-size: must be at least 1, got 0"),
+], ids=["malformed", "too-small", "batch-size"])
+def test_a_bad_file_or_flag_is_one_line_before_any_work(tmp_path, lines, args, message):
     bad = tmp_path / "bad.txt"
-    bad.write_text("1\tfine\nnot a label line\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           str(ROOT / "examples" / "finetune.py"), "--data", str(bad)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert result.returncode != 0 and "bad.txt:2: expected 'label<TAB>text'" in result.stderr
+    bad.write_text(lines)
+    result = subprocess.run([sys.executable, str(FINETUNE), "--data", str(bad), *args], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr

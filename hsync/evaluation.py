@@ -1,0 +1,75 @@
+"""Exact global metrics for a training loop's own evaluation: each rank evaluates its shard of the data
+once (no example padded in or counted twice), and the sums travel in one all-reduce.
+
+    sampler = hsync.ShardSampler(len(test_set), batch_size=64)
+    correct = count = 0
+    for batch in DataLoader(test_set, batch_sampler=sampler):
+        correct += (model(batch.x).argmax(-1) == batch.y).sum()
+        count += len(batch.y)
+    totals = hsync.sum_over_ranks({"correct": correct, "count": count})
+    accuracy = totals["correct"] / totals["count"]   # the same number on every rank
+
+torch's DistributedSampler pads the last shard with repeated examples so that every rank runs the
+same number of batches, which is why gathered metrics need de-duplicating afterwards. Here ranks may
+run different numbers of batches: nothing but the final sums is collective.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+
+class ShardSampler(Sampler[list[int]]):
+    """A batch sampler over this rank's contiguous share of `num_examples`: every example on exactly one
+    rank, in order, in batches of at most `batch_size` (a rank may get none when there are fewer
+    examples than ranks)."""
+
+    def __init__(self, num_examples: int, batch_size: int, group: dist.ProcessGroup | None = None) -> None:
+        if not isinstance(num_examples, int) or num_examples < 0:
+            raise ValueError(f"hsync.ShardSampler: num_examples must be a non-negative integer, got {num_examples!r}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"hsync.ShardSampler: batch_size must be a positive integer, got {batch_size!r}")
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        self.start, self.stop = num_examples * rank // world, num_examples * (rank + 1) // world
+        self.batch_size = batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for first in range(self.start, self.stop, self.batch_size):
+            yield list(range(first, min(first + self.batch_size, self.stop)))
+
+    def __len__(self) -> int:
+        return -(-(self.stop - self.start) // self.batch_size)
+
+
+def sum_over_ranks(values: Mapping[str, float | torch.Tensor],
+                   group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Each value summed over every rank of `group`, in one all-reduce, in float64 (counts stay exact up
+    to 2**53). Every rank must pass the same names in the same order; a rank that passes others makes
+    every rank raise."""
+    names = list(values)
+    # The names travel too, as a checksum in one more slot: its sum equals world * checksum only if
+    # every rank named the same metrics.
+    checksum = float(zlib.crc32("\0".join(names).encode()))
+    device = _device_of(group)
+    slots = [torch.as_tensor(values[n], dtype=torch.float64, device=device).detach() for n in names]
+    for name, slot in zip(names, slots, strict=True):
+        if slot.numel() != 1:
+            raise ValueError(f"hsync.sum_over_ranks: '{name}' must be one number, got shape {tuple(slot.shape)}")
+    local = torch.stack([s.reshape(()) for s in slots] + [torch.tensor(checksum, dtype=torch.float64, device=device)])
+    dist.all_reduce(local, group=group)
+    totals = local.tolist()
+    if totals[-1] != checksum * dist.get_world_size(group):
+        raise ValueError(f"hsync.sum_over_ranks: ranks passed different metric names (this rank: {names})")
+    return dict(zip(names, totals[:-1], strict=True))
+
+
+def _device_of(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the reduction runs: NCCL needs the current GPU; gloo, the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
