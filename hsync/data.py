@@ -151,6 +151,12 @@ def build_examples(
     return examples
 
 
+def expected_masked_tokens(examples: PretrainingExamples, mask_prob: float = 0.15) -> float:
+    """About how many tokens collate() masks in an example, on average over the examples: mask_prob of
+    those that are not [CLS] or [SEP], and at least one."""
+    return sum(max(1.0, mask_prob * (len(ids) - 3)) for ids in examples.input_ids) / len(examples)
+
+
 def collate(examples: PretrainingExamples, indices: list[int], vocab_size: int, special_ids: set[int],
             mask_id: int, pad_id: int, seed: int, epoch: int, mask_prob: float = 0.15) -> dict[str, torch.Tensor]:
     """A padded batch with BERT's 80/10/10 masking, drawn from (seed, epoch, example index) alone.

@@ -1,7 +1,8 @@
 """Runs a function on N real processes joined by torch.distributed, as torch's own distributed tests do.
 
-Each rank is a fresh `spawn`ed interpreter with its own process group; the caller gets every
-rank's return value, or the first rank's traceback. A deadline bounds every run: a rank that
+Each rank is a fresh process (forked from a server that has imported torch, so no state of a test
+reaches the next) with its own process group; the caller gets every rank's return value, or the
+first rank's traceback. A deadline bounds every run: a rank that
 hangs fails the test instead of stalling the suite.
 """
 
@@ -46,7 +47,10 @@ def _entry(rank: int, world_size: int, port: int, backend: str, env: dict[str, s
 
 
 def _start(fn: Callable, world_size: int, args: tuple, backend: str, env: dict[str, str] | None):
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # The server imports these once; each rank is then forked from it in milliseconds, with nothing
+    # started yet that a fork could break (no thread, no process group, no CUDA context).
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "hsync"])
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, env or {}, fn, args, results))

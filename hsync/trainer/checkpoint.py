@@ -39,13 +39,14 @@ def latest(save_dir: Path) -> Path | None:
 def should_resume(save_dir: str, asked: bool) -> bool:
     """Collective: whether to load the latest checkpoint. Asked for (--resume), or a worker restarted by
     torchrun with a checkpoint to go back to; rank 0's view of the directory decides for every rank."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    found = latest(Path(save_dir)) if restarted and save_dir and not asked else None
+    found = latest(Path(save_dir)) if _restart_count() and save_dir and not asked else None
     decision = [asked or found is not None]
     dist.broadcast_object_list(decision, src=0)
-    if found is not None and dist.get_rank() == 0:
-        print(f"hsync: restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from {found}", flush=True)
     return decision[0]
+
+
+def _restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def save(save_dir: Path, step: int, state: dict[str, Any]) -> Path | None:
@@ -74,7 +75,8 @@ def save(save_dir: Path, step: int, state: dict[str, Any]) -> Path | None:
 
 def load(save_dir: Path, expected: dict[str, Any]) -> dict[str, Any]:
     """The latest checkpoint; collective: every rank stops with the same error if any rank cannot
-    read it or it was written for another run (model, world size, data, vocabulary, batch)."""
+    read it or it was written for another run (model, data, vocabulary, batch). It may have been
+    written by another number of ranks: the run goes on with the same global batches."""
     path, state, problem = latest(save_dir), None, None
     try:
         if path is None:
@@ -87,5 +89,14 @@ def load(save_dir: Path, expected: dict[str, Any]) -> dict[str, Any]:
     except (OSError, ValueError, RuntimeError, KeyError) as error:
         problem = str(error)
     fail_together(problem, "cannot --resume")
-    set_rng_state(state["rng"][dist.get_rank()])
+    rank, world, written_by = dist.get_rank(), dist.get_world_size(), len(state["rng"])
+    if written_by == world:
+        set_rng_state(state["rng"][rank])
+    else:  # each rank's random stream (dropout) starts anew, from the run's seed, the step and the rank
+        random.seed(f"{state['meta'].get('seed')}/{state['step']}/{rank}")
+        torch.manual_seed(random.getrandbits(63))
+    if rank == 0:
+        restart = f"restart {_restart_count()}: " if _restart_count() else ""
+        ranks = f", written by {written_by} ranks, now {world}" if written_by != world else ""
+        print(f"hsync: {restart}resuming from step {state['step']} ({path}{ranks})", flush=True)
     return state

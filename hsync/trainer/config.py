@@ -75,6 +75,9 @@ class TrainConfig:
     """Linear warm-up steps (default: the preset's, at most a tenth of --max-steps)."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
+    dropout: float = 0.1
+    """Dropout of the hidden layers and the attention probabilities (BERT's 0.1). With 0, every update is a
+    function of the global batch alone, the same whatever the number of ranks and the split."""
     probe_steps: int = 2
     """With --balance auto: steps of each of the three probe splits (after two warm-up steps) that
     measure every rank at two sizes before the first plan."""
@@ -150,6 +153,8 @@ class TrainConfig:
         if min(parse_rank_values(filled.simulate_slowdown, world_size, "--simulate-slowdown", 1.0)) < 1:
             raise ValueError(f"--simulate-slowdown factors must be at least 1 (a slower rank), got "
                              f"{filled.simulate_slowdown!r}")
+        if not 0 <= filled.dropout < 1:
+            raise ValueError(f"--dropout must be in [0, 1), got {filled.dropout}")
         if not 0 <= filled.valid_fraction <= 0.5:
             raise ValueError(f"--valid-fraction must be between 0 and 0.5, got {filled.valid_fraction}")
         for flag in ("save_every", "stop_at", "resume"):

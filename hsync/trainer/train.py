@@ -4,10 +4,12 @@
     torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:PORT --nproc_per_node 4 examples/bert.py --preset base
 
 Each rank's micro-batch size follows its measured speed (--balance auto), and each rank's
-gradient is weighted by its number of masked tokens, so the masked-LM part of every update is
-exactly the one a single GPU would make on the whole global batch. (The next-sentence term, a
-mean over examples, rides on the same weights: exact when ranks mask alike per example, which
-BERT's 15% masking makes nearly so.)
+gradient is weighted by its number of masked tokens. The loss of a global batch is its summed
+masked-LM loss plus c times its summed next-sentence loss, over its masked tokens, with c the
+corpus's expected number of masked tokens per example: the masked-LM mean plus (nearly) the
+next-sentence mean, as BERT's loss, and a function of the global batch alone. Every update is
+therefore the one a single GPU would make on the whole global batch, however the batch is split
+and over however many ranks (up to the order of floating-point sums).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from hsync.trainer import checkpoint
 from hsync.trainer.cli import init_distributed, report, world_size_from_env
 from hsync.trainer.config import ModelPreset, TrainConfig, parse_args, parse_rank_values
 from hsync.trainer.consensus import agree, fail_together
+from hsync.trainer.interrupt import StopRequest
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,16 +58,18 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(cfg.seed)
     timeout = datetime.timedelta(seconds=cfg.collective_timeout) if cfg.collective_timeout else None
-    model = hsync.WeightedDDP(build_model(preset, vocab).to(device), broadcast_buffers=False,
-                              gradient_as_bucket_view=cfg.bucket_views, metric_names=("tokens", "mlm", "nsp"),
+    model = hsync.WeightedDDP(build_model(preset, vocab, cfg.dropout).to(device), broadcast_buffers=False,
+                              gradient_as_bucket_view=cfg.bucket_views,
+                              metric_names=("tokens", "examples", "mlm", "nsp", StopRequest.METRIC),
                               timeout=timeout)
     torch.manual_seed(cfg.seed + rank)  # rank 0's weights everywhere, but each rank its own dropout
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
     balancer = hsync.Balancer(model, len(examples), balancing(cfg, world, slowdown))
-    meta = {"preset": asdict(preset), "world_size": world, "examples": len(examples), "seed": cfg.seed,
+    # What makes the updates: not the world size, nor how each rank's share is cut into micro-batches.
+    meta = {"preset": asdict(preset), "examples": len(examples), "seed": cfg.seed,
             "vocab_sha256": hashlib.sha256("\n".join(vocab.tokens).encode()).hexdigest(),
-            "global_batch_size": cfg.global_batch_size, "update_freq": cfg.update_freq}
+            "global_batch_size": cfg.global_batch_size}
     if checkpoint.should_resume(cfg.save_dir, cfg.resume):
         state = checkpoint.load(Path(cfg.save_dir), meta)
         model.module.load_state_dict(state["model"])
@@ -76,11 +81,12 @@ def main(argv: list[str] | None = None) -> None:
 
     last_step = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
     eval_batch = -(-cfg.global_batch_size // world)
+    stop, stopping = StopRequest(), False
     started = time.perf_counter()
-    while balancer.global_step < last_step:
+    while balancer.global_step < last_step and not stopping:
         for indices in balancer:  # this rank's micro-batches, step after step, to the epoch's end
             batch = {k: v.to(device) for k, v in vocab.collate(examples, indices, cfg.seed, balancer.epoch).items()}
-            stats = train_micro_step(model, balancer, batch)
+            stats = train_micro_step(model, balancer, batch, corpus.nsp_weight, stop.requested)
             if stats is None:
                 continue  # more micro-batches of this step to come
             lr = optimizer.param_groups[0]["lr"]
@@ -90,22 +96,31 @@ def main(argv: list[str] | None = None) -> None:
                 schedule.step()
             optimizer.zero_grad(set_to_none=not cfg.bucket_views)  # bucket views stay where they are
             step = balancer.global_step
+            # The same on every rank. A signal in the last step changes nothing: the run is complete.
+            stopping = stats.metrics[StopRequest.METRIC] > 0 and step < last_step
             log.step(step, stats, balancer.last_plan, time.perf_counter() - started, lr)
             plans.update(step)
-            if corpus.valid is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == last_step):
+            if corpus.valid is not None and not stopping and (
+                    (cfg.eval_every and step % cfg.eval_every == 0) or step == last_step):
                 log.evaluation(step, evaluate(model.module, corpus.valid, vocab, cfg.seed, eval_batch))
-            if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == last_step):
-                checkpoint.save(Path(cfg.save_dir), step, {
+            saved = None
+            if cfg.save_dir and (stopping or (cfg.save_every and step % cfg.save_every == 0) or step == last_step):
+                saved = checkpoint.save(Path(cfg.save_dir), step, {
                     "model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                     "schedule": schedule.state_dict(), "balancer": balancer.state_dict(), "meta": meta})
             started = time.perf_counter()
+            if stopping:
+                report(rank, stop.summary(step, saved))
+                break
             if step == last_step:
                 break
-    if balancer.global_step == cfg.max_steps:
+    if balancer.global_step == cfg.max_steps and not stopping:
         final = save_final_model(model.module, vocab, preset, Path(cfg.save_dir) / "final") if cfg.save_dir else None
         report(rank, log.summary(final))
     log.close()
     dist.destroy_process_group()
+    if stopping:
+        sys.exit(stop.exit_code)
 
 
 def unwritable_outputs(cfg: TrainConfig) -> str | None:
@@ -148,17 +163,17 @@ def balancing(cfg: TrainConfig, world: int, slowdown: float) -> hsync.BalanceCon
                                replan_every=cfg.rebalance_every, seed=cfg.seed, simulate_slowdown=slowdown)
 
 
-def train_micro_step(model: hsync.WeightedDDP, balancer: hsync.Balancer,
-                     batch: dict[str, torch.Tensor]) -> hsync.StepStats | None:
-    """Forward, loss and backward of one micro-batch; the weight is its number of masked tokens."""
+def train_micro_step(model: hsync.WeightedDDP, balancer: hsync.Balancer, batch: dict[str, torch.Tensor],
+                     nsp_weight: float, stop_requested: float) -> hsync.StepStats | None:
+    """Forward, loss and backward of one micro-batch; the weight is its number of masked tokens (module
+    docstring). The sums of both losses ride in the step's scalars, for the log."""
     mlm_logits, nsp_logits, masked = pretraining_logits(model, batch)
-    mlm = nn.functional.cross_entropy(mlm_logits, batch["labels"][masked])
-    nsp = nn.functional.cross_entropy(nsp_logits, batch["next_sentence_label"])
+    mlm = nn.functional.cross_entropy(mlm_logits, batch["labels"][masked], reduction="sum")
+    nsp = nn.functional.cross_entropy(nsp_logits, batch["next_sentence_label"], reduction="sum")
     weight = masked.sum()
-    # The MLM and NSP parts, summed with the loss's weights, so that each divided by the step's weight
-    # is its share of the step's loss.
-    metrics = {"tokens": batch["attention_mask"].sum(), "mlm": mlm.detach() * weight, "nsp": nsp.detach() * weight}
-    return balancer.backward(mlm + nsp, weight=weight, metrics=metrics)
+    metrics = {"tokens": batch["attention_mask"].sum(), "examples": len(nsp_logits), "mlm": mlm.detach(),
+               "nsp": nsp.detach(), StopRequest.METRIC: stop_requested}
+    return balancer.backward((mlm + nsp_weight * nsp) / weight, weight=weight, metrics=metrics)
 
 
 def pretraining_logits(model: nn.Module,
@@ -252,9 +267,10 @@ class Logger:
         if step % self.every and step != self.bar.total:
             return
         busy = [stats.metrics[f"hsync.balance.busy/{r}"] for r in range(self.world)]
-        weight = stats.weight or 1.0
-        self.write({"step": step, "loss": round(stats.loss, 5), "mlm_loss": round(stats.metrics["mlm"] / weight, 5),
-                    "nsp_loss": round(stats.metrics["nsp"] / weight, 5), "lr": lr, "finite": stats.finite,
+        mlm = stats.metrics["mlm"] / max(stats.weight, 1.0)  # means over the global batch
+        nsp = stats.metrics["nsp"] / max(stats.metrics["examples"], 1.0)
+        self.write({"step": step, "loss": round(mlm + nsp, 5), "mlm_loss": round(mlm, 5), "nsp_loss": round(nsp, 5),
+                    "objective": round(stats.loss, 5), "lr": lr, "finite": stats.finite,
                     "masked_tokens": stats.weight, "step_seconds": round(seconds, 4),
                     "tokens_per_s": round(stats.metrics["tokens"] / seconds, 1),
                     "rank_busy_seconds": [round(b, 4) for b in busy], "plan": plan})
@@ -307,6 +323,8 @@ class Corpus:
 
     train: data.PretrainingExamples
     """Examples of the training documents."""
+    nsp_weight: float
+    """Masked tokens per training example, expected: the next-sentence loss's weight (module docstring)."""
     valid: data.PretrainingExamples | None
     """Examples of the held-out documents (None with --valid-fraction 0)."""
     vocab: Vocabulary
@@ -350,7 +368,7 @@ def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> Corpus:
         valid = data.build_examples(valid_docs, vocab.tokens, preset.max_seq_len, cfg.seed) if valid_docs else None
     except ValueError as error:  # the same data everywhere: every rank fails alike
         raise SystemExit(f"hsync: cannot prepare the data: corpus {corpus}: {error}") from None
-    return Corpus(train, valid, vocab)
+    return Corpus(train, data.expected_masked_tokens(train), valid, vocab)
 
 
 def save_final_model(net: nn.Module, vocab: Vocabulary, preset: ModelPreset, final: Path) -> Path:
@@ -378,10 +396,11 @@ def save_final_model(net: nn.Module, vocab: Vocabulary, preset: ModelPreset, fin
     return final
 
 
-def build_model(preset: ModelPreset, vocab: Vocabulary) -> nn.Module:
+def build_model(preset: ModelPreset, vocab: Vocabulary, dropout: float) -> nn.Module:
     from transformers import BertConfig, BertForPreTraining
 
-    config = BertConfig(vocab_size=vocab.size, hidden_size=preset.hidden_size,
+    config = BertConfig(vocab_size=vocab.size, hidden_size=preset.hidden_size, hidden_dropout_prob=dropout,
+                        attention_probs_dropout_prob=dropout,
                         num_hidden_layers=preset.num_layers, num_attention_heads=preset.num_heads,
                         intermediate_size=preset.intermediate_size, max_position_embeddings=preset.max_seq_len,
                         pad_token_id=vocab.pad)

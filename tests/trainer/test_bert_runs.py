@@ -4,8 +4,10 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,8 +65,8 @@ def test_tiny_run_learns_evaluates_exactly_and_leaves_a_model_that_from_pretrain
     assert [r["step"] for r in train_rows] == [10, 20, 30, 40, 50, 60]
     assert all(r["finite"] for r in train_rows)
     assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 1.0, [r["loss"] for r in train_rows]
-    for r in train_rows:
-        assert r["mlm_loss"] + r["nsp_loss"] == pytest.approx(r["loss"], abs=1e-4), r
+    for r in train_rows:  # what is optimised weighs next-sentence examples by their expected masked tokens
+        assert r["objective"] == pytest.approx(r["mlm_loss"] + r["nsp_loss"], rel=0.02), r
     assert [r["step"] for r in valid_rows] == [30, 60]
     assert valid_rows[1]["valid_mlm_loss"] < valid_rows[0]["valid_mlm_loss"], valid_rows
     last_line = result.stderr.strip().splitlines()[-1]
@@ -125,10 +127,8 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path
     digest = hashlib.sha256(written.read_bytes()).hexdigest()
 
     # A checkpoint of another run is refused before any work, and nothing is overwritten.
-    resume = ("--corpus", str(SLICE), "--max-steps", "8", "--save-dir", str(split), "--resume")
-    other_world = python(tmp_path, *resume)
-    assert other_world.returncode != 0 and "world_size=2" in other_world.stderr and "world_size=1" in other_world.stderr
-    other_model = python(tmp_path, *resume, "--preset", "base", "--global-batch-size", "32")
+    other_model = python(tmp_path, "--corpus", str(SLICE), "--max-steps", "8", "--save-dir", str(split), "--resume",
+                         "--preset", "base", "--global-batch-size", "32")
     assert other_model.returncode != 0 and "was written with preset=" in other_model.stderr
     assert [p.name for p in split.iterdir()] == [written.name]
     assert hashlib.sha256(written.read_bytes()).hexdigest() == digest
@@ -137,6 +137,44 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path
     straight, resumed = model_state(tmp_path / "straight"), model_state(split)
     for name, value in straight.items():
         assert torch.equal(value, resumed[name]), name
+
+
+def test_a_run_goes_on_at_other_world_sizes_with_the_updates_of_an_uninterrupted_one(tmp_path):
+    common = ("--max-steps", "8", "--balance", "equal", "--dropout", "0")
+    ok(torchrun(tmp_path, *common, "--save-dir", str(tmp_path / "straight")))
+    elastic = ("--save-dir", str(tmp_path / "elastic"))
+    ok(torchrun(tmp_path, *common, *elastic, "--stop-at", "3"))
+    one = ok(python(tmp_path, "--corpus", str(SLICE), *common, *elastic, "--resume", "--stop-at", "6"))
+    assert "resuming from step 3" in one.stdout and "written by 2 ranks, now 1" in one.stdout, one.stdout
+    three = ok(torchrun(tmp_path, *common, *elastic, "--resume", nproc=3))
+    assert "resuming from step 6" in three.stdout and "written by 1 ranks, now 3" in three.stdout, three.stdout
+    straight, elastic_run = model_state(tmp_path / "straight"), model_state(tmp_path / "elastic")
+    for name, value in straight.items():  # equal up to the order of floating-point sums
+        torch.testing.assert_close(elastic_run[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_ctrl_c_stops_every_rank_after_the_step_with_a_checkpoint_to_resume_from(tmp_path):
+    log, save = tmp_path / "log.jsonl", tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "examples" / "bert.py"), "--corpus", str(SLICE), "--data-dir", str(tmp_path / "data"),
+           "--max-steps", "1000", "--log-every", "1", "--log-file", str(log), "--save-dir", str(save)]
+    # A session of its own, so that the Ctrl-C reaches its whole group (agent and workers) as a terminal's would.
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (log.exists() and len(read_log(log)) >= 3) and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(run.pid, signal.SIGINT)
+    out, err = run.communicate(timeout=60)
+    lines = re.findall(r"interrupted by SIGINT after step (\d+); checkpoint (\S+) written, continue with --resume",
+                       err)
+    assert len(lines) == 1, out[-2000:] + err[-3000:]
+    step, written = int(lines[0][0]), Path(lines[0][1])
+    assert 3 <= step < 1000 and written.name == f"step-{step:08d}.pt" and written.exists()
+    assert read_log(log)[-1]["step"] == step, "every rank stopped at the same step"
+    resumed = ok(python(tmp_path, "--corpus", str(SLICE), "--max-steps", str(step + 1), "--save-dir", str(save),
+                        "--resume"))
+    assert f"resuming from step {step}" in resumed.stdout
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path):
