@@ -13,8 +13,10 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -44,7 +46,7 @@ def prepare_bible_corpus(path: Path) -> Path:
         chapter = (verse["book"], verse["chapter"])
         lines.append(verse["text"].strip())
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write_text(path, "\n".join(lines) + "\n")
+    _atomic_write(path, lambda f: f.write(("\n".join(lines) + "\n").encode("utf-8")))
     return path
 
 
@@ -151,6 +153,17 @@ def build_examples(
     return examples
 
 
+def save_examples(path: Path, train: PretrainingExamples, valid: PretrainingExamples | None) -> None:
+    """Tokenised examples, for the ranks that load them instead of tokenising the corpus again."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda f: torch.save({"train": asdict(train), "valid": valid and asdict(valid)}, f))
+
+
+def load_examples(path: Path) -> tuple[PretrainingExamples, PretrainingExamples | None]:
+    state = torch.load(path, weights_only=True)  # lists of numbers: nothing to unpickle but data
+    return PretrainingExamples(**state["train"]), state["valid"] and PretrainingExamples(**state["valid"])
+
+
 def expected_masked_tokens(examples: PretrainingExamples, mask_prob: float = 0.15) -> float:
     """About how many tokens collate() masks in an example, on average over the examples: mask_prob of
     those that are not [CLS] or [SEP], and at least one."""
@@ -198,7 +211,9 @@ def _mix(*values: int) -> int:
     return state & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Writes through a temporary file of its own, then renames it: a reader sees the whole file or
+    none, even while several machines' writers share the disk."""
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name + ".", suffix=".tmp", delete=False) as f:
+        write(f)
+    Path(f.name).replace(path)

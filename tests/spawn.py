@@ -64,7 +64,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
               timeout: float = 90.0, env: dict[str, str] | None = None) -> list[Any]:
     """Calls fn(rank, world_size, *args) on each rank; returns the results in rank order.
 
-    `env` is set in each rank before anything else; "{rank}" in a value becomes the rank."""
+    `env` is set in each rank before anything else (the ranks inherit the environment of the server
+    they fork from, not the caller's); "{rank}" in a value becomes the rank."""
     procs, results = _start(fn, world_size, args, backend, env)
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
@@ -91,10 +92,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     return [values[r] for r in range(world_size)]
 
 
-def run_ranks_expecting_errors(fn: Callable[..., Any], world_size: int, *args: Any,
-                               timeout: float = 60.0) -> list[str]:
+def run_ranks_expecting_errors(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
+                               env: dict[str, str] | None = None) -> list[str]:
     """Like run_ranks for a fn that must raise on every rank; returns each rank's traceback."""
-    return run_ranks(_capture_error, world_size, fn, *args, timeout=timeout)
+    return run_ranks(_capture_error, world_size, fn, *args, timeout=timeout, env=env)
 
 
 def _capture_error(rank: int, world_size: int, fn: Callable, *args: Any) -> str:

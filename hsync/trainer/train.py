@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     balancer = hsync.Balancer(model, len(examples), balancing(cfg, world, slowdown))
     # What makes the updates: not the world size, nor how each rank's share is cut into micro-batches.
     meta = {"preset": asdict(preset), "examples": len(examples), "seed": cfg.seed,
-            "vocab_sha256": hashlib.sha256("\n".join(vocab.tokens).encode()).hexdigest(),
+            "vocab_sha256": vocab.digest,
             "global_batch_size": cfg.global_batch_size}
     if checkpoint.should_resume(cfg.save_dir, cfg.resume):
         state = checkpoint.load(Path(cfg.save_dir), meta)
@@ -309,6 +309,7 @@ class Vocabulary:
 
     def __init__(self, tokens: list[str]) -> None:
         self.tokens, self.size = tokens, len(tokens)
+        self.digest = hashlib.sha256("\n".join(tokens).encode()).hexdigest()
         ids = {t: i for i, t in enumerate(tokens)}
         self.pad, self.mask = ids["[PAD]"], ids["[MASK]"]
         self.special = {ids[t] for t in ("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]")}
@@ -332,20 +333,23 @@ class Corpus:
 
 
 def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> Corpus:
-    """The corpus, prepared once per machine (by its local rank 0: nodes need not share a disk), and
-    rank 0's vocabulary, sent to every rank. Any rank's problem stops every rank before training."""
+    """The corpus, its vocabulary (rank 0's, sent to every rank) and its examples. The corpus and the
+    examples are prepared once per machine, by its local rank 0 (nodes need not share a disk), and
+    cached under --data-dir by content; the machine's other ranks load them. Any rank's problem
+    stops every rank before training."""
     data_dir = Path(cfg.data_dir)
     corpus = Path(cfg.corpus) if cfg.corpus else data_dir / "kjv.txt"
-    problem, tokens = None, None
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not cfg.corpus:
+    local_leader = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    problem, tokens, digest = None, None, None
+    if local_leader and not cfg.corpus:
         try:
             data.prepare_bible_corpus(corpus)
         except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
             problem = f"{type(error).__name__}: {error}"
     fail_together(problem, "cannot prepare the data")  # also waits for every machine's corpus
     try:
-        documents = data.read_documents(corpus)  # a missing or empty corpus fails here, before any work
-        train_docs, valid_docs = data.hold_out(documents, cfg.valid_fraction, cfg.seed)
+        if not corpus.is_file():
+            raise FileNotFoundError(f"corpus {corpus} does not exist")
         digest = hashlib.sha256(corpus.read_bytes()).hexdigest()
         if dist.get_rank() == 0:
             # Keyed by the text, not the file's name: an edited corpus gets a vocabulary of its own.
@@ -363,11 +367,22 @@ def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> Corpus:
     shared = [tokens]
     dist.broadcast_object_list(shared, src=0)
     vocab = Vocabulary(shared[0])
-    try:
-        train = data.build_examples(train_docs, vocab.tokens, preset.max_seq_len, cfg.seed)
-        valid = data.build_examples(valid_docs, vocab.tokens, preset.max_seq_len, cfg.seed) if valid_docs else None
-    except ValueError as error:  # the same data everywhere: every rank fails alike
-        raise SystemExit(f"hsync: cannot prepare the data: corpus {corpus}: {error}") from None
+
+    made_of = f"{digest} {vocab.digest} {preset.max_seq_len} {cfg.seed} {cfg.valid_fraction}"
+    cache = data_dir / f"examples-{hashlib.sha256(made_of.encode()).hexdigest()[:16]}.pt"
+    if local_leader:
+        try:
+            reused = cache.exists()
+            if not reused:
+                train_docs, valid_docs = data.hold_out(data.read_documents(corpus), cfg.valid_fraction, cfg.seed)
+                data.save_examples(cache, data.build_examples(train_docs, vocab.tokens, preset.max_seq_len, cfg.seed),
+                                   data.build_examples(valid_docs, vocab.tokens, preset.max_seq_len, cfg.seed)
+                                   if valid_docs else None)
+            report(dist.get_rank(), f"examples: {'reused' if reused else 'built'} {cache}")
+        except (OSError, ValueError) as error:
+            problem = f"corpus {corpus}: {error}"
+    fail_together(problem, "cannot prepare the data")
+    train, valid = data.load_examples(cache)
     return Corpus(train, data.expected_masked_tokens(train), valid, vocab)
 
 

@@ -100,9 +100,8 @@ def mismatched_calls(rank: int, world_size: int, case: str) -> None:
     ("plain-vs-weighted", "all-reduce #1 of bucket 0"),
     ("metrics", "all-reduce #1 of the step scalars (7 x Double)"),
 ])
-def test_debug_mode_names_a_collective_mismatch(case, rank1_issues, monkeypatch):
-    monkeypatch.setenv("HSYNC_DEBUG_COLLECTIVES", "1")  # inherited by the spawned ranks
-    errors = run_ranks_expecting_errors(mismatched_calls, 2, case, timeout=60)
+def test_debug_mode_names_a_collective_mismatch(case, rank1_issues):
+    errors = run_ranks_expecting_errors(mismatched_calls, 2, case, timeout=60, env={"HSYNC_DEBUG_COLLECTIVES": "1"})
     for error in errors:
         assert "collective mismatch: rank 0 issues all-reduce #1 of the step scalars (6 x Double)" in error, error
         assert f"rank 1 issues {rank1_issues}" in error, error

@@ -229,6 +229,18 @@ def test_bad_input_is_one_line_on_every_rank_before_any_work(tmp_path):
     assert not (tmp_path / "unused").exists(), "no data prepared before the outputs were found unwritable"
 
 
+def test_data_is_prepared_once_and_cached_by_content(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SLICE.read_text())
+    args = ("--corpus", str(corpus), "--max-steps", "1")
+    first, again = ok(python(tmp_path, *args)), ok(python(tmp_path, *args))
+    assert "vocabulary: trained" in first.stderr and "examples: built" in first.stderr, first.stderr
+    assert "vocabulary: reused" in again.stderr and "examples: reused" in again.stderr, again.stderr
+    corpus.write_text(SLICE.read_text().replace("God", "Elohim"))  # the same name, another text
+    edited = ok(python(tmp_path, *args))
+    assert "vocabulary: trained" in edited.stderr and "examples: built" in edited.stderr, edited.stderr
+
+
 def test_two_nodes_joined_by_c10d_rendezvous(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     logs = [tmp_path / f"node{n}.jsonl" for n in (0, 1)]

@@ -49,3 +49,18 @@ def test_examples_and_masks_are_well_formed_and_reproducible(tmp_path):
     ratio = labelled.sum() / first["attention_mask"].sum()
     assert 0.08 < ratio < 0.25
     assert not torch.isin(first["labels"][labelled], torch.tensor(sorted(special))).any()
+
+
+def test_held_out_documents_and_cached_examples(tmp_path):
+    documents = data.read_documents(SLICE)
+    train, held = data.hold_out(documents, 0.02, seed=0)
+    assert len(held) == 2 and len(train) + 2 == len(documents), "at least two documents held out"
+    assert data.hold_out(documents, 0.02, seed=0) == (train, held), "drawn by the seed alone"
+    assert all(doc not in train for doc in held)
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "in", "the", "beginning", "god"]
+    examples = data.build_examples(held, tokens, max_seq_len=32, seed=0)
+    data.save_examples(tmp_path / "examples.pt", examples, None)
+    loaded, none = data.load_examples(tmp_path / "examples.pt")
+    assert loaded == examples and none is None
+    with pytest.raises(ValueError, match="too few to hold 2 out"):
+        data.hold_out(documents[:2], 0.1, seed=0)
