@@ -241,22 +241,54 @@ def test_data_is_prepared_once_and_cached_by_content(tmp_path):
     assert "vocabulary: trained" in edited.stderr and "examples: built" in edited.stderr, edited.stderr
 
 
-def test_two_nodes_joined_by_c10d_rendezvous(tmp_path):
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (read from /proc)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += parents.get(tree[-1], [])
+    return tree
+
+
+def test_nodes_joined_by_c10d_rendezvous_go_on_when_one_is_lost(tmp_path):
+    """torchrun --nnodes 1:2 on two "machines" (separate data directories, a shared checkpoint directory):
+    one is lost (its agent and workers killed); the other's workers restart as a world of one and
+    resume from the latest checkpoint."""
     endpoint = f"127.0.0.1:{free_port()}"
     logs = [tmp_path / f"node{n}.jsonl" for n in (0, 1)]
     nodes = []
     for node in (0, 1):
-        launcher = ("--nnodes", "2", "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                    "--rdzv-id", "hsync-test")
-        cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc_per_node=1",
-               str(ROOT / "examples" / "bert.py"), "--corpus", str(SLICE), "--data-dir", str(tmp_path / f"data{node}"),
-               "--max-steps", "6", "--log-every", "3", "--log-file", str(logs[node])]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                      cwd=tmp_path))
-    outputs = [p.communicate(timeout=180)[0] for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
-    written = [path for path in logs if path.exists()]
-    assert len(written) == 1, "exactly one process (global rank 0) logs"
-    rows = read_log(written[0])
-    assert [r["step"] for r in rows] == [3, 6] and len(rows[0]["rank_busy_seconds"]) == 2
+        launcher = ("--nnodes", "1:2", "--nproc_per_node=1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                    "--rdzv-id", "hsync-test", "--max-restarts", "1", "--rdzv-conf", "last_call_timeout=5")
+        cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, str(ROOT / "examples" / "bert.py"),
+               "--corpus", str(SLICE), "--data-dir", str(tmp_path / f"data{node}"), "--max-steps", "20",
+               "--balance", "equal", "--log-every", "1", "--log-file", str(logs[node]),
+               "--save-dir", str(tmp_path / "run"), "--save-every", "2"]
+        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        time.sleep(0.5)  # node 0's agent hosts the rendezvous store: it must be the one to survive
+
+    def steps_logged() -> list[dict]:
+        return [row for log in logs if log.exists() for row in read_log(log)]
+
+    deadline = time.monotonic() + 120
+    while not any(row["step"] >= 6 for row in steps_logged()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in process_tree(nodes[1].pid):
+        os.kill(pid, signal.SIGKILL)
+    nodes[1].wait()
+    survivor = nodes[0].communicate(timeout=180)[0]
+    assert nodes[0].returncode == 0, survivor[-4000:]
+    resumed = re.search(r"restart 1: resuming from step (\d+) \(\S+, written by 2 ranks, now 1\)", survivor)
+    assert resumed, survivor[-4000:]
+    rows = steps_logged()
+    before, after = [r for r in rows if len(r["rank_busy_seconds"]) == 2], read_log(logs[0])
+    assert before and before[0]["step"] == 1 and after[-1]["step"] == 20, "two ranks first, one rank to the end"
+    assert len(after[-1]["rank_busy_seconds"]) == 1 and len(after[-1]["plan"]) == 1
