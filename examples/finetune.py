@@ -103,13 +103,16 @@ def main(argv: list[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()  # the new classifier head is expected, not news
     transformers.utils.logging.disable_progress_bar()
 
-    device = init_distributed(args.device)
-    rank = dist.get_rank()
+    # The model is loaded before init_process_group: transformers loads its model code at first use,
+    # and loaded after it, it can make gloo's shutdown abort the process (hsync/trainer/train.py says how).
     num_labels = max(label for label, _ in train + test) + 1
     source = str(args.model or get_model_path())
     tokenizer = AutoTokenizer.from_pretrained(source)
     torch.manual_seed(0)
-    net = AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels).to(device)
+    net = AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels)
+    device = init_distributed(args.device)
+    rank = dist.get_rank()
+    net.to(device)
     # Longer texts are cut to what the model's position embeddings allow, as every tokenizer pipeline does.
     max_length = min(tokenizer.model_max_length, net.config.max_position_embeddings)
     model = hsync.WeightedDDP(net)

@@ -42,13 +42,7 @@ from hsync.trainer.interrupt import StopRequest
 
 def main(argv: list[str] | None = None) -> None:
     cfg, preset = parse_args(argv, description=__doc__, world_size=world_size_from_env())
-    # transformers is imported after the flags are checked (a bad one is refused in a second, not six)
-    # but before init_process_group: imported after it, transformers leaves destroy_process_group unable
-    # to free gloo's threads (torch 2.14.1), and a gloo worker still releasing a collective while the
-    # interpreter shuts down aborts the process (about one exit in 35).
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()  # no bar per saved shard in the run's log
+    import_transformers()
     device = init_distributed(cfg.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     fail_together(unwritable_outputs(cfg) if rank == 0 else None, "cannot write the run's outputs")
@@ -121,6 +115,18 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
     if stopping:
         sys.exit(stop.exit_code)
+
+
+def import_transformers() -> None:
+    """Loads what this trainer uses of transformers: after the flags are checked (a bad one is refused in
+    a second, not six), but before init_process_group. Loaded after it (and transformers loads its model
+    code lazily, at first use), transformers leaves destroy_process_group unable to free gloo's threads
+    (torch 2.14.1), and a gloo worker still releasing a collective while the interpreter shuts down
+    aborts the process ("terminate called without an active exception", about one exit in 35)."""
+    import transformers
+    from transformers import BertConfig, BertForPreTraining, BertTokenizerFast  # noqa: F401 - loaded, used later
+
+    transformers.utils.logging.disable_progress_bar()  # no bar per saved shard in the run's log
 
 
 def unwritable_outputs(cfg: TrainConfig) -> str | None:

@@ -26,3 +26,13 @@ def test_minimal_trains_on_every_launch(tmp_path, launcher, examples):
     assert [int(s) for s, _, _ in steps] == [0, 10, 11]
     assert all(int(n) == examples for *_, n in steps), "every rank's examples count, once"
     assert float(steps[-1][1]) < float(steps[0][1]), "the loss falls"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--steps", "0"), "argument --steps: must be at least 1, got 0"),
+    (("--device", "tpu"), "argument --device: must be one of auto, cpu, cuda, got 'tpu'"),
+], ids=["steps", "device"])
+def test_a_bad_flag_is_one_line(tmp_path, args, message):
+    result = subprocess.run([sys.executable, str(MINIMAL), *args], capture_output=True, text=True, timeout=60,
+                            cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
