@@ -215,7 +215,7 @@ def evaluate(net: nn.Module, examples: data.PretrainingExamples, vocab: Vocabula
                 ("nsp_right", (nsp_logits.argmax(-1) == nsp_labels).sum()),
                 ("nsp_count", len(indices)),
             ):
-                sums[key] += float(value)
+                sums[key] += value  # tensors stay on the device: one read, by the reduction, not one per batch
     net.train()
     total = hsync.sum_over_ranks(sums)
     return {"valid_loss": total["mlm_loss"] / total["mlm_count"] + total["nsp_loss"] / total["nsp_count"],
