@@ -76,9 +76,9 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init<std::vector<at::Tensor>, std::vector<std::string>, std::shared_ptr<Communicator>,
-                    int64_t, int64_t, bool>(),
+                    int64_t, int64_t, bool, std::optional<at::ScalarType>>(),
            py::arg("params"), py::arg("names"), py::arg("comm"), py::arg("bucket_bytes_cap"),
-           py::arg("first_bucket_bytes_cap"), py::arg("grads_as_views"))
+           py::arg("first_bucket_bytes_cap"), py::arg("grads_as_views"), py::arg("comm_dtype"))
       .def("begin_weighted_step", &Engine::begin_weighted_step, py::arg("scalars"),
            py::arg("ref_weight"), release_gil())
       .def("step_scalars", &Engine::step_scalars, release_gil())

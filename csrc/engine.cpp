@@ -27,7 +27,8 @@ bool supported_dtype(at::ScalarType type) {
 
 Engine::Engine(std::vector<at::Tensor> params, std::vector<std::string> names,
                std::shared_ptr<Communicator> comm, int64_t bucket_bytes_cap,
-               int64_t first_bucket_bytes_cap, bool grads_as_views)
+               int64_t first_bucket_bytes_cap, bool grads_as_views,
+               std::optional<at::ScalarType> comm_dtype)
     : params_(std::move(params)),
       names_(std::move(names)),
       comm_(std::move(comm)),
@@ -35,9 +36,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<std::string> names,
       bucket_bytes_cap_(bucket_bytes_cap),
       first_bucket_bytes_cap_(first_bucket_bytes_cap),
       grads_as_views_(grads_as_views),
-      defer_normalisation_(!device_.is_cuda() && !grads_as_views &&
-                           std::none_of(params_.begin(), params_.end(),
-                                        [](const at::Tensor& p) { return p.scalar_type() == at::kHalf; })) {
+      comm_dtype_(comm_dtype) {
   HSYNC_CHECK(!params_.empty(), "the model has no parameters that require a gradient");
   HSYNC_CHECK(names_.size() == params_.size(), "got ", names_.size(), " names for ",
               params_.size(), " parameters");
@@ -50,6 +49,12 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<std::string> names,
     HSYNC_CHECK(supported_dtype(p.scalar_type()), "parameter '", names_[i], "' has dtype ",
                 p.scalar_type(), "; supported: float32, float64, float16, bfloat16");
     HSYNC_CHECK(p.requires_grad(), "parameter '", names_[i], "' does not require a gradient");
+  }
+  HSYNC_CHECK(!comm_dtype_ || supported_dtype(*comm_dtype_), "communication dtype ", *comm_dtype_,
+              " is not supported; supported: float32, float64, float16, bfloat16");
+  defer_normalisation_ = !device_.is_cuda();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (bucket_dtype(i) == at::kHalf || grad_is_slot(i)) defer_normalisation_ = false;
   }
   const auto options = at::TensorOptions().dtype(at::kDouble).device(device_);
   plain_scale_ = at::full({}, 1.0 / comm_->world_size(), options);
@@ -80,12 +85,21 @@ Engine::~Engine() {
   }
 }
 
+at::ScalarType Engine::bucket_dtype(size_t index) const {
+  return comm_dtype_.value_or(params_[index].scalar_type());
+}
+
+bool Engine::grad_is_slot(size_t index) const {
+  return grads_as_views_ && bucket_dtype(index) == params_[index].scalar_type();
+}
+
 void Engine::build_buckets(const std::vector<int64_t>& order) {
   std::vector<ParamInfo> infos;
   infos.reserve(params_.size());
-  for (const at::Tensor& p : params_) {
-    infos.push_back({static_cast<int64_t>(p.numel() * p.element_size()),
-                     static_cast<int64_t>(p.scalar_type())});
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::ScalarType dtype = bucket_dtype(i);
+    infos.push_back({static_cast<int64_t>(params_[i].numel() * at::elementSize(dtype)),
+                     static_cast<int64_t>(dtype)});
   }
   const auto assignment =
       compute_bucket_assignment(infos, order, bucket_bytes_cap_, first_bucket_bytes_cap_);
@@ -94,8 +108,8 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
   buckets_.reserve(assignment.size());
   locator_.assign(params_.size(), {0, 0});
   for (const auto& indices : assignment) {
-    const at::Tensor& first = params_[indices.front()];
-    const int64_t align = std::max<int64_t>(1, kSlotAlignBytes / first.element_size());
+    const at::ScalarType dtype = bucket_dtype(indices.front());
+    const int64_t align = std::max<int64_t>(1, kSlotAlignBytes / static_cast<int64_t>(at::elementSize(dtype)));
     std::vector<int64_t> offsets;
     int64_t numel = 0;
     for (int64_t index : indices) {
@@ -104,7 +118,7 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
     }
     const int64_t tail = 1 + static_cast<int64_t>(indices.size());
     Bucket bucket;
-    bucket.buffer = at::zeros({numel + tail}, first.options().requires_grad(false));
+    bucket.buffer = at::zeros({numel + tail}, params_[indices.front()].options().dtype(dtype).requires_grad(false));
     bucket.params = indices;
     for (size_t k = 0; k < indices.size(); ++k) {
       const at::Tensor& param = params_[indices[k]];
@@ -279,12 +293,12 @@ void Engine::pack(size_t index, const at::Tensor& grad) {
   const at::Tensor& slot = bucket.slots[k];
   HSYNC_CHECK(grad.layout() == at::kStrided, "parameter '", names_[index],
               "' has a sparse gradient; hsync reduces dense gradients only (use sparse=False)");
-  HSYNC_CHECK(grad.scalar_type() == bucket.buffer.scalar_type() && grad.numel() == slot.numel(),
+  HSYNC_CHECK(grad.scalar_type() == params_[index].scalar_type() && grad.numel() == slot.numel(),
               "the gradient of '", names_[index], "' (", grad.scalar_type(), ", ", grad.numel(),
               " elements) does not match its parameter");
   // In place when the gradient already is its slot: Note [Gradients as bucket views].
   scale_and_pack(grad, slot, pack_scale_, bucket.nonfinite_flag, bucket.used[k]);
-  if (grads_as_views_ && !grad.is_same(slot)) params_[index].mutable_grad() = slot;
+  if (grad_is_slot(index) && !grad.is_same(slot)) params_[index].mutable_grad() = slot;
   --bucket.pending;
 }
 
@@ -355,24 +369,28 @@ bool Engine::used_on_some_rank(const Bucket& bucket, size_t k) {
 }
 
 void Engine::write_back(const Bucket& bucket) {
-  // Normalised on the way out when deferred: Note [Deferred normalisation].
+  // Cast back to the gradient's dtype (Note [Communication dtype]) and normalised on the way out
+  // when deferred (Note [Deferred normalisation]).
   const auto unpack = [this](const at::Tensor& reduced, const at::Tensor& grad) {
     if (!normalise_at_write_back_) {
       grad.copy_(reduced);
     } else if (grad.is_contiguous()) {
       scale_cpu(reduced, grad, write_back_scale_);
     } else {
-      grad.copy_(reduced * write_back_scale_);
+      grad.copy_(reduced);
+      grad.mul_(write_back_scale_);
     }
   };
   for (size_t k = 0; k < bucket.params.size(); ++k) {
-    at::Tensor& param = params_[bucket.params[k]];
-    at::Tensor& grad = param.mutable_grad();
+    const size_t index = bucket.params[k];
+    at::Tensor& grad = params_[index].mutable_grad();
     const at::Tensor& reduced = bucket.slots[k];
     if (grad.defined()) {
       if (!grad.is_same(reduced)) unpack(reduced, grad);
     } else if (used_on_some_rank(bucket, k)) {  // unused here but used elsewhere
-      grad = grads_as_views_ ? reduced : at::empty_like(reduced, at::MemoryFormat::Contiguous);
+      grad = grad_is_slot(index) ? reduced
+                                 : at::empty_like(reduced, reduced.options().dtype(params_[index].scalar_type()),
+                                                  at::MemoryFormat::Contiguous);
       if (!grad.is_same(reduced)) unpack(reduced, grad);
     }
   }
@@ -381,7 +399,7 @@ void Engine::write_back(const Bucket& bucket) {
 void Engine::move_grads_into_slots() {
   for (size_t i = 0; i < params_.size(); ++i) {
     at::Tensor& grad = params_[i].mutable_grad();
-    if (!grad.defined()) continue;
+    if (!grad.defined() || !grad_is_slot(i)) continue;
     const auto [b, k] = locator_[i];
     const at::Tensor& slot = buckets_[b].slots[k];
     slot.copy_(grad);

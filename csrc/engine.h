@@ -26,7 +26,8 @@
 // model takes longer to compute than the scalars take to travel): measured on BERT, waiting was
 // about 1% faster, so views scale before the sum too. On GPU the wait is the device's, not the
 // host's (the pack kernel waits on the scalars' all-reduce on the stream), so GPU steps scale
-// before the sum as described above.
+// before the sum as described above. Buckets of float16 scale before the sum too (the Note's reason, whatever
+// the gradients' own dtype: Note [Communication dtype] in kernels/pack.h).
 //
 // Note [Step lifecycle]
 // A step begins when backward reaches an output of the wrapper's forward (begin_backward), with
@@ -48,7 +49,9 @@
 // write-back copy and no second copy of the gradients in memory. A gradient that is not its
 // slot (the first backward, or any after zero_grad(set_to_none=True)) is packed by copy and the
 // parameter's .grad is then pointed at the slot, so the fresh tensor is freed at once. When the
-// buckets are rebuilt the gradients move to their new slots.
+// buckets are rebuilt the gradients move to their new slots. A bucket of another dtype than the gradient
+// (a comm_dtype) cannot be its .grad: such a .grad stays a tensor of its own, of its parameter's
+// dtype, and receives the reduced values by a cast, as without views.
 //
 // Note [Which backward synchronises]
 // As with DDP, a plain backward reduces gradients only after the wrapper's own forward ran with
@@ -99,7 +102,7 @@ namespace hsync {
 // Layout: [slot of param 0 | slot of param 1 | ... | nonfinite flag | used flag per param].
 // Slots start at 16-byte boundaries for vectorised packing; padding stays zero.
 struct Bucket {
-  at::Tensor buffer;
+  at::Tensor buffer;               // of the communication dtype
   std::vector<int64_t> params;     // indices into Engine::params_
   std::vector<at::Tensor> slots;   // per param: its slot, viewed in the parameter's shape
   at::Tensor nonfinite_flag;       // one element
@@ -112,9 +115,11 @@ struct Bucket {
 
 class Engine {
  public:
+  // `comm_dtype`: the dtype gradients travel in (Note [Communication dtype]); none: each their own.
   Engine(std::vector<at::Tensor> params, std::vector<std::string> names,
          std::shared_ptr<Communicator> comm, int64_t bucket_bytes_cap,
-         int64_t first_bucket_bytes_cap, bool grads_as_views);
+         int64_t first_bucket_bytes_cap, bool grads_as_views,
+         std::optional<at::ScalarType> comm_dtype);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -159,6 +164,8 @@ class Engine {
   void check() const { comm_->check(); }
 
  private:
+  at::ScalarType bucket_dtype(size_t index) const;
+  bool grad_is_slot(size_t index) const;   // Note [Gradients as bucket views]
   void build_buckets(const std::vector<int64_t>& order);
   void move_grads_into_slots();  // Note [Gradients as bucket views]
   void on_gradient_ready(size_t index);
@@ -183,7 +190,8 @@ class Engine {
   int64_t bucket_bytes_cap_;
   int64_t first_bucket_bytes_cap_;
   bool grads_as_views_;
-  bool defer_normalisation_;               // Note [Deferred normalisation]
+  std::optional<at::ScalarType> comm_dtype_;
+  bool defer_normalisation_ = false;       // Note [Deferred normalisation]
 
   // The AccumulateGrad node of each parameter, kept alive as long as its hook is registered.
   std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators_;

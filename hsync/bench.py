@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import DeviceType
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
@@ -90,10 +91,14 @@ class Workload:
     """Gradients as views into the buckets (gradient_as_bucket_view), for hsync and DDP alike. Gradients
     are then zeroed in place rather than dropped after each step, as loops that keep them do: the buckets
     are the gradients, so keeping them costs nothing more."""
+    comm_dtype: torch.dtype | None = None
+    """Gradients travel in this dtype: hsync's comm_dtype against DDP with torch's matching compression
+    hook (bf16_compress_hook / fp16_compress_hook)."""
 
 
 def bert_workload(name: str, hidden: int, layers: int, batch: int, seq: int, device: torch.device,
-                  bucket_cap_mb: float = 25.0, bucket_views: bool = False) -> Workload:
+                  bucket_cap_mb: float = 25.0, bucket_views: bool = False,
+                  comm_dtype: torch.dtype | None = None) -> Workload:
     vocab = 8000
     config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                         num_attention_heads=max(1, hidden // 64), intermediate_size=4 * hidden,
@@ -110,7 +115,7 @@ def bert_workload(name: str, hidden: int, layers: int, batch: int, seq: int, dev
         return mlm + nn.functional.cross_entropy(out.seq_relationship_logits.float(), b[2])
 
     return Workload(name, lambda: BertForPreTraining(config).to(device), make_batch, loss, batch, bucket_cap_mb,
-                    bucket_views)
+                    bucket_views, comm_dtype)
 
 
 def masked_batch(g: torch.Generator, batch: int, seq: int, vocab: int, device: torch.device) -> tuple:
@@ -153,12 +158,21 @@ def finish_step(net: nn.Module, loss: torch.Tensor, weight: int | None, opt: tor
 def wrap(variant: str, net: nn.Module, workload: Workload, device: torch.device) -> nn.Module:
     if variant in ("hsync", "hsync_plain"):
         return hsync.WeightedDDP(net, bucket_cap_mb=workload.bucket_cap_mb,
-                                 gradient_as_bucket_view=workload.bucket_views)
+                                 gradient_as_bucket_view=workload.bucket_views, comm_dtype=workload.comm_dtype)
     if variant == "ddp":
-        return DistributedDataParallel(net, bucket_cap_mb=workload.bucket_cap_mb,
-                                       device_ids=[device.index] if device.type == "cuda" else None,
-                                       gradient_as_bucket_view=workload.bucket_views)
+        return ddp_with_hook(DistributedDataParallel(net, bucket_cap_mb=workload.bucket_cap_mb,
+                                                     device_ids=[device.index] if device.type == "cuda" else None,
+                                                     gradient_as_bucket_view=workload.bucket_views),
+                             workload.comm_dtype)
     return net
+
+
+def ddp_with_hook(model: DistributedDataParallel, comm_dtype: torch.dtype | None) -> DistributedDataParallel:
+    """DDP communicating in `comm_dtype` through torch's own compression hook (None: no hook)."""
+    if comm_dtype is not None:
+        hooks = {torch.bfloat16: default_hooks.bf16_compress_hook, torch.float16: default_hooks.fp16_compress_hook}
+        model.register_comm_hook(None, hooks[comm_dtype])
+    return model
 
 
 def train_step(variant: str, workload: Workload, net: nn.Module, opt: torch.optim.Optimizer, batch: tuple,
@@ -190,7 +204,8 @@ def time_variants(workload: Workload, rounds: int, steps: int, device: torch.dev
                     times[variant].append(time.perf_counter() - started)
     ours = models["hsync"][0]
     params = [p for p in ours.module.parameters() if p.requires_grad]  # what bucket_params indexes
-    largest_bucket = max(sum(params[i].nbytes for i in bucket) for bucket in ours.bucket_params)
+    largest_bucket = max(sum(params[i].numel() * (workload.comm_dtype or params[i].dtype).itemsize for i in bucket)
+                         for bucket in ours.bucket_params)
     del models, ours, params
     measurable = device.type == "cuda" or _mallinfo2() is not None
     memory = torch.tensor([training_memory_mb(v, workload, batches, device) for v in MEMORY_VARIANTS]
@@ -288,16 +303,23 @@ class Gradients(nn.Module):
         return [p.view_as(p) for p in self.tensors]
 
 
-def comm_path(device: torch.device, megabytes: float, rounds: int) -> Result:
-    """The reduction alone: hooks + pack + all-reduce + unpack of 64 gradients through hsync and
+def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: torch.dtype | None = None) -> Result:
+    """The reduction alone: hooks + pack + all-reduce + unpack of 64 float32 gradients through hsync and
     through torch DDP (same bucket cap), over the same backward without sync; in the notes, torch's
     all-reduce of the same bytes as one flat tensor (the wire's limit) and tensor by tensor, and, on
-    GPU, a device-to-device copy (the memory's limit for pack and unpack)."""
+    GPU, a device-to-device copy (the memory's limit for pack and unpack).
+
+    With a `comm_dtype`, hsync communicates in it and DDP uses torch's matching compression hook; the flat
+    all-reduce is then of that dtype, and hsync in float32 runs beside them (`hsync_fp32`), so the gain
+    is measured in the same rounds. GB/s count the float32 gradient bytes delivered."""
     numel = int(megabytes * MIB / 4) // 64
-    nets = {"hsync": hsync.WeightedDDP(Gradients(64, numel, device)),
-            "ddp": DistributedDataParallel(Gradients(64, numel, device)), "nosync": Gradients(64, numel, device)}
+    nets = {"hsync": hsync.WeightedDDP(Gradients(64, numel, device), comm_dtype=comm_dtype),
+            "ddp": ddp_with_hook(DistributedDataParallel(Gradients(64, numel, device)), comm_dtype),
+            "nosync": Gradients(64, numel, device)}
+    if comm_dtype is not None:
+        nets["hsync_fp32"] = hsync.WeightedDDP(Gradients(64, numel, device))
     grads = [torch.ones(numel, device=device) for _ in range(64)]
-    flat = torch.cat(grads)
+    flat = torch.cat(grads).to(comm_dtype or torch.float32)
     copy_dst = torch.empty_like(flat)
 
     def backward_of(net: nn.Module) -> Callable[[], None]:
@@ -329,14 +351,23 @@ def comm_path(device: torch.device, megabytes: float, rounds: int) -> Result:
     med = {k: statistics.median(v) for k, v in times.items()}
     p90 = {k: statistics.quantiles(v, n=10)[-1] for k, v in times.items()}
     gbytes = 64 * numel * 4 / 1e9
-    extra = {"hsync_buckets": len(nets["hsync"].bucket_params),
-             "hsync_gb_per_s": gbytes / max(med["hsync"] - med["nosync"], 1e-9),
-             "ddp_gb_per_s": gbytes / max(med["ddp"] - med["nosync"], 1e-9),
-             "torch_flat_gb_per_s": gbytes / med["flat"], "torch_per_tensor_gb_per_s": gbytes / med["per_tensor"]}
+    def delivered(variant: str) -> float:
+        return gbytes / max(med[variant] - med["nosync"], 1e-9)
+
+    extra = {"hsync_buckets": len(nets["hsync"].bucket_params), "hsync_gb_per_s": delivered("hsync"),
+             "ddp_gb_per_s": delivered("ddp"), "torch_flat_gb_per_s": gbytes / med["flat"],
+             "torch_per_tensor_gb_per_s": gbytes / med["per_tensor"]}
+    if "hsync_fp32" in med:
+        extra |= {"hsync_fp32_gb_per_s": delivered("hsync_fp32"),
+                  "gb_per_s_vs_hsync_fp32": delivered("hsync") / delivered("hsync_fp32")}
     if "copy" in med:
-        extra["device_copy_gb_per_s"] = 2 * gbytes / med["copy"]  # read + write
-    return Result(f"comm-path-{megabytes:g}MiB", med["hsync"], med["ddp"], med["nosync"], p90["hsync"], p90["ddp"],
-                  p90["nosync"], 0, extra=extra)
+        extra["device_copy_gb_per_s"] = 2 * flat.nbytes / 1e9 / med["copy"]  # read + write
+    return Result(f"comm-path-{megabytes:g}MiB{_dtype_suffix(comm_dtype)}", med["hsync"], med["ddp"], med["nosync"],
+                  p90["hsync"], p90["ddp"], p90["nosync"], 0, extra=extra)
+
+
+def _dtype_suffix(comm_dtype: torch.dtype | None) -> str:
+    return {None: "", torch.bfloat16: "-bf16", torch.float16: "-fp16"}[comm_dtype]
 
 
 def mixed_speeds(name: str, device: torch.device, slowdowns: list[float], rounds: int, steps: int,
@@ -471,13 +502,15 @@ def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
     elif device.type == "cuda":
         base = dict(hidden=768, layers=12, batch=32, seq=128)
         plan = [("bert", dict(name="bert-base", **base)), ("mover", 600),
-                ("bert", dict(name="bert-base-bucket-views", bucket_views=True, **base))]
+                ("bert", dict(name="bert-base-bucket-views", bucket_views=True, **base)),
+                ("bert", dict(name="bert-base-bf16", comm_dtype=torch.bfloat16, **base))]
         caps, comm_mb = [1, 5, 25, 100], [64.0, 256.0]
     else:
         mini = dict(hidden=256, layers=4, batch=8, seq=64)
         plan = [("bert", dict(name="bert-tiny", hidden=64, layers=2, batch=8, seq=64)),
                 ("bert", dict(name="bert-mini", **mini)), ("mover", 600),
-                ("bert", dict(name="bert-mini-bucket-views", bucket_views=True, **mini))]
+                ("bert", dict(name="bert-mini-bucket-views", bucket_views=True, **mini)),
+                ("bert", dict(name="bert-mini-bf16", comm_dtype=torch.bfloat16, **mini))]
         caps, comm_mb = [1, 5, 25, 100], [16.0]
     sweep_spec = dict(plan[0][1]) if args.quick else (dict(hidden=256, layers=4, batch=8, seq=64)
                                                        if device.type == "cpu" else dict(plan[0][1]))
@@ -490,7 +523,9 @@ def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
         workload = bert_workload(f"bucket-cap-{cap:g}MiB", device=device, bucket_cap_mb=cap, **sweep_spec)
         jobs.append(Job(workload.name, None, partial(time_variants, workload, args.rounds, args.steps, device)))
     for mb in comm_mb:
-        jobs.append(Job(f"comm-path-{mb:g}MiB", None, partial(comm_path, device, mb, args.rounds * args.steps)))
+        for comm_dtype in (None, torch.bfloat16):
+            jobs.append(Job(f"comm-path-{mb:g}MiB{_dtype_suffix(comm_dtype)}", None,
+                            partial(comm_path, device, mb, args.rounds * args.steps, comm_dtype)))
     for name, slowdowns in (("mixed-speeds-2x", [1.0, 2.0]), ("mixed-speeds-1-1-2-4", [1.0, 1.0, 2.0, 4.0]),
                             ("equal-speeds-auto", [1.0, 1.0])):
         jobs.append(Job(name, len(slowdowns), partial(mixed_speeds, name, device, slowdowns, args.rounds,

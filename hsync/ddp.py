@@ -38,6 +38,7 @@ from hsync.stats import (
 )
 
 _MIB = 1024 * 1024
+_COMM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _MAX_TIMEOUT = datetime.timedelta(days=365)  # the engine's clocks count nanoseconds in 64 bits
 _instances = itertools.count()  # same sequence on every rank: names this wrapper's store keys
 
@@ -78,6 +79,10 @@ class WeightedDDP(nn.Module, Joinable):
         timeout: how long any one collective may take before this rank gives up with an error naming it
             (default: HSYNC_TIMEOUT seconds, else DEFAULT_TIMEOUT). It spans the skew between ranks,
             so it must exceed the longest time one rank may run ahead of another.
+        comm_dtype: the dtype gradients travel in: torch.bfloat16 or torch.float16 halve the bytes on the
+            wire (as DDP's bf16_compress_hook / fp16_compress_hook, with the cast fused into the
+            pack). Default None: each gradient's own dtype. Gradients come back in their own dtype,
+            rounded to comm_dtype; the bucket caps count bytes of comm_dtype.
 
     DDP's arguments as hsync reads them: `process_group` or a 1-D `device_mesh` choose the group;
     `bucket_cap_mb` (default 25); `broadcast_buffers` / `forward_sync_buffers` as DDP's (rank 0's
@@ -122,6 +127,7 @@ class WeightedDDP(nn.Module, Joinable):
         first_bucket_cap_mb: float = _C.default_first_bucket_bytes_cap / _MIB,
         metric_names: tuple[str, ...] = (),
         timeout: datetime.timedelta | None = None,
+        comm_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -156,6 +162,10 @@ class WeightedDDP(nn.Module, Joinable):
         bucket_cap_mb = _C.default_bucket_bytes_cap / _MIB if bucket_cap_mb is None else bucket_cap_mb
         if not (bucket_cap_mb > 0 and first_bucket_cap_mb > 0):
             raise ValueError(f"bucket caps must be positive, got {bucket_cap_mb} and {first_bucket_cap_mb} MiB")
+        if comm_dtype is not None and comm_dtype not in _COMM_DTYPES:
+            raise (ValueError if isinstance(comm_dtype, torch.dtype) else TypeError)(
+                f"hsync.WeightedDDP: comm_dtype must be None or one of "
+                f"{', '.join(map(str, _COMM_DTYPES))}, got {_describe(comm_dtype)}")
         if not any(p.requires_grad for p in _reduced_parameters(module)):
             raise RuntimeError("hsync.WeightedDDP (like DistributedDataParallel) is not needed when a module "
                                "doesn't have any parameter that requires a gradient.")
@@ -172,6 +182,7 @@ class WeightedDDP(nn.Module, Joinable):
         self._bucket_bytes_cap = int(bucket_cap_mb * _MIB)
         self._first_bucket_bytes_cap = int(first_bucket_cap_mb * _MIB)
         self._timeout_s = _resolve_timeout(timeout)
+        self.comm_dtype = comm_dtype
         self._uses_default_group = process_group is None or process_group == dist.group.WORLD
         self._syncing = True  # DDP's require_backward_grad_sync
         self._buffers_due = True  # DDP's require_forward_param_sync: the last forward fed a synced step
@@ -200,7 +211,7 @@ class WeightedDDP(nn.Module, Joinable):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         named = [(name, p) for name, p in _reduced_parameters(self.module, named=True) if p.requires_grad]
-        _verify_same_model(group, self.module)
+        _verify_same_model(group, self.module, self._settings_that_must_agree())
         self.device = named[0][1].device
         self._engine = _C.Engine(
             [p for _, p in named],
@@ -209,7 +220,13 @@ class WeightedDDP(nn.Module, Joinable):
             self._bucket_bytes_cap,
             self._first_bucket_bytes_cap,
             self.gradient_as_bucket_view,
+            self.comm_dtype,
         )
+
+    def _settings_that_must_agree(self) -> dict[str, object]:
+        """What shapes the collectives: ranks that disagree would send buckets that don't match."""
+        return dict(comm_dtype=self.comm_dtype, bucket_cap_mb=self._bucket_bytes_cap / _MIB,
+                    first_bucket_cap_mb=self._first_bucket_bytes_cap / _MIB)
 
     def _ensure_engine(self):
         """The engine; a copy made by pickling or deepcopy builds its own on first use (see __getstate__)."""
@@ -688,16 +705,21 @@ def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
     return signature, problems
 
 
-def _verify_same_model(group: dist.ProcessGroup, module: nn.Module) -> None:
-    """Raises the same error on every rank if the ranks' models differ (RuntimeError, as DDP's) or one
-    cannot be wrapped (ValueError)."""
+def _verify_same_model(group: dist.ProcessGroup, module: nn.Module, settings: dict[str, object]) -> None:
+    """Raises the same error on every rank if the ranks' models or `settings` differ (RuntimeError, as
+    DDP's) or one cannot be wrapped (ValueError)."""
     gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, _model_signature(module), group=group)
-    for rank, (_, problems) in enumerate(gathered):
+    dist.all_gather_object(gathered, (*_model_signature(module), settings), group=group)
+    for rank, (_, problems, _) in enumerate(gathered):
         if problems:
             raise ValueError(f"hsync: cannot wrap the model: on rank {rank}, {problems[0]}")
+    for rank, (_, _, theirs) in enumerate(gathered[1:], start=1):
+        for name, value in gathered[0][2].items():
+            if theirs[name] != value:
+                raise RuntimeError(f"hsync.WeightedDDP: {name} differs across ranks: {value} on rank 0, "
+                                   f"{theirs[name]} on rank {rank}")
     reference = gathered[0][0]
-    for rank, (signature, _) in enumerate(gathered[1:], start=1):
+    for rank, (signature, _, _) in enumerate(gathered[1:], start=1):
         difference = _first_difference(reference, signature, rank)
         if difference:
             raise RuntimeError(f"hsync: the model differs across ranks: {difference}")

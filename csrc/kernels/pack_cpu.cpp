@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "checks.h"
 #include "kernels/pack.h"
@@ -15,27 +16,36 @@ namespace {
 // Large enough that thread start-up is amortised; small gradients run on the calling thread.
 constexpr int64_t kPackGrainSize = 1 << 16;
 
-template <typename T>
-bool scale_range(const T* in, T* out, int64_t begin, int64_t end, double scale) {
-  using opmath_t = at::opmath_type<T>;
-  const opmath_t s = static_cast<opmath_t>(scale);
-  const opmath_t max = std::numeric_limits<opmath_t>::max();
+// The wider of the two types' arithmetic, so that neither side loses precision in the product.
+template <typename In, typename Out>
+using OpMath = std::conditional_t<(sizeof(at::opmath_type<In>) >= sizeof(at::opmath_type<Out>)),
+                                  at::opmath_type<In>, at::opmath_type<Out>>;
+
+template <typename In, typename Out>
+bool scale_range(const In* in, Out* out, int64_t begin, int64_t end, double scale) {
+  using Op = OpMath<In, Out>;
+  const Op s = static_cast<Op>(scale);
+  const Op max = std::numeric_limits<Op>::max();
   // An integer AND keeps the loop vectorisable (a float reduction would not be, without
   // reassociation): |v| <= max is false exactly for inf and NaN.
   int all_finite = 1;
   for (int64_t i = begin; i < end; ++i) {
-    const opmath_t v = static_cast<opmath_t>(in[i]);
-    out[i] = static_cast<T>(v * s);
+    const Op v = static_cast<Op>(in[i]);
+    const Out packed = static_cast<Out>(v * s);
+    out[i] = packed;
     all_finite &= static_cast<int>(std::abs(v) <= max);
+    // A narrowing cast can overflow (a float32 gradient above float16's 65504 packed as float16).
+    if constexpr (!std::is_same_v<In, Out>) all_finite &= static_cast<int>(std::abs(static_cast<Op>(packed)) <= max);
   }
   return all_finite == 0;
 }
 
-// out = in * scale over contiguous tensors (in may be out); whether `in` held an inf or NaN.
-template <typename T>
+// out = in * scale over contiguous tensors (in may be out); whether a value read or written was
+// an inf or NaN.
+template <typename In, typename Out>
 bool scale_contiguous(const at::Tensor& in, const at::Tensor& out, double scale) {
-  const T* src = in.const_data_ptr<T>();
-  T* dst = out.data_ptr<T>();
+  const In* src = in.const_data_ptr<In>();
+  Out* dst = out.data_ptr<Out>();
   std::atomic<bool> nonfinite{false};
   at::parallel_for(0, in.numel(), kPackGrainSize, [&](int64_t begin, int64_t end) {
     if (scale_range(src, dst, begin, end, scale)) nonfinite.store(true, std::memory_order_relaxed);
@@ -43,32 +53,51 @@ bool scale_contiguous(const at::Tensor& in, const at::Tensor& out, double scale)
   return nonfinite.load();
 }
 
+template <typename T>
+struct Type {
+  using type = T;
+};
+
+// Calls body(Type<In>{}, Type<Out>{}) for the two tensors' dtypes: one dispatch per gradient, as
+// this runs in every gradient hook. (Tags, not a template lambda: the sources stay C++17.)
+template <typename Body>
+void dispatch_pair(const at::Tensor& in, const at::Tensor& out, const Body& body) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.scalar_type(), "hsync_pack_in", [&] {
+    using In = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "hsync_pack_out", [&] {
+      body(Type<In>{}, Type<scalar_t>{});
+    });
+  });
+}
+
 }  // namespace
 
 void scale_cpu(const at::Tensor& in, const at::Tensor& out, double scale) {
-  HSYNC_CHECK(out.is_contiguous(), "scale_cpu: the output must be contiguous");
+  HSYNC_CHECK(out.is_contiguous() && in.numel() == out.numel(),
+              "scale_cpu: the output must be contiguous and of the input's size");
   const at::Tensor contiguous_in = in.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "scale_cpu", [&] {
-    scale_contiguous<scalar_t>(contiguous_in, out, scale);
+  dispatch_pair(contiguous_in, out, [&](auto in_type, auto out_type) {
+    scale_contiguous<typename decltype(in_type)::type, typename decltype(out_type)::type>(contiguous_in, out, scale);
   });
 }
 
 void scale_and_pack_cpu(const at::Tensor& grad, const at::Tensor& out, double scale,
                         const at::Tensor& nonfinite_flag, const at::Tensor& used_flag) {
   const at::Tensor in = grad.contiguous();
-  // One dispatch per gradient: this runs in every gradient hook.
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "scale_and_pack_cpu", [&] {
-    if (scale_contiguous<scalar_t>(in, out, scale)) *nonfinite_flag.data_ptr<scalar_t>() = scalar_t(1);
-    *used_flag.data_ptr<scalar_t>() = scalar_t(1);
+  dispatch_pair(in, out, [&](auto in_type, auto out_type) {
+    using Out = typename decltype(out_type)::type;
+    if (scale_contiguous<typename decltype(in_type)::type, Out>(in, out, scale)) {
+      *nonfinite_flag.data_ptr<Out>() = Out(1);
+    }
+    *used_flag.data_ptr<Out>() = Out(1);
   });
 }
 
 void scale_and_pack(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& scale,
                     const at::Tensor& nonfinite_flag, const at::Tensor& used_flag) {
   HSYNC_CHECK(grad.layout() == at::kStrided, "sparse gradients are not supported");
-  HSYNC_CHECK(grad.numel() == out.numel() && grad.scalar_type() == out.scalar_type(),
-              "pack: gradient (", grad.numel(), " ", grad.scalar_type(), ") does not fit its slot (",
-              out.numel(), " ", out.scalar_type(), ")");
+  HSYNC_CHECK(grad.numel() == out.numel(), "pack: gradient (", grad.numel(), " ", grad.scalar_type(),
+              ") does not fit its slot (", out.numel(), " ", out.scalar_type(), ")");
   HSYNC_CHECK(grad.device() == out.device(), "pack: gradient on ", grad.device(),
               " but its bucket is on ", out.device());
   for (const at::Tensor* flag : {&nonfinite_flag, &used_flag}) {

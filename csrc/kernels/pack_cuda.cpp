@@ -23,13 +23,10 @@ KernelDType kernel_dtype(at::ScalarType type) {
 
 void scale_and_pack_cuda(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& scale,
                          const at::Tensor& nonfinite_flag, const at::Tensor& used_flag) {
-  HSYNC_CHECK(grad.numel() == out.numel() && grad.scalar_type() == out.scalar_type(),
-              "pack: gradient (", grad.numel(), " ", grad.scalar_type(), ") does not fit its slot (",
-              out.numel(), " ", out.scalar_type(), ")");
   const c10::cuda::CUDAGuard guard(out.device());
   const at::Tensor in = grad.contiguous();
-  launch_scale_and_pack(kernel_dtype(out.scalar_type()), in.const_data_ptr(), out.data_ptr(),
-                        in.numel(), scale.const_data_ptr<double>(), nonfinite_flag.data_ptr(),
+  launch_scale_and_pack(kernel_dtype(in.scalar_type()), kernel_dtype(out.scalar_type()), in.const_data_ptr(),
+                        out.data_ptr(), in.numel(), scale.const_data_ptr<double>(), nonfinite_flag.data_ptr(),
                         used_flag.data_ptr(), c10::cuda::getCurrentCUDAStream(out.device().index()));
 }
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/pack_launch.h"
 
@@ -12,10 +13,12 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 4096;  // grid-stride beyond this
-constexpr int kVectorBytes = 16;      // one 128-bit load or store per thread and iteration
+constexpr int kVectorBytes = 16;      // one 128-bit load per thread and iteration
 
-template <typename T> struct OpMath { using type = float; };
-template <> struct OpMath<double> { using type = double; };
+// The arithmetic of a pair of types: float, unless either side is double. The product is
+// rounded once, into the output type (Note [Communication dtype] in pack.h).
+template <typename In, typename Out>
+using OpMath = std::conditional_t<std::is_same_v<In, double> || std::is_same_v<Out, double>, double, float>;
 
 // Explicit conversions: torch builds extensions with __CUDA_NO_HALF_CONVERSIONS__ and its bf16
 // counterpart, which remove the implicit ones.
@@ -28,20 +31,37 @@ template <typename T> __device__ __forceinline__ T from_op(float v);
 template <> __device__ __forceinline__ __half from_op<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_op<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ float from_op<float>(float v) { return v; }
-template <typename T> __device__ __forceinline__ T from_op(double v) { return v; }
+
+// From double to 16 bits through float, as torch's own casts (c10::Half has no double constructor).
+template <typename T> __device__ __forceinline__ T from_op(double v);
+template <> __device__ __forceinline__ __half from_op<__half>(double v) { return __float2half_rn(static_cast<float>(v)); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_op<__nv_bfloat16>(double v) {
+  return __float2bfloat16_rn(static_cast<float>(v));
+}
+template <> __device__ __forceinline__ float from_op<float>(double v) { return static_cast<float>(v); }
+template <> __device__ __forceinline__ double from_op<double>(double v) { return v; }
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
+// Scales and casts one element; whether the value read or the value written is not finite.
+template <typename In, typename Out>
+__device__ __forceinline__ bool scale_one(In in, Out& out, OpMath<In, Out> s) {
+  const auto v = static_cast<OpMath<In, Out>>(to_op(in));
+  out = from_op<Out>(v * s);
+  if constexpr (std::is_same_v<In, Out>) return !isfinite(v);
+  return !isfinite(v) || !isfinite(to_op(out));
+}
+
 // `in` may be `out` (a gradient that is its bucket slot is scaled in place), so neither is
 // __restrict__: each element is read and then written by the same thread.
-template <typename T, int N>
-__global__ void scale_and_pack_kernel(const T* in, T* out, int64_t numel,
-                                      const double* __restrict__ scale, T* nonfinite_flag,
-                                      T* used_flag) {
-  using Op = typename OpMath<T>::type;
+template <typename In, typename Out, int N>
+__global__ void scale_and_pack_kernel(const In* in, Out* out, int64_t numel,
+                                      const double* __restrict__ scale, Out* nonfinite_flag,
+                                      Out* used_flag) {
+  using Op = OpMath<In, Out>;
   const Op s = static_cast<Op>(*scale);
   bool nonfinite = false;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -50,42 +70,40 @@ __global__ void scale_and_pack_kernel(const T* in, T* out, int64_t numel,
   // Whole vectors first (the caller guarantees the alignment when N > 1), then the tail.
   const int64_t vectors = numel / N;
   for (int64_t i = first; i < vectors; i += stride) {
-    Pack<T, N> p = reinterpret_cast<const Pack<T, N>*>(in)[i];
+    const Pack<In, N> p = reinterpret_cast<const Pack<In, N>*>(in)[i];
+    Pack<Out, N> q;
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-      const Op v = to_op(p.v[k]);
-      nonfinite |= !isfinite(v);
-      p.v[k] = from_op<T>(v * s);
-    }
-    reinterpret_cast<Pack<T, N>*>(out)[i] = p;
+    for (int k = 0; k < N; ++k) nonfinite |= scale_one(p.v[k], q.v[k], s);
+    reinterpret_cast<Pack<Out, N>*>(out)[i] = q;
   }
   for (int64_t i = vectors * N + first; i < numel; i += stride) {
-    const Op v = to_op(in[i]);
-    nonfinite |= !isfinite(v);
-    out[i] = from_op<T>(v * s);
+    Out packed;
+    nonfinite |= scale_one(in[i], packed, s);
+    out[i] = packed;
   }
   // Every writer stores the same value, so plain stores need no atomics.
-  if (nonfinite) *nonfinite_flag = from_op<T>(Op(1));
-  if (first == 0) *used_flag = from_op<T>(Op(1));
+  if (nonfinite) *nonfinite_flag = from_op<Out>(Op(1));
+  if (first == 0) *used_flag = from_op<Out>(Op(1));
 }
 
-template <typename T>
+template <typename In, typename Out>
 void launch(const void* in, void* out, int64_t numel, const double* scale, void* nonfinite_flag,
             void* used_flag, cudaStream_t stream) {
-  constexpr int kVec = kVectorBytes / sizeof(T);
-  const bool aligned = reinterpret_cast<uintptr_t>(in) % kVectorBytes == 0 &&
-                       reinterpret_cast<uintptr_t>(out) % kVectorBytes == 0;
+  // Vectors as wide as one 128-bit load of the wider type.
+  constexpr int kVec = kVectorBytes / std::max(sizeof(In), sizeof(Out));
+  const bool aligned = reinterpret_cast<uintptr_t>(in) % (kVec * sizeof(In)) == 0 &&
+                       reinterpret_cast<uintptr_t>(out) % (kVec * sizeof(Out)) == 0;
   const int per_thread = aligned ? kVec : 1;
   const int64_t blocks = std::clamp<int64_t>((numel + kThreads * per_thread - 1) / (kThreads * per_thread),
                                              1, kMaxBlocks);
-  auto* src = static_cast<const T*>(in);
-  auto* dst = static_cast<T*>(out);
-  auto* nonfinite = static_cast<T*>(nonfinite_flag);
-  auto* used = static_cast<T*>(used_flag);
+  auto* src = static_cast<const In*>(in);
+  auto* dst = static_cast<Out*>(out);
+  auto* nonfinite = static_cast<Out*>(nonfinite_flag);
+  auto* used = static_cast<Out*>(used_flag);
   if (aligned) {
-    scale_and_pack_kernel<T, kVec><<<blocks, kThreads, 0, stream>>>(src, dst, numel, scale, nonfinite, used);
+    scale_and_pack_kernel<In, Out, kVec><<<blocks, kThreads, 0, stream>>>(src, dst, numel, scale, nonfinite, used);
   } else {
-    scale_and_pack_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(src, dst, numel, scale, nonfinite, used);
+    scale_and_pack_kernel<In, Out, 1><<<blocks, kThreads, 0, stream>>>(src, dst, numel, scale, nonfinite, used);
   }
   const cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) {
@@ -94,21 +112,27 @@ void launch(const void* in, void* out, int64_t numel, const double* scale, void*
   }
 }
 
+// Calls body(In{}) with a value of the C++ type of `dtype`, a tag for its type.
+template <typename Body>
+void dispatch(KernelDType dtype, const Body& body) {
+  switch (dtype) {
+    case KernelDType::kFloat32: return body(float{});
+    case KernelDType::kFloat64: return body(double{});
+    case KernelDType::kFloat16: return body(__half{});
+    case KernelDType::kBFloat16: return body(__nv_bfloat16{});
+  }
+}
+
 }  // namespace
 
-void launch_scale_and_pack(KernelDType dtype, const void* in, void* out, int64_t numel,
+void launch_scale_and_pack(KernelDType in_dtype, KernelDType out_dtype, const void* in, void* out, int64_t numel,
                            const double* scale, void* nonfinite_flag, void* used_flag,
                            cudaStream_t stream) {
-  switch (dtype) {
-    case KernelDType::kFloat32:
-      return launch<float>(in, out, numel, scale, nonfinite_flag, used_flag, stream);
-    case KernelDType::kFloat64:
-      return launch<double>(in, out, numel, scale, nonfinite_flag, used_flag, stream);
-    case KernelDType::kFloat16:
-      return launch<__half>(in, out, numel, scale, nonfinite_flag, used_flag, stream);
-    case KernelDType::kBFloat16:
-      return launch<__nv_bfloat16>(in, out, numel, scale, nonfinite_flag, used_flag, stream);
-  }
+  dispatch(in_dtype, [&](auto in_tag) {
+    dispatch(out_dtype, [&](auto out_tag) {
+      launch<decltype(in_tag), decltype(out_tag)>(in, out, numel, scale, nonfinite_flag, used_flag, stream);
+    });
+  });
 }
 
 }  // namespace hsync

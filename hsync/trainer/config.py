@@ -98,6 +98,9 @@ class TrainConfig:
     bucket_views: bool = True
     """Keep gradients as views into hsync's buckets (gradient_as_bucket_view): one copy of the gradients
     less in memory and no copy back after each reduction. --no-bucket-views copies them, as DDP does."""
+    comm_dtype: str = "fp32"
+    """Dtype the gradients travel in: fp32 (the model's own), or bf16 / fp16 for half the bytes on the wire,
+    each gradient rounded once to it (fp16's range is checked: an overflow counts as a non-finite step)."""
     collective_timeout: float = 0.0
     """Seconds any one gradient collective may take before every rank stops with an error naming it;
     0: hsync's default (HSYNC_TIMEOUT, else 300)."""
@@ -142,8 +145,10 @@ class TrainConfig:
         if filled.global_batch_size % filled.update_freq:
             raise ValueError(f"--global-batch-size {filled.global_batch_size} is not a multiple of --update-freq "
                              f"{filled.update_freq}")
-        if filled.balance not in BALANCE_CHOICES:
-            raise ValueError(f"--balance must be one of {', '.join(BALANCE_CHOICES)}, got {filled.balance!r}")
+        for flag, choices in CHOICES.items():
+            if getattr(filled, flag) not in choices:
+                raise ValueError(f"--{flag.replace('_', '-')} must be one of {', '.join(choices)}, "
+                                 f"got {getattr(filled, flag)!r}")
         if filled.balance == "manual":
             if not filled.rank_batch_sizes:
                 raise ValueError("--balance manual needs --rank-batch-sizes")
@@ -180,8 +185,8 @@ class TrainConfig:
         return plan
 
 
-BALANCE_CHOICES = ("auto", "equal", "manual")
-CHOICES = {"preset": tuple(PRESETS), "balance": BALANCE_CHOICES, "device": DEVICES}
+CHOICES = {"preset": tuple(PRESETS), "balance": ("auto", "equal", "manual"), "device": DEVICES,
+           "comm_dtype": ("fp32", "bf16", "fp16")}
 
 
 def parse_rank_values(text: str, world_size: int, what: str, default: float) -> list[float]:

@@ -39,6 +39,8 @@ from hsync.trainer.config import ModelPreset, TrainConfig, parse_args, parse_ran
 from hsync.trainer.consensus import agree, fail_together
 from hsync.trainer.interrupt import StopRequest
 
+COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --comm-dtype: WeightedDDP's comm_dtype
+
 
 def main(argv: list[str] | None = None) -> None:
     cfg, preset = parse_args(argv, description=__doc__, world_size=world_size_from_env())
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     model = hsync.WeightedDDP(build_model(preset, vocab, cfg.dropout).to(device), broadcast_buffers=False,
                               gradient_as_bucket_view=cfg.bucket_views,
                               metric_names=("tokens", "examples", "mlm", "nsp", StopRequest.METRIC),
-                              timeout=timeout)
+                              timeout=timeout, comm_dtype=COMM_DTYPES[cfg.comm_dtype])
     torch.manual_seed(cfg.seed + rank)  # rank 0's weights everywhere, but each rank its own dropout
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))

@@ -91,7 +91,13 @@ def wrap(rank: int, world_size: int, variant: str) -> None:
         net.embed = nn.Embedding(10, 3, sparse=True)
     elif rank == 1 and variant == "devices":
         net.out.to("meta")
-    hsync.WeightedDDP(net)
+    settings = {
+        "comm_dtype differs": dict(comm_dtype=torch.bfloat16 if rank == 1 else None),
+        "bucket cap differs": dict(bucket_cap_mb=25 + rank),
+        "comm_dtype int": dict(comm_dtype=torch.int64),
+        "comm_dtype str": dict(comm_dtype="bf16"),
+    }
+    hsync.WeightedDDP(net, **settings.get(variant, {}))
 
 
 @pytest.mark.parametrize(
@@ -105,6 +111,12 @@ def wrap(rank: int, world_size: int, variant: str) -> None:
                   "'extra.weight'"),
         ("sparse", "on rank 0, 'embed' produces sparse gradients"),
         ("devices", "on rank 1, parameters on several devices (cpu, meta)"),
+        ("comm_dtype differs", "comm_dtype differs across ranks: None on rank 0, torch.bfloat16 on rank 1"),
+        ("bucket cap differs", "bucket_cap_mb differs across ranks: 25.0 on rank 0, 26.0 on rank 1"),
+        ("comm_dtype int", "ValueError: hsync.WeightedDDP: comm_dtype must be None or one of torch.float32, "
+                           "torch.float64, torch.float16, torch.bfloat16, got dtype torch.int64"),
+        ("comm_dtype str", "TypeError: hsync.WeightedDDP: comm_dtype must be None or one of torch.float32, "
+                           "torch.float64, torch.float16, torch.bfloat16, got str 'bf16'"),
     ],
 )
 def test_models_that_cannot_be_wrapped_fail_on_every_rank(variant, expected):

@@ -24,7 +24,7 @@ class Mixed(nn.Module):
         return self.high(torch.relu(self.low(x.to(self.low.weight.dtype))).float()).squeeze(-1)
 
 
-def mixed_step(rank: int, world_size: int, low: torch.dtype):
+def mixed_step(rank: int, world_size: int, low: torch.dtype, comm_dtype: torch.dtype | None = None):
     import copy
 
     import torch.distributed as dist
@@ -34,7 +34,8 @@ def mixed_step(rank: int, world_size: int, low: torch.dtype):
     torch.manual_seed(0)
     net = Mixed(low)
     plain = copy.deepcopy(net)
-    model = hsync.WeightedDDP(net, bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4)
+    model = hsync.WeightedDDP(net, bucket_cap_mb=1e-4 if comm_dtype is None else 1.0, first_bucket_cap_mb=1e-4,
+                              comm_dtype=comm_dtype)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(SIZES[rank], 8, generator=g), torch.randn(SIZES[rank], generator=g)
 
@@ -62,3 +63,12 @@ def test_float32_and_16_bit_parameters_are_reduced_in_their_own_buckets(low):
             # bf16 keeps 8 bits of mantissa, fp16 11: each scaled term and the sum round once or twice.
             tol = dict(rtol=2e-2, atol=1e-3) if name.startswith("low") else dict(rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(got[name].double(), value, **tol, msg=name)
+
+
+def test_one_comm_dtype_puts_every_dtype_in_the_same_buckets():
+    # float32 and float16 gradients both travel as bfloat16 and come back in their own dtypes.
+    for expected, got, bucket_dtypes in run_ranks(mixed_step, 2, torch.float16, torch.bfloat16):
+        assert {torch.float32, torch.float16} in bucket_dtypes, bucket_dtypes
+        for name, value in expected.items():
+            assert got[name].dtype == (torch.float16 if name.startswith("low") else torch.float32)
+            torch.testing.assert_close(got[name].double(), value, rtol=2e-2, atol=1e-3, msg=name)

@@ -52,3 +52,29 @@ def test_a_gradient_that_is_its_slot_is_scaled_in_place(dtype, offset):
     _C.scale_and_pack(slot, slot, torch.tensor(0.37, dtype=torch.float64, device="cuda"), flags[0:1], flags[1:2])
     torch.testing.assert_close(slot, expected, rtol=0, atol=0)
     assert flags.tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("in_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_packing_into_another_dtype_rounds_once(in_dtype, out_dtype, offset):
+    from hsync import _C
+
+    grad = torch.randn(1_000_003, dtype=torch.float64, device="cuda").to(in_dtype)
+    buffer = torch.full((grad.numel() + offset + 2,), 7.0, dtype=out_dtype, device="cuda")
+    out, flags = buffer[offset:offset + grad.numel()], buffer[-2:].zero_()
+    _C.scale_and_pack(grad, out, torch.tensor(0.37, dtype=torch.float64, device="cuda"), flags[0:1], flags[1:2])
+    op = torch.float64 if torch.float64 in (in_dtype, out_dtype) else torch.float32
+    torch.testing.assert_close(out, (grad.to(op) * 0.37).to(out_dtype), rtol=0, atol=0)
+    assert flags.tolist() == [0.0, 1.0]
+
+
+def test_a_float32_value_that_overflows_float16_raises_the_flag():
+    from hsync import _C
+
+    grad = torch.ones(1_000_000, device="cuda")
+    grad[999_999] = 40_000.0  # finite, but 80,000 after scaling: float16 ends at 65,504
+    out = torch.empty(1_000_000, dtype=torch.float16, device="cuda")
+    flags = torch.zeros(2, dtype=torch.float16, device="cuda")
+    _C.scale_and_pack(grad, out, torch.tensor(2.0, dtype=torch.float64, device="cuda"), flags[0:1], flags[1:2])
+    assert flags.tolist() == [1.0, 1.0]

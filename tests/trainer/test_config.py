@@ -40,6 +40,7 @@ def test_the_presets_warm_up_is_cut_to_a_tenth_of_a_short_run():
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
     (["--balance", "fast"], "argument --balance: invalid choice: 'fast'"),
+    (["--comm-dtype", "fp8"], "argument --comm-dtype: invalid choice: 'fp8'"),
     (["--save-every", "5"], "--save-every needs --save-dir"),
     (["--stop-at", "5"], "--stop-at needs --save-dir"),
     (["--resume"], "--resume needs --save-dir"),

@@ -60,3 +60,39 @@ def test_a_gradient_that_is_its_slot_is_scaled_in_place(dtype):
     _C.scale_and_pack(slot, slot, torch.tensor(0.37, dtype=torch.float64), flags[0:1], flags[1:2])
     torch.testing.assert_close(slot, expected, rtol=0, atol=0, equal_nan=True)
     assert flags.tolist() == [1.0, 1.0]
+
+
+def _op_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The kernel's arithmetic for a pair of dtypes: float64 if either side is, else float32."""
+    return torch.float64 if torch.float64 in (a, b) else torch.float32
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("in_dtype", DTYPES, ids=str)
+def test_packing_into_another_dtype_rounds_once(in_dtype, out_dtype):
+    grad = torch.randn(200_003, dtype=torch.float64).to(in_dtype)
+    out = torch.full((grad.numel(),), 7.0, dtype=out_dtype)
+    flags = torch.zeros(2, dtype=out_dtype)
+    _C.scale_and_pack(grad, out, torch.tensor(0.37, dtype=torch.float64), flags[0:1], flags[1:2])
+    op = _op_dtype(in_dtype, out_dtype)
+    torch.testing.assert_close(out, (grad.to(op) * 0.37).to(out_dtype), rtol=0, atol=0)
+    assert flags.tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_value_is_seen_across_a_cast(bad):
+    grad = torch.ones(100_000)
+    grad[4321] = bad
+    out, flags = torch.empty(100_000, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.bfloat16)
+    _C.scale_and_pack(grad, out, torch.tensor(0.0, dtype=torch.float64), flags[0:1], flags[1:2])
+    assert flags.tolist() == [1.0, 1.0]
+
+
+def test_a_float32_value_that_overflows_float16_raises_the_flag():
+    grad = torch.ones(100_000)
+    grad[99_999] = 40_000.0  # finite, but 80,000 after scaling: float16 ends at 65,504
+    out, flags = torch.empty(100_000, dtype=torch.float16), torch.zeros(2, dtype=torch.float16)
+    _C.scale_and_pack(grad, out, torch.tensor(2.0, dtype=torch.float64), flags[0:1], flags[1:2])
+    assert flags.tolist() == [1.0, 1.0] and math.isinf(out[99_999].item())
+    _C.scale_and_pack(grad, out, torch.tensor(1.0, dtype=torch.float64), flags[0:1], flags[1:2].zero_())
+    assert out[99_999].item() == 40_000.0  # within range: only the earlier flag is still up

@@ -1,0 +1,140 @@
+"""Gradients that travel in bfloat16 or float16 (WeightedDDP(comm_dtype=...)): within that dtype's
+rounding of the float32 result, in weighted and plain steps, no_sync windows and with bucket views;
+non-finite values (and float16 overflow) still reported on every rank; torch DDP with its own
+compression hook as a second reference."""
+
+import contextlib
+
+import pytest
+import torch
+
+from tests.distributed.workloads import global_batch, make_net, mse
+from tests.spawn import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+LOW = [torch.bfloat16, torch.float16]
+SIZES = [[[5, 2, 3]], [[1, 4, 0], [3, 0, 6]]]  # steps[s][micro][rank]: one step, then a 2-micro-step window
+
+
+def _unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+def _subnormal_spacing(dtype: torch.dtype) -> float:
+    """The absolute rounding error of values too small for the dtype's normal range (float16's start at 6e-5)."""
+    return torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+
+
+def weighted_steps(rank: int, world_size: int, low: torch.dtype, views: bool) -> list[dict]:
+    import torch.distributed as dist
+
+    import hsync
+
+    f32 = torch.float32
+    exact = hsync.WeightedDDP(make_net(seed=0, dtype=f32))
+    cast = hsync.WeightedDDP(make_net(seed=0, dtype=f32), comm_dtype=low, gradient_as_bucket_view=views)
+    plain = make_net(seed=0, dtype=f32)
+    results = []
+    for step, micro_steps in enumerate(SIZES):
+        terms = []  # this rank's weighted local gradients, for the rounding bound
+        for model in (exact, cast):
+            model.zero_grad(set_to_none=False)
+        for micro, sizes in enumerate(micro_steps):
+            x, y = global_batch(step, sizes, micro, dtype=f32)[2][rank]
+            last = micro == len(micro_steps) - 1
+            for model in (exact, cast):
+                with contextlib.nullcontext() if last else model.no_sync():
+                    model.backward(mse(model(x), y) if sizes[rank] else model(x).sum() * 0, weight=sizes[rank])
+            if sizes[rank]:
+                plain.zero_grad()
+                mse(plain(x), y).backward()
+                terms.append({n: sizes[rank] * p.grad.double() for n, p in plain.named_parameters()
+                              if p.grad is not None})
+        everyone: list = [None] * world_size
+        dist.all_gather_object(everyone, terms)
+        total = sum(sum(sizes) for sizes in micro_steps)
+        bound = {n: sum(t[n].abs() for mine in everyone for t in mine if n in t) / total
+                 for n, _ in plain.named_parameters()}
+        results.append({
+            "exact": {n: p.grad.clone() for n, p in exact.module.named_parameters() if p.grad is not None},
+            "cast": {n: p.grad.clone() for n, p in cast.module.named_parameters() if p.grad is not None},
+            "bound": bound,
+        })
+    return results
+
+
+@pytest.mark.parametrize("views", [False, True], ids=["copied", "views"])
+@pytest.mark.parametrize("low", LOW, ids=str)
+def test_weighted_gradients_are_within_the_rounding_of_the_comm_dtype(low, views):
+    u = _unit_roundoff(low)
+    for rank, results in enumerate(run_ranks(weighted_steps, 3, low, views)):
+        for step, result in enumerate(results):
+            assert result["cast"].keys() == result["exact"].keys()
+            largest_error = 0.0
+            for name, exact in result["exact"].items():
+                got = result["cast"][name]
+                assert got.dtype == torch.float32, (name, got.dtype)
+                # Each rank's term is rounded once into the bucket, and each of the two additions once.
+                error = (got.double() - exact.double()).abs()
+                allowed = 3 * u * result["bound"][name] + 1e-6 * exact.double().abs() + 3 * _subnormal_spacing(low)
+                assert (error <= allowed).all(), (rank, step, name, (error - allowed).max().item())
+                largest_error = max(largest_error, error.max().item())
+            assert largest_error > 0, "the gradients did not travel in the narrower dtype"
+
+
+def plain_mean(rank: int, world_size: int, low: torch.dtype) -> dict:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hsync
+
+    f32 = torch.float32
+    x, y = global_batch(0, [4] * world_size, dtype=f32)[2][rank]
+    hook = default_hooks.bf16_compress_hook if low == torch.bfloat16 else default_hooks.fp16_compress_hook
+    models = {"exact": hsync.WeightedDDP(make_net(seed=0, dtype=f32)),
+              "hsync": hsync.WeightedDDP(make_net(seed=0, dtype=f32), comm_dtype=low),
+              "ddp": DDP(make_net(seed=0, dtype=f32), find_unused_parameters=True)}  # Net has unused ones
+    models["ddp"].register_comm_hook(None, hook)
+    grads = {}
+    for name, model in models.items():
+        mse(model(x), y).backward()
+        grads[name] = {n: p.grad.clone() for n, p in model.module.named_parameters() if p.grad is not None}
+    return grads
+
+
+@pytest.mark.parametrize("low", LOW, ids=str)
+def test_a_plain_backward_averages_as_ddp_with_its_compression_hook_does(low):
+    for grads in run_ranks(plain_mean, 2, low):
+        assert grads["hsync"].keys() == grads["exact"].keys() == grads["ddp"].keys()
+        for name, exact in grads["exact"].items():
+            scale = exact.abs().max().item()
+            for who in ("hsync", "ddp"):
+                torch.testing.assert_close(grads[who][name], exact, rtol=4 * _unit_roundoff(low),
+                                           atol=4 * _unit_roundoff(low) * scale, msg=f"{who} {name}")
+            if low == torch.bfloat16:  # DDP rounds, then halves: exact in bfloat16's range, so one rounding too
+                assert torch.equal(grads["hsync"][name], grads["ddp"][name]), name
+
+
+def nonfinite_steps(rank: int, world_size: int, low: torch.dtype) -> list[bool]:
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32), comm_dtype=low)
+    x, y = global_batch(0, [4] * world_size, dtype=torch.float32)[2][rank]
+    poisoned = {"on": False}
+    model.module.out.weight.register_hook(lambda g: g * float("nan") if poisoned["on"] else g)
+    finite = []
+    for case in ("nan on a rank of weight 0", "large", "fine"):
+        model.zero_grad()
+        loss = mse(model(x), y)
+        poisoned["on"] = case.startswith("nan") and rank == 1
+        if case == "large":
+            loss = loss * 1e8  # beyond float16's 65504 once packed, well inside bfloat16's range
+        finite.append(model.backward(loss, weight=0 if poisoned["on"] else 4).finite)
+    return finite
+
+
+@pytest.mark.parametrize("low", LOW, ids=str)
+def test_non_finite_gradients_and_float16_overflow_are_seen_on_every_rank(low):
+    for finite in run_ranks(nonfinite_steps, 2, low):
+        assert finite == [False, low == torch.bfloat16, True]
