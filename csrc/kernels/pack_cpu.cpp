@@ -2,10 +2,14 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
+#include <ATen/ATen.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "checks.h"
 #include "kernels/pack.h"
@@ -40,6 +44,38 @@ bool scale_range(const In* in, Out* out, int64_t begin, int64_t end, double scal
   return all_finite == 0;
 }
 
+template <typename T>
+constexpr bool kIs16Bit = std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>;
+
+// Note [Staged cast]
+// This file is compiled for the baseline ISA, where a float -> bfloat16 or float16 conversion is a
+// scalar bit manipulation: 5.7 and 14 ms for 4 Mi floats, against 0.7 ms for the float32 pack.
+// torch's own cast is vectorised for the machine's ISA (0.5 ms), so a large range is scaled in
+// the wider precision into a chunk that stays in cache, then cast by torch; the written halves are
+// checked for inf/NaN by their exponent bits, which vectorises too. Below kStagedMinimum elements
+// the per-chunk call costs more than the scalar loop saves.
+constexpr int64_t kStagedMinimum = 4096;
+
+template <typename In, typename Out>
+bool scale_range_staged(const In* in, Out* out, int64_t numel, double scale) {
+  using Op = OpMath<In, Out>;
+  constexpr uint16_t kExponentBits = std::is_same_v<Out, c10::Half> ? 0x7C00 : 0x7F80;
+  const int64_t chunk = std::min<int64_t>(numel, kPackGrainSize);
+  std::vector<Op> staged(chunk);
+  const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<Op>::value);
+  const auto out_options = at::TensorOptions().dtype(c10::CppTypeToScalarType<Out>::value);
+  bool nonfinite = false;
+  for (int64_t begin = 0; begin < numel; begin += chunk) {
+    const int64_t n = std::min(chunk, numel - begin);
+    nonfinite |= scale_range(in + begin, staged.data(), 0, n, scale);
+    at::from_blob(out + begin, {n}, out_options).copy_(at::from_blob(staged.data(), {n}, options));
+    int all_finite = 1;
+    for (int64_t i = begin; i < begin + n; ++i) all_finite &= static_cast<int>((out[i].x & kExponentBits) != kExponentBits);
+    nonfinite |= all_finite == 0;
+  }
+  return nonfinite;
+}
+
 // out = in * scale over contiguous tensors (in may be out); whether a value read or written was
 // an inf or NaN.
 template <typename In, typename Out>
@@ -48,7 +84,14 @@ bool scale_contiguous(const at::Tensor& in, const at::Tensor& out, double scale)
   Out* dst = out.data_ptr<Out>();
   std::atomic<bool> nonfinite{false};
   at::parallel_for(0, in.numel(), kPackGrainSize, [&](int64_t begin, int64_t end) {
-    if (scale_range(src, dst, begin, end, scale)) nonfinite.store(true, std::memory_order_relaxed);
+    bool found = false;
+    if constexpr (kIs16Bit<Out> && !std::is_same_v<In, Out>) {
+      found = end - begin >= kStagedMinimum ? scale_range_staged(src + begin, dst + begin, end - begin, scale)
+                                            : scale_range(src, dst, begin, end, scale);
+    } else {
+      found = scale_range(src, dst, begin, end, scale);
+    }
+    if (found) nonfinite.store(true, std::memory_order_relaxed);
   });
   return nonfinite.load();
 }
