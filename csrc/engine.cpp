@@ -109,7 +109,7 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
   locator_.assign(params_.size(), {0, 0});
   for (const auto& indices : assignment) {
     const at::ScalarType dtype = bucket_dtype(indices.front());
-    const int64_t align = std::max<int64_t>(1, kSlotAlignBytes / static_cast<int64_t>(at::elementSize(dtype)));
+    const int64_t align = std::max<int64_t>(1, kSlotAlignBytes / static_cast<int64_t>(c10::elementSize(dtype)));
     std::vector<int64_t> offsets;
     int64_t numel = 0;
     for (int64_t index : indices) {
@@ -118,7 +118,8 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
     }
     const int64_t tail = 1 + static_cast<int64_t>(indices.size());
     Bucket bucket;
-    bucket.buffer = at::zeros({numel + tail}, params_[indices.front()].options().dtype(dtype).requires_grad(false));
+    bucket.buffer = at::zeros({numel + tail},
+                              params_[indices.front()].options().dtype(dtype).requires_grad(false));
     bucket.params = indices;
     for (size_t k = 0; k < indices.size(); ++k) {
       const at::Tensor& param = params_[indices[k]];
@@ -388,9 +389,8 @@ void Engine::write_back(const Bucket& bucket) {
     if (grad.defined()) {
       if (!grad.is_same(reduced)) unpack(reduced, grad);
     } else if (used_on_some_rank(bucket, k)) {  // unused here but used elsewhere
-      grad = grad_is_slot(index) ? reduced
-                                 : at::empty_like(reduced, reduced.options().dtype(params_[index].scalar_type()),
-                                                  at::MemoryFormat::Contiguous);
+      const auto own_dtype = reduced.options().dtype(params_[index].scalar_type());
+      grad = grad_is_slot(index) ? reduced : at::empty_like(reduced, own_dtype, at::MemoryFormat::Contiguous);
       if (!grad.is_same(reduced)) unpack(reduced, grad);
     }
   }

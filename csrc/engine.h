@@ -26,8 +26,8 @@
 // model takes longer to compute than the scalars take to travel): measured on BERT, waiting was
 // about 1% faster, so views scale before the sum too. On GPU the wait is the device's, not the
 // host's (the pack kernel waits on the scalars' all-reduce on the stream), so GPU steps scale
-// before the sum as described above. Buckets of float16 scale before the sum too (the Note's reason, whatever
-// the gradients' own dtype: Note [Communication dtype] in kernels/pack.h).
+// before the sum as described above. A bucket of float16 scales before the sum whatever the
+// gradients' own dtype (a comm_dtype: Note [Communication dtype] in kernels/pack.h).
 //
 // Note [Step lifecycle]
 // A step begins when backward reaches an output of the wrapper's forward (begin_backward), with
@@ -49,9 +49,9 @@
 // write-back copy and no second copy of the gradients in memory. A gradient that is not its
 // slot (the first backward, or any after zero_grad(set_to_none=True)) is packed by copy and the
 // parameter's .grad is then pointed at the slot, so the fresh tensor is freed at once. When the
-// buckets are rebuilt the gradients move to their new slots. A bucket of another dtype than the gradient
-// (a comm_dtype) cannot be its .grad: such a .grad stays a tensor of its own, of its parameter's
-// dtype, and receives the reduced values by a cast, as without views.
+// buckets are rebuilt the gradients move to their new slots. A slot of another dtype than its
+// gradient (a comm_dtype) cannot be the .grad: that .grad stays a tensor of the parameter's dtype
+// and receives the reduced values by a cast, as without views.
 //
 // Note [Which backward synchronises]
 // As with DDP, a plain backward reduces gradients only after the wrapper's own forward ran with

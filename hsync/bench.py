@@ -606,6 +606,9 @@ def markdown(output: dict, args: argparse.Namespace) -> str:
              f"Measured {env['date']} on {where}; Python {env['python']}, torch {env['torch']}, hsync {env['hsync']}. "
              f"Medians (p90) of {args.rounds * args.steps} timed steps per variant in {args.rounds} interleaved "
              "rounds, each step the slowest rank's.", "", *table(output)[1:]]
+    if any(r["workload"].endswith(("-bf16", "-fp16")) for r in output["results"]):
+        lines += ["", "Rows ending in -bf16: hsync with `comm_dtype=torch.bfloat16`, DDP with torch's "
+                  "`bf16_compress_hook`; GB/s count the float32 gradient bytes delivered."]
     if args.plot:
         lines += ["", f"![step times relative to no sync]({os.path.basename(args.plot)})"]
     return "\n".join(lines) + "\n"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
 from hsync._extension import _C
@@ -184,6 +185,8 @@ class WeightedDDP(nn.Module, Joinable):
         self._timeout_s = _resolve_timeout(timeout)
         self.comm_dtype = comm_dtype
         self._uses_default_group = process_group is None or process_group == dist.group.WORLD
+        self._hook_registered = False  # register_comm_hook was called
+        self._steps_begun = False  # a synchronised forward ran: too late for register_comm_hook
         self._syncing = True  # DDP's require_backward_grad_sync
         self._buffers_due = True  # DDP's require_forward_param_sync: the last forward fed a synced step
         self._join_announced = False  # what this rank's last forward under Join told the joined ranks
@@ -287,6 +290,7 @@ class WeightedDDP(nn.Module, Joinable):
         engine = self._ensure_engine()
         if synced:
             engine.expect_gradients(True)
+            self._steps_begun = True
         buffers_due = self._buffers_due and self.forward_sync_buffers
         root = 0
         joining = self._join_config.enable
@@ -312,6 +316,27 @@ class WeightedDDP(nn.Module, Joinable):
         if synced:
             _on_backward_start(output, engine.begin_backward)
         return output
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """DDP's, for torch's compression hooks: `bf16_compress_hook` and `fp16_compress_hook` set
+        `comm_dtype` (the cast then rides in hsync's pack). Any other hook is refused: hsync runs none.
+
+        As with DDP, call it once, on every rank, before the first backward."""
+        dtypes = {default_hooks.bf16_compress_hook: torch.bfloat16, default_hooks.fp16_compress_hook: torch.float16}
+        if hook not in dtypes:
+            raise ValueError(f"hsync.WeightedDDP runs no communication hooks, got {_describe(hook)}; torch's "
+                             "bf16_compress_hook and fp16_compress_hook are taken as comm_dtype=torch.bfloat16 / "
+                             "torch.float16 (see 'Differences from DDP' in the README)")
+        if state is not None and state is not self.process_group:
+            raise ValueError("hsync.WeightedDDP.register_comm_hook: the hook's state must be None or the wrapper's "
+                             "own process group")
+        if self._hook_registered:
+            raise RuntimeError("register_comm_hook can only be called once, as with DDP")
+        if self._steps_begun:
+            raise RuntimeError("register_comm_hook must be called before the first backward, as with DDP")
+        self._hook_registered = True
+        self.comm_dtype = dtypes[hook]
+        self._build_engine(self.process_group or dist.group.WORLD)  # a collective, on every rank alike
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

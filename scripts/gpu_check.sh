@@ -66,7 +66,7 @@ section versions 30 bash -c versions
 ((built == 0)) || exit 1
 section kernels 90 python3 -m pytest "${pytest_args[@]}" tests/gpu/test_kernels_cuda.py
 section nccl 210 python3 -m pytest "${pytest_args[@]}" tests/gpu/test_nccl.py
-section bench 170 python3 -m hsync.bench --device cuda --world-size 1 --only bert-base comm-path \
+section bench 170 python3 -m hsync.bench --device cuda --world-size 1 --only bert-base comm-path-64MiB \
   --rounds 3 --steps 4 --json "$out/bench.json" --markdown "$out/bench.md"
 printf '\nwhole check: %d s\n' $((SECONDS - started)) >> "$report"
 echo "report: $report"

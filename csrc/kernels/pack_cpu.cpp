@@ -39,7 +39,9 @@ bool scale_range(const In* in, Out* out, int64_t begin, int64_t end, double scal
     out[i] = packed;
     all_finite &= static_cast<int>(std::abs(v) <= max);
     // A narrowing cast can overflow (a float32 gradient above float16's 65504 packed as float16).
-    if constexpr (!std::is_same_v<In, Out>) all_finite &= static_cast<int>(std::abs(static_cast<Op>(packed)) <= max);
+    if constexpr (!std::is_same_v<In, Out>) {
+      all_finite &= static_cast<int>(std::abs(static_cast<Op>(packed)) <= max);
+    }
   }
   return all_finite == 0;
 }
@@ -70,7 +72,9 @@ bool scale_range_staged(const In* in, Out* out, int64_t numel, double scale) {
     nonfinite |= scale_range(in + begin, staged.data(), 0, n, scale);
     at::from_blob(out + begin, {n}, out_options).copy_(at::from_blob(staged.data(), {n}, options));
     int all_finite = 1;
-    for (int64_t i = begin; i < begin + n; ++i) all_finite &= static_cast<int>((out[i].x & kExponentBits) != kExponentBits);
+    for (int64_t i = begin; i < begin + n; ++i) {
+      all_finite &= static_cast<int>((out[i].x & kExponentBits) != kExponentBits);
+    }
     nonfinite |= all_finite == 0;
   }
   return nonfinite;

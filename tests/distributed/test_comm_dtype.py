@@ -26,14 +26,14 @@ def _subnormal_spacing(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
 
 
-def weighted_steps(rank: int, world_size: int, low: torch.dtype, views: bool) -> list[dict]:
+def weighted_steps(rank: int, world_size: int, low: torch.dtype, views: bool, device: str = "cpu") -> list[dict]:
     import torch.distributed as dist
 
     import hsync
 
     f32 = torch.float32
-    exact = hsync.WeightedDDP(make_net(seed=0, dtype=f32))
-    cast = hsync.WeightedDDP(make_net(seed=0, dtype=f32), comm_dtype=low, gradient_as_bucket_view=views)
+    exact = hsync.WeightedDDP(make_net(seed=0, dtype=f32).to(device))
+    cast = hsync.WeightedDDP(make_net(seed=0, dtype=f32).to(device), comm_dtype=low, gradient_as_bucket_view=views)
     plain = make_net(seed=0, dtype=f32)
     results = []
     for step, micro_steps in enumerate(SIZES):
@@ -45,7 +45,8 @@ def weighted_steps(rank: int, world_size: int, low: torch.dtype, views: bool) ->
             last = micro == len(micro_steps) - 1
             for model in (exact, cast):
                 with contextlib.nullcontext() if last else model.no_sync():
-                    model.backward(mse(model(x), y) if sizes[rank] else model(x).sum() * 0, weight=sizes[rank])
+                    out = model(x.to(device))
+                    model.backward(mse(out, y.to(device)) if sizes[rank] else out.sum() * 0, weight=sizes[rank])
             if sizes[rank]:
                 plain.zero_grad()
                 mse(plain(x), y).backward()
@@ -57,8 +58,8 @@ def weighted_steps(rank: int, world_size: int, low: torch.dtype, views: bool) ->
         bound = {n: sum(t[n].abs() for mine in everyone for t in mine if n in t) / total
                  for n, _ in plain.named_parameters()}
         results.append({
-            "exact": {n: p.grad.clone() for n, p in exact.module.named_parameters() if p.grad is not None},
-            "cast": {n: p.grad.clone() for n, p in cast.module.named_parameters() if p.grad is not None},
+            "exact": {n: p.grad.cpu() for n, p in exact.module.named_parameters() if p.grad is not None},
+            "cast": {n: p.grad.cpu() for n, p in cast.module.named_parameters() if p.grad is not None},
             "bound": bound,
         })
     return results
@@ -67,8 +68,13 @@ def weighted_steps(rank: int, world_size: int, low: torch.dtype, views: bool) ->
 @pytest.mark.parametrize("views", [False, True], ids=["copied", "views"])
 @pytest.mark.parametrize("low", LOW, ids=str)
 def test_weighted_gradients_are_within_the_rounding_of_the_comm_dtype(low, views):
+    check_within_rounding(run_ranks(weighted_steps, 3, low, views), low)
+
+
+def check_within_rounding(per_rank: list[list[dict]], low: torch.dtype) -> None:
+    """Every rank's gradients of weighted_steps, sent in `low`, against those sent in float32."""
     u = _unit_roundoff(low)
-    for rank, results in enumerate(run_ranks(weighted_steps, 3, low, views)):
+    for rank, results in enumerate(per_rank):
         for step, result in enumerate(results):
             assert result["cast"].keys() == result["exact"].keys()
             largest_error = 0.0
@@ -96,6 +102,8 @@ def plain_mean(rank: int, world_size: int, low: torch.dtype) -> dict:
               "hsync": hsync.WeightedDDP(make_net(seed=0, dtype=f32), comm_dtype=low),
               "ddp": DDP(make_net(seed=0, dtype=f32), find_unused_parameters=True)}  # Net has unused ones
     models["ddp"].register_comm_hook(None, hook)
+    models["hsync_hook"] = hsync.WeightedDDP(make_net(seed=0, dtype=f32))  # DDP's way of asking for it
+    models["hsync_hook"].register_comm_hook(None, hook)
     grads = {}
     for name, model in models.items():
         mse(model(x), y).backward()
@@ -114,6 +122,7 @@ def test_a_plain_backward_averages_as_ddp_with_its_compression_hook_does(low):
                                            atol=4 * _unit_roundoff(low) * scale, msg=f"{who} {name}")
             if low == torch.bfloat16:  # DDP rounds, then halves: exact in bfloat16's range, so one rounding too
                 assert torch.equal(grads["hsync"][name], grads["ddp"][name]), name
+            assert torch.equal(grads["hsync_hook"][name], grads["hsync"][name]), name
 
 
 def nonfinite_steps(rank: int, world_size: int, low: torch.dtype) -> list[bool]:
@@ -138,3 +147,31 @@ def nonfinite_steps(rank: int, world_size: int, low: torch.dtype) -> list[bool]:
 def test_non_finite_gradients_and_float16_overflow_are_seen_on_every_rank(low):
     for finite in run_ranks(nonfinite_steps, 2, low):
         assert finite == [False, low == torch.bfloat16, True]
+
+
+def hook_too_late_or_twice(rank: int, world_size: int) -> list[str]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import hsync
+
+    errors = []
+    twice = hsync.WeightedDDP(make_net(seed=0))
+    twice.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    late = hsync.WeightedDDP(make_net(seed=0))
+    x, y = global_batch(0, [4] * world_size)[2][rank]
+    mse(late(x), y).backward()
+    for model, hook in ((twice, default_hooks.bf16_compress_hook), (late, default_hooks.bf16_compress_hook),
+                        (late, default_hooks.allreduce_hook)):
+        try:
+            model.register_comm_hook(None, hook)
+        except (RuntimeError, ValueError) as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_register_comm_hook_refuses_a_second_call_a_late_call_and_other_hooks():
+    for errors in run_ranks(hook_too_late_or_twice, 2):
+        assert len(errors) == 3, errors
+        assert "can only be called once" in errors[0]
+        assert "before the first backward" in errors[1]
+        assert "runs no communication hooks, got function <function allreduce_hook" in errors[2]

@@ -9,6 +9,7 @@ share a GPU could fail the survivors' teardown when a peer dies.
 import pytest
 import torch
 
+from tests.distributed.test_comm_dtype import check_within_rounding, weighted_steps
 from tests.distributed.test_faults import DEADLINE_S, VICTIM, noticed_after, train_until_victim_strikes
 from tests.distributed.workloads import reference_training, train_weighted
 from tests.spawn import run_ranks, run_ranks_with_victim
@@ -36,6 +37,16 @@ def test_nccl_ranks_on_one_gpu_match_one_process(world_size, grads):
             torch.testing.assert_close(params[name], value, rtol=1e-10, atol=1e-12, msg=f"rank {rank}, {name}")
         assert grads["never_used.weight"] is None
         assert [s[0] for s in stats] == pytest.approx(ref_losses, rel=1e-10)
+
+
+def comm_dtype_on_gpu(rank: int, world_size: int, low: torch.dtype, views: bool):
+    torch.cuda.set_device(0)
+    return weighted_steps(rank, world_size, low, views, "cuda")
+
+
+@pytest.mark.parametrize(("low", "views"), [(torch.bfloat16, False), (torch.float16, True)], ids=str)
+def test_nccl_carries_16_bit_buckets_within_their_rounding(low, views):
+    check_within_rounding(run_ranks(comm_dtype_on_gpu, 3, low, views, env=SOCKET_ENV, timeout=240), low)
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
