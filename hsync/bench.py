@@ -351,6 +351,7 @@ def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: t
     med = {k: statistics.median(v) for k, v in times.items()}
     p90 = {k: statistics.quantiles(v, n=10)[-1] for k, v in times.items()}
     gbytes = 64 * numel * 4 / 1e9
+
     def delivered(variant: str) -> float:
         return gbytes / max(med[variant] - med["nosync"], 1e-9)
 

