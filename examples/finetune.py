@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()  # the new classifier head is expected, not news
     transformers.utils.logging.disable_progress_bar()
 
-    # The model is loaded before init_process_group: transformers loads its model code at first use,
-    # and loaded after it, it can make gloo's shutdown abort the process (hsync/trainer/train.py says how).
+    # The model is loaded before init_process_group: a missing or broken one is refused before any
+    # rank waits on another.
     num_labels = max(label for label, _ in train + test) + 1
     source = str(args.model or get_model_path())
     tokenizer = AutoTokenizer.from_pretrained(source)

@@ -1,6 +1,12 @@
 """hsync: instance-weighted gradient synchronisation for data-parallel PyTorch on mixed GPUs."""
 
-from hsync._extension import _C  # noqa: F401 - loaded first: it refuses a missing or CPU-only build
+# Before the program's init_process_group, so that no later import (torch.optim's first optimizer
+# loads torch._dynamo, which loads it) evaluates its `group=group.WORLD` defaults while a default
+# group exists: kept there, the group outlives destroy_process_group(), and a gloo thread still
+# releasing a collective while the interpreter shuts down aborts the process (torch 2.14.1).
+import torch.distributed.nn  # noqa: F401
+
+from hsync._extension import _C  # noqa: F401 - before the rest of hsync: it refuses a missing or CPU-only build
 from hsync.balance import BalanceConfig, Balancer
 from hsync.ddp import WeightedDDP
 from hsync.evaluation import ShardSampler, sum_over_ranks

@@ -30,10 +30,6 @@ from torch.autograd import DeviceType
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
-
-# Imported at module level, so before init_process_group: imported after it, transformers leaves
-# destroy_process_group unable to free gloo's threads (torch 2.14.1), and a gloo worker still releasing
-# a collective while the interpreter shuts down aborts the process (see hsync/trainer/train.py).
 from transformers import BertConfig, BertForPreTraining
 
 import hsync

@@ -121,10 +121,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def import_transformers() -> None:
     """Loads what this trainer uses of transformers: after the flags are checked (a bad one is refused in
-    a second, not six), but before init_process_group. Loaded after it (and transformers loads its model
-    code lazily, at first use), transformers leaves destroy_process_group unable to free gloo's threads
-    (torch 2.14.1), and a gloo worker still releasing a collective while the interpreter shuts down
-    aborts the process ("terminate called without an active exception", about one exit in 35)."""
+    a second, not six), and before the work starts: transformers loads its model code lazily, at first use,
+    which should not be rank 0's final save while its peers wait."""
     import transformers
     from transformers import BertConfig, BertForPreTraining, BertTokenizerFast  # noqa: F401 - loaded, used later
 

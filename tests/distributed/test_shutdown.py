@@ -1,11 +1,17 @@
 """Models still alive when the process group is destroyed and the interpreter exits.
 
 Holding the group strongly kept its gloo threads running into interpreter shutdown, where one of
-them could abort the process (about one exit in three on two cores): the ranks must exit cleanly.
+them could abort the process (about one exit in three on two cores): the ranks must exit cleanly,
+and destroy_process_group() must end the group's threads.
 """
+
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tests.spawn import run_ranks
@@ -29,3 +35,31 @@ def train_and_keep(rank: int, world_size: int) -> int:
 def test_processes_exit_cleanly_with_models_alive():
     for _ in range(5):
         assert run_ranks(train_and_keep, 2) == [4, 4]
+
+
+def gloo_threads() -> list[str]:
+    names = (Path("/proc/self/task", task, "comm").read_text().strip() for task in os.listdir("/proc/self/task"))
+    return sorted(name for name in names if "gloo" in name)
+
+
+def first_optimizer_after_init(rank: int, world_size: int) -> tuple[bool, list[str], list[str]]:
+    import hsync
+
+    dynamo_was_loaded = "torch._dynamo" in sys.modules
+    model = hsync.WeightedDDP(nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters())  # the process's first: it loads torch._dynamo
+    model.backward(model(torch.randn(4, 8)).sum(), weight=4)
+    optimizer.step()
+    running = gloo_threads()
+    dist.destroy_process_group()
+    return dynamo_was_loaded, running, gloo_threads()
+
+
+def test_destroy_process_group_ends_gloo_threads_after_the_first_optimizer():
+    # minimal.py's shape: hsync imported, then init_process_group, then the first optimizer. Its
+    # imports kept the default group in torch.distributed.nn's defaults, and about one torchrun
+    # exit in four aborted ("terminate called without an active exception").
+    for dynamo_was_loaded, running, after in run_ranks(first_optimizer_after_init, 2):
+        assert not dynamo_was_loaded, "the case needs torch._dynamo first loaded after init_process_group"
+        assert running, "gloo threads expected while the group lives"
+        assert after == []
