@@ -343,7 +343,10 @@ void Engine::finalize() {
   }
 
   std::vector<at::Tensor> flags;
-  for (const Bucket& bucket : buckets_) flags.push_back(bucket.nonfinite_flag.to(at::kDouble));
+  for (const Bucket& bucket : buckets_) {
+    flags.push_back(bucket.nonfinite_flag.to(at::kDouble));
+    if (bucket.buffer.scalar_type() == at::kHalf) flags.push_back(sum_overflowed(bucket));
+  }
   last_grad_nonfinite_ = at::cat(flags).sum();
 
   if (!rebuilt_) {
@@ -369,6 +372,13 @@ bool Engine::used_on_some_rank(const Bucket& bucket, size_t k) {
   return tails_on_host_.const_data_ptr<double>()[bucket.tail_offset + 1 + static_cast<int64_t>(k)] > 0;
 }
 
+at::Tensor Engine::sum_overflowed(const Bucket& bucket) {
+  // Each rank's term fits float16 (pack raises the flag otherwise), but their sum may not. Summed in
+  // float32, a float16 bucket is finite exactly when all its values are: one pass, on the device.
+  const at::Tensor values = bucket.buffer.narrow(0, 0, bucket.buffer.numel() - bucket.tail.numel());
+  return at::isfinite(values.sum(at::kFloat)).logical_not().to(at::kDouble).reshape({1});
+}
+
 void Engine::write_back(const Bucket& bucket) {
   // Cast back to the gradient's dtype (Note [Communication dtype]) and normalised on the way out
   // when deferred (Note [Deferred normalisation]).
@@ -377,9 +387,9 @@ void Engine::write_back(const Bucket& bucket) {
       grad.copy_(reduced);
     } else if (grad.is_contiguous()) {
       scale_cpu(reduced, grad, write_back_scale_);
-    } else {
-      grad.copy_(reduced);
-      grad.mul_(write_back_scale_);
+    } else {  // scaled before the cast: an unnormalised sum may not fit a float16 gradient
+      const auto wide = at::promote_types(reduced.scalar_type(), at::kFloat);
+      grad.copy_(reduced.to(wide, /*non_blocking=*/false, /*copy=*/true).mul_(write_back_scale_));
     }
   };
   for (size_t k = 0; k < bucket.params.size(); ++k) {

@@ -177,6 +177,8 @@ class Engine {
   void pack(size_t index, const at::Tensor& grad);
   void launch_complete_buckets();
   void finalize();
+  // 1 if a float16 bucket's all-reduce overflowed; a one-element float64 tensor on the device.
+  static at::Tensor sum_overflowed(const Bucket& bucket);
   void write_back(const Bucket& bucket);
   // Whether a parameter with no gradient on this rank got one elsewhere (its reduced used flag),
   // which decides whether it gets a .grad here.

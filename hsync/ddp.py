@@ -40,6 +40,9 @@ from hsync.stats import (
 
 _MIB = 1024 * 1024
 _COMM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# torch's compression hooks that register_comm_hook takes, as the comm_dtype each stands for.
+_COMPRESS_HOOK_DTYPES = {default_hooks.bf16_compress_hook: torch.bfloat16,
+                         default_hooks.fp16_compress_hook: torch.float16}
 _MAX_TIMEOUT = datetime.timedelta(days=365)  # the engine's clocks count nanoseconds in 64 bits
 _instances = itertools.count()  # same sequence on every rank: names this wrapper's store keys
 
@@ -206,15 +209,16 @@ class WeightedDDP(nn.Module, Joinable):
             buffers = self._synced_buffers() if init_buffers else []
             self._engine.broadcast_coalesced([p.detach() for p in _reduced_parameters(module)] + buffers, 0)
 
-    def _build_engine(self, group: dist.ProcessGroup) -> None:
-        """Checks the model across ranks and builds the engine: at wrap time, and lazily for a copy."""
+    def _build_engine(self, group: dist.ProcessGroup, refusal: Exception | None = None) -> None:
+        """Checks the model across ranks and builds the engine: at wrap time, and lazily for a copy.
+        `refusal`: this rank's reason not to build it, raised on every rank after the check."""
         # Weakly, like the engine: destroy_process_group() must be able to free the group (and join
         # its threads) while the model lives on; a group freed at interpreter exit aborts it.
         self._group = weakref.ref(group)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         named = [(name, p) for name, p in _reduced_parameters(self.module, named=True) if p.requires_grad]
-        _verify_same_model(group, self.module, self._settings_that_must_agree())
+        _verify_same_model(group, self.module, self._settings_that_must_agree(), refusal)
         self.device = named[0][1].device
         self._engine = _C.Engine(
             [p for _, p in named],
@@ -322,21 +326,31 @@ class WeightedDDP(nn.Module, Joinable):
         `comm_dtype` (the cast then rides in hsync's pack). Any other hook is refused: hsync runs none.
 
         As with DDP, call it once, on every rank, before the first backward."""
-        dtypes = {default_hooks.bf16_compress_hook: torch.bfloat16, default_hooks.fp16_compress_hook: torch.float16}
-        if hook not in dtypes:
-            raise ValueError(f"hsync.WeightedDDP runs no communication hooks, got {_describe(hook)}; torch's "
-                             "bf16_compress_hook and fp16_compress_hook are taken as comm_dtype=torch.bfloat16 / "
-                             "torch.float16 (see 'Differences from DDP' in the README)")
-        if state is not None and state is not self.process_group:
-            raise ValueError("hsync.WeightedDDP.register_comm_hook: the hook's state must be None or the wrapper's "
-                             "own process group")
-        if self._hook_registered:
-            raise RuntimeError("register_comm_hook can only be called once, as with DDP")
-        if self._steps_begun:
-            raise RuntimeError("register_comm_hook must be called before the first backward, as with DDP")
+        refusal = self._comm_hook_refusal(state, hook)
+        previous = self.comm_dtype
+        if refusal is None:
+            self.comm_dtype = _COMPRESS_HOOK_DTYPES[hook]
+        try:
+            # A collective on every rank, refused or not: a rank's refusal is then raised on every rank.
+            self._build_engine(self.process_group or dist.group.WORLD, refusal)
+        except BaseException:
+            self.comm_dtype = previous
+            raise
         self._hook_registered = True
-        self.comm_dtype = dtypes[hook]
-        self._build_engine(self.process_group or dist.group.WORLD)  # a collective, on every rank alike
+
+    def _comm_hook_refusal(self, state: object, hook: Callable) -> Exception | None:
+        if hook not in _COMPRESS_HOOK_DTYPES:
+            return ValueError(f"hsync.WeightedDDP runs no communication hooks, got {_describe(hook)}; torch's "
+                              "bf16_compress_hook and fp16_compress_hook are taken as comm_dtype=torch.bfloat16 / "
+                              "torch.float16 (see 'Differences from DDP' in the README)")
+        if state is not None and state is not self.process_group:
+            return ValueError("hsync.WeightedDDP.register_comm_hook: the hook's state must be None or the "
+                              "wrapper's own process group")
+        if self._hook_registered:
+            return RuntimeError("register_comm_hook can only be called once, as with DDP")
+        if self._steps_begun:
+            return RuntimeError("register_comm_hook must be called before the first backward, as with DDP")
+        return None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -730,21 +744,25 @@ def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
     return signature, problems
 
 
-def _verify_same_model(group: dist.ProcessGroup, module: nn.Module, settings: dict[str, object]) -> None:
-    """Raises the same error on every rank if the ranks' models or `settings` differ (RuntimeError, as
-    DDP's) or one cannot be wrapped (ValueError)."""
+def _verify_same_model(group: dist.ProcessGroup, module: nn.Module, settings: dict[str, object],
+                       refusal: Exception | None = None) -> None:
+    """Raises the same error on every rank if a rank refused (its `refusal`, naming the rank), the ranks'
+    models or `settings` differ (RuntimeError, as DDP's) or one cannot be wrapped (ValueError)."""
     gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (*_model_signature(module), settings), group=group)
-    for rank, (_, problems, _) in enumerate(gathered):
+    dist.all_gather_object(gathered, (*_model_signature(module), settings, refusal), group=group)
+    for rank, (*_, theirs) in enumerate(gathered):
+        if theirs is not None:
+            raise type(theirs)(f"{theirs} (on rank {rank})")
+    for rank, (_, problems, _, _) in enumerate(gathered):
         if problems:
             raise ValueError(f"hsync: cannot wrap the model: on rank {rank}, {problems[0]}")
-    for rank, (_, _, theirs) in enumerate(gathered[1:], start=1):
+    for rank, (_, _, theirs, _) in enumerate(gathered[1:], start=1):
         for name, value in gathered[0][2].items():
             if theirs[name] != value:
                 raise RuntimeError(f"hsync.WeightedDDP: {name} differs across ranks: {value} on rank 0, "
                                    f"{theirs[name]} on rank {rank}")
     reference = gathered[0][0]
-    for rank, (signature, _, _) in enumerate(gathered[1:], start=1):
+    for rank, (signature, *_) in enumerate(gathered[1:], start=1):
         difference = _first_difference(reference, signature, rank)
         if difference:
             raise RuntimeError(f"hsync: the model differs across ranks: {difference}")

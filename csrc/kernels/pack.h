@@ -15,7 +15,7 @@
 // before the all-reduce, and cast and divide again after it). The product is computed in the
 // wider of the two types and rounded once. The non-finite flag is raised by a non-finite value
 // read or written, so a float32 gradient that overflows float16 is reported, not silently summed
-// as inf.
+// as inf; a float16 sum that overflows is flagged after the all-reduce (Engine::sum_overflowed).
 #pragma once
 
 #include <ATen/ATen.h>

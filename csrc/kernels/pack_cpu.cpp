@@ -8,8 +8,8 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <type_traits>
-#include <vector>
 
 #include "checks.h"
 #include "kernels/pack.h"
@@ -63,14 +63,15 @@ bool scale_range_staged(const In* in, Out* out, int64_t numel, double scale) {
   using Op = OpMath<In, Out>;
   constexpr uint16_t kExponentBits = std::is_same_v<Out, c10::Half> ? 0x7C00 : 0x7F80;
   const int64_t chunk = std::min<int64_t>(numel, kPackGrainSize);
-  std::vector<Op> staged(chunk);
+  const std::unique_ptr<Op[]> staged(new Op[chunk]);  // uninitialised: every element is written first
   const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<Op>::value);
   const auto out_options = at::TensorOptions().dtype(c10::CppTypeToScalarType<Out>::value);
   bool nonfinite = false;
   for (int64_t begin = 0; begin < numel; begin += chunk) {
     const int64_t n = std::min(chunk, numel - begin);
-    nonfinite |= scale_range(in + begin, staged.data(), 0, n, scale);
-    at::from_blob(out + begin, {n}, out_options).copy_(at::from_blob(staged.data(), {n}, options));
+    nonfinite |= scale_range(in + begin, staged.get(), 0, n, scale);
+    // Inside at::parallel_for this copy runs on the calling worker: ATen does not nest parallel regions.
+    at::from_blob(out + begin, {n}, out_options).copy_(at::from_blob(staged.get(), {n}, options));
     int all_finite = 1;
     for (int64_t i = begin; i < begin + n; ++i) {
       all_finite &= static_cast<int>((out[i].x & kExponentBits) != kExponentBits);

@@ -100,7 +100,8 @@ class TrainConfig:
     less in memory and no copy back after each reduction. --no-bucket-views copies them, as DDP does."""
     comm_dtype: str = "fp32"
     """Dtype the gradients travel in: fp32 (the model's own), or bf16 / fp16 for half the bytes on the wire,
-    each gradient rounded once to it (fp16's range is checked: an overflow counts as a non-finite step)."""
+    each gradient rounded once to it (fp16's range is checked, before and after the sum: an overflow counts
+    as a non-finite step)."""
     collective_timeout: float = 0.0
     """Seconds any one gradient collective may take before every rank stops with an error naming it;
     0: hsync's default (HSYNC_TIMEOUT, else 300)."""

@@ -175,3 +175,48 @@ def test_register_comm_hook_refuses_a_second_call_a_late_call_and_other_hooks():
         assert "can only be called once" in errors[0]
         assert "before the first backward" in errors[1]
         assert "runs no communication hooks, got function <function allreduce_hook" in errors[2]
+
+
+def sum_beyond_float16(rank: int, world_size: int, low: torch.dtype) -> tuple[bool, float]:
+    import hsync
+
+    layer = torch.nn.Linear(1, 1, bias=False)
+    model = hsync.WeightedDDP(layer, comm_dtype=low)
+    # The gradient is 100000 on every rank: each rank's half, 50000, fits float16; their sum does not.
+    stats = model.backward((model(torch.ones(1, 1)) * 1e5).sum(), weight=1)
+    return stats.finite, float(layer.weight.grad)
+
+
+@pytest.mark.parametrize("low", LOW, ids=str)
+def test_a_float16_sum_that_overflows_is_seen_on_every_rank(low):
+    for finite, grad in run_ranks(sum_beyond_float16, 2, low):
+        if low == torch.float16:
+            assert (finite, grad) == (False, float("inf"))
+        else:
+            assert finite
+            assert grad == pytest.approx(1e5, rel=2**-8)
+
+
+def hook_refused_on_one_rank(rank: int, world_size: int) -> tuple[str, str, str | None]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0))
+    try:
+        model.register_comm_hook(None, default_hooks.allreduce_hook if rank == 1 else default_hooks.bf16_compress_hook)
+        error = "none"
+    except ValueError as refused:
+        error = str(refused)
+    after_refusal = str(model.comm_dtype)
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)  # the refused call left nothing behind
+    return error, after_refusal, str(model.comm_dtype)
+
+
+def test_a_hook_refused_on_one_rank_is_raised_on_every_rank():
+    errors, after_refusal, after = zip(*run_ranks(hook_refused_on_one_rank, 2, timeout=30), strict=True)
+    assert errors[0] == errors[1], errors
+    assert "runs no communication hooks, got function <function allreduce_hook" in errors[0]
+    assert errors[0].endswith("(on rank 1)")
+    assert after_refusal == ("None", "None")
+    assert after == ("torch.float16", "torch.float16")

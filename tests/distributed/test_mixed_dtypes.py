@@ -72,3 +72,28 @@ def test_one_comm_dtype_puts_every_dtype_in_the_same_buckets():
         for name, value in expected.items():
             assert got[name].dtype == (torch.float16 if name.startswith("low") else torch.float32)
             torch.testing.assert_close(got[name].double(), value, rtol=2e-2, atol=1e-3, msg=name)
+
+
+def large_float16_gradients(rank: int, world_size: int) -> list[tuple[bool, torch.Tensor]]:
+    import hsync
+
+    net = nn.Module()
+    net.contiguous = nn.Parameter(torch.ones(4, 3, dtype=torch.float16))
+    net.transposed = nn.Parameter(torch.ones(3, 4, dtype=torch.float16).t())
+    # Buckets of float32: on the CPU the sum is normalised at the write-back, and the sum of the
+    # weighted terms (3 x 10000 + 8 x 20000 = 190000) does not fit float16, only the mean does.
+    model = hsync.WeightedDDP(net, comm_dtype=torch.float32)
+    per_example = 10000.0 * (rank + 1)
+    loss = sum((p.float() * per_example).sum() for p in (net.contiguous, net.transposed))
+    model.backward(loss, weight=SIZES[rank])
+    return [(p.grad.is_contiguous(), p.grad) for p in (net.contiguous, net.transposed)]
+
+
+def test_float16_gradients_normalised_at_the_write_back_are_scaled_before_the_cast():
+    mean = sum(SIZES[r] * 10000.0 * (r + 1) for r in range(2)) / sum(SIZES)
+    for per_param in run_ranks(large_float16_gradients, 2):
+        assert [contiguous for contiguous, _ in per_param] == [True, False]  # both ways of writing back
+        for _, grad in per_param:
+            assert grad.dtype == torch.float16
+            torch.testing.assert_close(grad.double(), torch.full(grad.shape, mean, dtype=torch.float64), rtol=1e-3,
+                                       atol=0)
