@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hsync.balance.memory import DeviceMemory
 from hsync.balance.planner import (
     RankCost,
     fit_affine,
@@ -181,6 +182,8 @@ class Balancer:
         if config.rank_batch_sizes is not None and len(config.rank_batch_sizes) != self.world_size:
             raise ValueError(f"BalanceConfig.rank_batch_sizes has {len(config.rank_batch_sizes)} sizes for "
                              f"{self.world_size} ranks")
+        # What bounds micro-batches besides micro_batch_limit: a GPU's memory (on the CPU, nothing).
+        self._memory = DeviceMemory(model.device) if model.device.type == "cuda" else None
         self._check_same_everywhere()
         self._names = {q: [f"hsync.balance.{q}/{r}" for r in range(self.world_size)] for q in _QUANTITIES}
         model._declare_metrics([name for names in self._names.values() for name in names])
@@ -405,29 +408,26 @@ class Balancer:
         """Units of work rank `rank` may run in one micro-batch: the configured limit, and on a GPU what its
         memory allows as it last reported, or, before that is known, an equal share."""
         cap = self._limits[rank]
-        if self.model.device.type == "cuda":
+        if self._memory is not None:
             capacity = self._capacities[rank] if measured else 0.0
             cap = min(cap, capacity if capacity > 0 else self._equal_share_units)
         return cap
 
     def _measure_memory(self, units: float) -> None:
-        device = self.model.device
-        if device.type != "cuda":
+        if self._memory is None:
             return
         # The peak since the last micro-batch's backward: this micro-batch's forward and backward
         # (and the optimizer step before it, when it is a step's first). The engine's buckets are
         # resident throughout, so they are part of the fitted base.
-        self._memory_fit.add(units, float(torch.cuda.max_memory_allocated(device)))
-        torch.cuda.reset_peak_memory_stats(device)
+        self._memory_fit.add(units, float(self._memory.take_peak_bytes()))
 
     def _capacity(self) -> float:
         """This rank's largest micro-batch in units by its measured peak memory (0: not known)."""
-        device = self.model.device
-        line = self._memory_fit.line() if device.type == "cuda" else None
+        line = self._memory_fit.line() if self._memory is not None else None
         if line is None:
             return 0.0
         base, per_unit = line
-        room = self.config.memory_fraction * torch.cuda.get_device_properties(device).total_memory - base
+        room = self.config.memory_fraction * self._memory.total_bytes() - base
         return max(1.0, min(room / per_unit, _CAPACITY_GROWTH * self._memory_fit.largest_units()))
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -471,7 +471,7 @@ class Balancer:
         config = self.config
         mine = (len(self._costs), sum(self._costs), config.global_batch_size, config.seed, config.shuffle,
                 config.rank_batch_sizes and list(config.rank_batch_sizes), self._limits, config.replan_every,
-                config.warmup_steps, config.probe_steps, config.min_gain)
+                config.warmup_steps, config.probe_steps, config.min_gain, self._memory is not None)
         group = self.model.process_group
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=group)

@@ -257,6 +257,75 @@ def test_a_plan_that_measured_slower_is_undone():
     assert all(p == [32, 32] for p in plans[-10:]), plans
 
 
+class SimulatedMemory:
+    """A device of `total` bytes on which a micro-batch of n units peaks at base + n * per_unit bytes, read
+    by the balancer as it reads a GPU's; a micro-batch that does not fit fails as it would there."""
+
+    def __init__(self, total: float, base: float, per_unit: float) -> None:
+        self.total, self.base, self.per_unit = total, base, per_unit
+        self.peak = base
+
+    def run(self, units: int) -> None:
+        needed = self.base + units * self.per_unit
+        if needed > self.total:
+            raise torch.OutOfMemoryError(f"a micro-batch of {units} units needs {needed:.0f} of {self.total:.0f} bytes")
+        self.peak = max(self.peak, needed)
+
+    def total_bytes(self) -> int:
+        return int(self.total)
+
+    def take_peak_bytes(self) -> int:
+        peak, self.peak = self.peak, self.base
+        return int(peak)
+
+
+def memory_bounded(rank, world_size, units_that_fit: list[float]):
+    """Rank 0 three times as fast as rank 1 (the optimum of 64 examples: 48 + 16), each rank's memory
+    holding `units_that_fit` examples in one micro-batch at BalanceConfig's memory_fraction of 0.9. The
+    balancer learns from the measured peaks what fits, as on a GPU: (plans, micro-batches per step, and
+    the largest micro-batch this rank ran once the plan is in force)."""
+    import hsync
+
+    model = hsync.WeightedDDP(make_model())
+    balancer = hsync.Balancer(model, 64 * 8, hsync.BalanceConfig(global_batch_size=64, replan_every=10))
+    KnownCosts([0.01, 0.01], [0.01, 0.03], 0.02).install(balancer)
+    base, per_unit = 1e6, 1e4
+    memory = SimulatedMemory((base + units_that_fit[rank] * per_unit) / 0.9, base, per_unit)
+    balancer._memory = memory
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    plans, micro_counts, largest = [], [], 0
+    data = Numbers(64 * 8)
+    count = 0
+    for epoch in range(8):
+        balancer.set_epoch(epoch)
+        for indices in balancer:
+            memory.run(len(indices))
+            count += 1
+            if len(plans) >= 22:
+                largest = max(largest, len(indices))
+            x, y = stacked(data, indices)
+            if balancer.backward(nn.functional.mse_loss(model(x), y)):
+                optimizer.step()
+                plans.append(balancer.last_plan)
+                micro_counts.append(count)
+                count = 0
+    return plans, micro_counts, largest
+
+
+@pytest.mark.parametrize(("fits", "micro_batches", "largest"), [
+    (40.0, 2, 40),  # memory for less than its share: the share runs as 40 + 8 (or 39 + 9: rounding)
+    (60.0, 1, 48),  # for more than an equal share: the whole share at once, once measured
+], ids=["small-memory", "large-memory"])
+def test_a_fast_rank_gets_its_share_in_micro_batches_its_memory_holds(fits, micro_batches, largest):
+    # Before any measurement a micro-batch holds at most an equal share (32): the probe splits' shares of
+    # 48 run as 32 + 16, and their peaks give each rank's fit of memory against units.
+    results = run_ranks(memory_bounded, 2, [fits, 1000.0], timeout=240)
+    (plans, counts, biggest), (_, slow_counts, _) = results
+    assert len(plans) == 64 and all(p == [48, 16] for p in plans[22:]), plans
+    assert counts[22:] == [micro_batches] * 42 and largest - 1 <= biggest <= largest, (counts, biggest)
+    assert slow_counts[22:] == [1] * 42, "the slow rank's 16 fit in one micro-batch"
+
+
 def refused_on_every_rank(rank, world_size):
     import hsync
 
