@@ -1,0 +1,115 @@
+"""Mixed-speed rows: hsync.Balancer against DDP's equal batches, ranks slowed by a known factor."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import hsync
+from hsync.balance import SimulatedSlowdown
+from hsync.bench.result import NAN, Result
+from hsync.bench.workloads import bert_workload, masked_batch
+
+
+def mixed_speeds(name: str, device: torch.device, slowdowns: list[float], rounds: int, steps: int,
+                 quick: bool) -> Result:
+    """Ranks slowed down by `slowdowns` (SimulatedSlowdown: rank r's steps take slowdowns[r] times its
+    work): hsync.Balancer planning from measurements against DDP with equal batches, in samples per
+    second. Rounds of each alternate; the first step of a round, which carries the switch, is not timed.
+
+    If every step of a rank takes f_r times its work, the best split finishes all ranks together and
+    beats DDP's by max(f) * sum(1 / f) / world, whatever the fixed part of a step (`ideal_speedup`),
+    on independent devices. Ranks on a CPU share its cores: at that split they would compute
+    sum(1 / f) cores' worth at once, and with fewer cores the best is less (`cores_bound_speedup`)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if len(slowdowns) != world:
+        raise ValueError(f"{len(slowdowns)} slowdowns for {world} ranks")
+    hidden, layers, batch, seq = (32, 1, 4, 32) if quick else (128, 2, 32, 64)
+    workload = bert_workload("mixed", hidden, layers, batch, seq, device)
+    global_batch = workload.samples * world
+    pool = masked_batch(torch.Generator().manual_seed(0), 8 * global_batch, seq, 8000, device)  # alike everywhere
+
+    # BERT's buffers are constants: broadcasting them would only add a meeting point to each step.
+    torch.manual_seed(0)
+    ours = hsync.WeightedDDP(workload.make_model(), forward_sync_buffers=False)
+    torch.manual_seed(0)
+    theirs = DistributedDataParallel(workload.make_model(), forward_sync_buffers=False)
+    balancer = hsync.Balancer(ours, len(pool[0]), hsync.BalanceConfig(
+        global_batch_size=global_batch, replan_every=10, simulate_slowdown=slowdowns[rank]))
+    ddp_slowdown = SimulatedSlowdown(slowdowns[rank], device)
+    optimizers = {"hsync": torch.optim.SGD(ours.parameters(), lr=1e-4),
+                  "ddp": torch.optim.SGD(theirs.parameters(), lr=1e-4)}
+
+    def micro_batches() -> Iterator[list[int]]:
+        while True:
+            yield from balancer
+
+    hsync_batches = micro_batches()
+    ddp_cursor = 0
+
+    def hsync_step() -> None:
+        while True:
+            indices = next(hsync_batches)
+            loss = workload.loss(ours, tuple(t[indices] for t in pool))
+            if balancer.backward(loss) is not None:
+                break
+        optimizers["hsync"].step()
+        optimizers["hsync"].zero_grad()
+
+    def ddp_step() -> None:
+        nonlocal ddp_cursor
+        share = workload.samples
+        start = (ddp_cursor + rank * share) % len(pool[0])
+        ddp_cursor += global_batch
+        loss = workload.loss(theirs, tuple(t[start:start + share] for t in pool))
+        ddp_slowdown.pause_ahead()  # before the backward, which ends with the reduction
+        loss.backward()
+        optimizers["ddp"].step()
+        optimizers["ddp"].zero_grad()
+        ddp_slowdown.step_done()
+
+    def timed(step: Callable[[], None], count: int) -> list[float]:
+        slowdown = balancer.slowdown if step is hsync_step else ddp_slowdown
+        slowdown.restart()  # the other variant's work is no part of this one's first step
+        step()  # the switch from the other variant's round
+        times, started = [], time.perf_counter()
+        for _ in range(count):
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            times.append(now - started)
+            started = now
+        return times
+
+    # Warm-up: the balancer's warm-up and probe steps and its measurement of the equal split, until
+    # the plan from measurements is in force.
+    while balancer.decisions < 2:
+        hsync_step()
+    for _ in range(2):
+        hsync_step()
+    first_plan = balancer.planned_split()
+    timed(ddp_step, 2)
+    times: dict[str, list[float]] = {"hsync": [], "ddp": []}
+    for _ in range(rounds):
+        times["hsync"] += timed(hsync_step, steps)
+        times["ddp"] += timed(ddp_step, steps)
+    stacked = torch.tensor([times["hsync"], times["ddp"]], dtype=torch.float64)
+    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)  # a step lasts as long as on its slowest rank
+    hs, dd = (statistics.median(row.tolist()) for row in stacked)
+    hs90, dd90 = (statistics.quantiles(row.tolist(), n=10)[-1] for row in stacked)
+    extra = {"hsync_samples_per_s": global_batch / hs, "ddp_samples_per_s": global_batch / dd,
+             "speedup_vs_ddp": dd / hs, "ideal_speedup": max(slowdowns) * sum(1 / f for f in slowdowns) / world}
+    if device.type == "cpu":
+        # At the ideal split rank r computes 1 / f_r of the time: ranks sharing too few cores cannot.
+        demand = sum(1 / f for f in slowdowns) / (os.cpu_count() or 1)
+        extra["cores_bound_speedup"] = extra["ideal_speedup"] / max(1.0, demand)
+    extra |= {f"first_plan_rank{r}": n for r, n in enumerate(first_plan)}
+    extra |= {f"plan_rank{r}": n for r, n in enumerate(balancer.last_plan)}
+    return Result(name, hs, dd, NAN, hs90, dd90, NAN, global_batch, extra=extra)

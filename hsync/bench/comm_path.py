@@ -1,0 +1,92 @@
+"""The reduction alone, against DDP and the wire's own limit."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import hsync
+from hsync.bench.result import MIB, Result
+from hsync.bench.workloads import ddp_with_hook, dtype_suffix
+
+
+class Gradients(nn.Module):
+    """Parameters whose forward returns a view of each: backward hands the given gradients straight to
+    the sync hooks, with no compute to hide the reduction behind."""
+
+    def __init__(self, count: int, numel: int, device: torch.device) -> None:
+        super().__init__()
+        self.tensors = nn.ParameterList(nn.Parameter(torch.zeros(numel, device=device)) for _ in range(count))
+
+    def forward(self) -> list[torch.Tensor]:
+        return [p.view_as(p) for p in self.tensors]
+
+
+def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: torch.dtype | None = None) -> Result:
+    """The reduction alone: hooks + pack + all-reduce + unpack of 64 float32 gradients through hsync and
+    through torch DDP (same bucket cap), over the same backward without sync; in the notes, torch's
+    all-reduce of the same bytes as one flat tensor (the wire's limit) and tensor by tensor, and, on
+    GPU, a device-to-device copy (the memory's limit for pack and unpack).
+
+    With a `comm_dtype`, hsync communicates in it and DDP uses torch's matching compression hook; the flat
+    all-reduce is then of that dtype, and hsync in float32 runs beside them (`hsync_fp32`), so the gain
+    is measured in the same rounds. GB/s count the float32 gradient bytes delivered."""
+    numel = int(megabytes * MIB / 4) // 64
+    nets = {"hsync": hsync.WeightedDDP(Gradients(64, numel, device), comm_dtype=comm_dtype),
+            "ddp": ddp_with_hook(DistributedDataParallel(Gradients(64, numel, device)), comm_dtype),
+            "nosync": Gradients(64, numel, device)}
+    if comm_dtype is not None:
+        nets["hsync_fp32"] = hsync.WeightedDDP(Gradients(64, numel, device))
+    grads = [torch.ones(numel, device=device) for _ in range(64)]
+    flat = torch.cat(grads).to(comm_dtype or torch.float32)
+    copy_dst = torch.empty_like(flat)
+
+    def backward_of(net: nn.Module) -> Callable[[], None]:
+        def step() -> None:
+            torch.autograd.backward(net(), grads)
+            net.zero_grad(set_to_none=True)
+        return step
+
+    def per_tensor() -> None:
+        for work in [dist.all_reduce(g, async_op=True) for g in grads]:
+            work.wait()
+
+    steps = {name: backward_of(net) for name, net in nets.items()}
+    steps |= {"flat": lambda: dist.all_reduce(flat), "per_tensor": per_tensor}
+    if device.type == "cuda":
+        steps["copy"] = lambda: copy_dst.copy_(flat)
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for round_index in range(rounds + 1):
+        for name, fn in steps.items():
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if round_index:
+                times[name].append(time.perf_counter() - started)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    p90 = {k: statistics.quantiles(v, n=10)[-1] for k, v in times.items()}
+    gbytes = 64 * numel * 4 / 1e9
+
+    def delivered(variant: str) -> float:
+        return gbytes / max(med[variant] - med["nosync"], 1e-9)
+
+    extra = {"hsync_buckets": len(nets["hsync"].bucket_params), "hsync_gb_per_s": delivered("hsync"),
+             "ddp_gb_per_s": delivered("ddp"), "torch_flat_gb_per_s": gbytes / med["flat"],
+             "torch_per_tensor_gb_per_s": gbytes / med["per_tensor"]}
+    if "hsync_fp32" in med:
+        extra |= {"hsync_fp32_gb_per_s": delivered("hsync_fp32"),
+                  "gb_per_s_vs_hsync_fp32": delivered("hsync") / delivered("hsync_fp32")}
+    if "copy" in med:
+        extra["device_copy_gb_per_s"] = 2 * flat.nbytes / 1e9 / med["copy"]  # read + write
+    return Result(f"comm-path-{megabytes:g}MiB{dtype_suffix(comm_dtype)}", med["hsync"], med["ddp"], med["nosync"],
+                  p90["hsync"], p90["ddp"], p90["nosync"], 0, extra=extra)

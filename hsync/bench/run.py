@@ -1,0 +1,152 @@
+"""The command line: which rows run, on how many ranks, spawned here or under torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from hsync.bench.balancing import mixed_speeds
+from hsync.bench.comm_path import comm_path
+from hsync.bench.report import environment, report, write_outputs
+from hsync.bench.result import Result
+from hsync.bench.training import time_variants
+from hsync.bench.workloads import bert_workload, dtype_suffix, mover_workload
+
+
+@dataclass
+class Job:
+    name: str
+    world: int | None
+    """Ranks it needs; None: --world-size."""
+    run: Callable[[], Result]
+
+
+def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
+    """Every workload the options select, in the order they run."""
+    if args.quick:
+        plan = [("bert", dict(name="bert-micro", hidden=32, layers=1, batch=4, seq=32)), ("mover", 50),
+                ("bert", dict(name="bert-micro-bucket-views", hidden=32, layers=1, batch=4, seq=32,
+                              bucket_views=True))]
+        caps, comm_mb = [1.0], [1.0]
+    elif device.type == "cuda":
+        base = dict(hidden=768, layers=12, batch=32, seq=128)
+        plan = [("bert", dict(name="bert-base", **base)), ("mover", 600),
+                ("bert", dict(name="bert-base-bucket-views", bucket_views=True, **base)),
+                ("bert", dict(name="bert-base-bf16", comm_dtype=torch.bfloat16, **base))]
+        caps, comm_mb = [1, 5, 25, 100], [64.0, 256.0]
+    else:
+        mini = dict(hidden=256, layers=4, batch=8, seq=64)
+        plan = [("bert", dict(name="bert-tiny", hidden=64, layers=2, batch=8, seq=64)),
+                ("bert", dict(name="bert-mini", **mini)), ("mover", 600),
+                ("bert", dict(name="bert-mini-bucket-views", bucket_views=True, **mini)),
+                ("bert", dict(name="bert-mini-bf16", comm_dtype=torch.bfloat16, **mini))]
+        caps, comm_mb = [1, 5, 25, 100], [16.0]
+    sweep_spec = dict(plan[0][1]) if args.quick else (dict(hidden=256, layers=4, batch=8, seq=64)
+                                                       if device.type == "cpu" else dict(plan[0][1]))
+    sweep_spec.pop("name", None)
+    jobs = []
+    for kind, spec in plan:
+        workload = bert_workload(device=device, **spec) if kind == "bert" else mover_workload(device, spec)
+        jobs.append(Job(workload.name, None, partial(time_variants, workload, args.rounds, args.steps, device)))
+    for cap in caps:
+        workload = bert_workload(f"bucket-cap-{cap:g}MiB", device=device, bucket_cap_mb=cap, **sweep_spec)
+        jobs.append(Job(workload.name, None, partial(time_variants, workload, args.rounds, args.steps, device)))
+    for mb in comm_mb:
+        for comm_dtype in (None, torch.bfloat16):
+            jobs.append(Job(f"comm-path-{mb:g}MiB{dtype_suffix(comm_dtype)}", None,
+                            partial(comm_path, device, mb, args.rounds * args.steps, comm_dtype)))
+    for name, slowdowns in (("mixed-speeds-2x", [1.0, 2.0]), ("mixed-speeds-1-1-2-4", [1.0, 1.0, 2.0, 4.0]),
+                            ("equal-speeds-auto", [1.0, 1.0])):
+        jobs.append(Job(name, len(slowdowns), partial(mixed_speeds, name, device, slowdowns, args.rounds,
+                                                               args.steps, args.quick)))
+    return [job for job in jobs if not args.only or any(pattern in job.name for pattern in args.only)]
+
+
+def run_jobs(args: argparse.Namespace) -> dict:
+    """Runs, on every rank of this world, the selected jobs that need as many ranks as it has; returns the
+    results (on rank 0) with the environment."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    results = []
+    for job in plan_jobs(args, device):
+        if (job.world or args.world_size) == world:
+            results.append(job.run())
+            report(rank, results[-1])
+    # NaN (no floor for this workload) is not JSON: it is written as null.
+    return {"env": environment(device),
+            "results": [{k: None if v != v else v for k, v in asdict(r).items()} | {"world_size": world}
+                        for r in results]}
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    try:
+        output = run_jobs(args)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(output, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the memory profiler's own chatter, on every step
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the models run")
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="ranks to spawn (under torchrun: its world); rows that need another number of "
+                             "ranks (mixed-speeds-*) get their own")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per workload (plus a warm-up)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per variant and round")
+    parser.add_argument("--quick", action="store_true", help="tiny workloads: checks the suite runs, measures little")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run the workloads whose names contain one of these")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plot", help="write a PNG of the step times here")
+    parser.add_argument("--markdown", help="write a results page (command, environment, table, plot) here")
+    args = parser.parse_args(argv)
+    for flag in ("world_size", "rounds", "steps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        args.world_size = dist.get_world_size()
+        try:
+            output = run_jobs(args)
+        finally:
+            dist.destroy_process_group()
+        if int(os.environ["RANK"]) == 0:
+            write_outputs(args, output)
+        return
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    worlds = sorted({args.world_size} | {job.world for job in plan_jobs(args, torch.device(args.device)) if job.world})
+    output: dict = {"env": None, "results": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in worlds:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            path = os.path.join(tmp, f"world-{world}.json")
+            mp.spawn(worker, args=(world, port, args, path), nprocs=world)
+            with open(path) as f:
+                part = json.load(f)
+            if world == args.world_size or output["env"] is None:
+                output["env"] = part["env"]
+            output["results"] += part["results"]
+    write_outputs(args, output)

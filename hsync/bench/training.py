@@ -1,0 +1,75 @@
+"""Training-step rows: every variant of a workload in interleaved rounds, then each one's peak memory."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from hsync.bench.memory import live_bytes, measurable, peak_bytes_during
+from hsync.bench.result import MEMORY_VARIANTS, MIB, NAN, VARIANTS, Result
+from hsync.bench.workloads import Workload, train_step, wrap
+
+
+def time_variants(workload: Workload, rounds: int, steps: int, device: torch.device) -> Result:
+    """Interleaved rounds: each round runs `steps` timed steps of every variant in turn."""
+    rank = dist.get_rank()
+    models = {}
+    for variant in VARIANTS:
+        torch.manual_seed(0)
+        net = wrap(variant, workload.make_model(), workload, device)
+        models[variant] = (net, torch.optim.SGD(net.parameters(), lr=1e-4))
+    g = torch.Generator().manual_seed(rank)
+    batches = [workload.make_batch(g) for _ in range(4)]
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for round_index in range(rounds + 1):  # round 0 warms up (and lets hsync rebuild its buckets)
+        for variant, (net, opt) in models.items():
+            for step in range(steps):
+                dist.barrier()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                started = time.perf_counter()
+                train_step(variant, workload, net, opt, batches[step % len(batches)], device)
+                if round_index:
+                    times[variant].append(time.perf_counter() - started)
+    ours = models["hsync"][0]
+    params = [p for p in ours.module.parameters() if p.requires_grad]  # what bucket_params indexes
+    largest_bucket = max(sum(params[i].numel() * (workload.comm_dtype or params[i].dtype).itemsize for i in bucket)
+                         for bucket in ours.bucket_params)
+    del models, ours, params
+    can_measure = measurable(device)
+    memory = torch.tensor([training_memory_mb(v, workload, batches, device) for v in MEMORY_VARIANTS]
+                          if can_measure else [NAN] * len(MEMORY_VARIANTS))
+    # Every rank's step is as slow as the slowest rank's: take the max over ranks, step by step.
+    stacked = torch.tensor([times[v] for v in VARIANTS], dtype=torch.float64)
+    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+    med = {v: statistics.median(stacked[i].tolist()) for i, v in enumerate(VARIANTS)}
+    p90 = {v: statistics.quantiles(stacked[i].tolist(), n=10)[-1] for i, v in enumerate(VARIANTS)}
+    return Result(workload.name, med["hsync"], med["ddp"], med["nosync"], p90["hsync"], p90["ddp"], p90["nosync"],
+                  workload.samples * dist.get_world_size(), med["hsync_plain"], p90["hsync_plain"],
+                  peak_memory_mb=dict(zip(MEMORY_VARIANTS, memory.tolist(), strict=True)) if can_measure else {},
+                  extra={"largest_bucket_mib": largest_bucket / MIB})
+
+
+def training_memory_mb(variant: str, workload: Workload, batches: list[tuple], device: torch.device) -> float:
+    """Peak MiB of live tensors in a training step of `variant` over the bare model's: what its wrapping
+    keeps alive between steps (buckets; kept gradients) plus the step's own peak.
+
+    Measured on a fresh model, so that only this variant's buffers count, and after two warm-up steps,
+    so that one-off transients (the broadcast of rank 0's parameters, the bucket rebuild) do not."""
+    torch.manual_seed(0)
+    bare = workload.make_model()
+    before = live_bytes(device)
+    net = wrap(variant, bare, workload, device)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+
+    def train(batches: list[tuple]) -> None:
+        for batch in batches:
+            train_step(variant, workload, net, opt, batch, device)
+
+    train(batches[:2])
+    kept = live_bytes(device) - before
+    return (kept + peak_bytes_during(lambda: train(batches[:3]), device)) / MIB
