@@ -216,7 +216,14 @@ class Balancer:
 
     @property
     def steps_per_epoch(self) -> int:
+        """Optimizer steps in an epoch: ceil(examples / global_batch_size), on every rank."""
         return -(-len(self._costs) // self.config.global_batch_size)
+
+    def __len__(self) -> int:
+        """steps_per_epoch, so that len(loader) sizes a learning-rate schedule or a progress bar as with
+        DistributedSampler. A rank that runs its share of a step in several micro-batches yields more
+        batches than this: count steps by what backward() returns."""
+        return self.steps_per_epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Starts `epoch` (each has its own order), or goes on where a resumed run left it."""

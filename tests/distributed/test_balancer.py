@@ -74,6 +74,7 @@ def each_example_once(rank, world_size, slowdown: float, lengths: bool):
                 step_seen = []
         assert not step_seen, "the epoch ended inside a step"
         epochs.append(gather_indices(seen))
+    assert len(loader) == balancer.steps_per_epoch == 10, "len(loader) counts the epoch's steps"
     return epochs, sorted(plans), balancer.global_step
 
 
