@@ -6,6 +6,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,41 @@ def mixed_speeds(name: str, device: torch.device, slowdowns: list[float], rounds
     If every step of a rank takes f_r times its work, the best split finishes all ranks together and
     beats DDP's by max(f) * sum(1 / f) / world, whatever the fixed part of a step (`ideal_speedup`),
     on independent devices. Ranks on a CPU share its cores: at that split they would compute
-    sum(1 / f) cores' worth at once, and with fewer cores the best is less (`cores_bound_speedup`)."""
+    sum(1 / f) cores' worth at once, and with fewer cores the best is less (`cores_bound_speedup`).
+    Where there is a core per rank, each rank keeps to its own (core_per_rank)."""
+    with core_per_rank(device) as pinned:
+        result = _mixed_speeds(name, device, slowdowns, rounds, steps, quick)
+    result.extra["core_per_rank"] = float(pinned)
+    return result
+
+
+@contextmanager
+def core_per_rank(device: torch.device) -> Iterator[bool]:
+    """Pins every thread of this process (its compute, autograd's, gloo's) to a core of its own while the
+    machine has a core for each of its ranks, as independent devices compute apart: a slow rank's core
+    sleeps with it rather than running a fast rank's threads, which would make the fast rank's speed
+    depend on what the slow one does. Yields whether it pinned."""
+    cores = sorted(os.sched_getaffinity(0))
+    local_rank, local_world = (int(os.environ.get(k, v)) for k, v in
+                               (("LOCAL_RANK", dist.get_rank()), ("LOCAL_WORLD_SIZE", dist.get_world_size())))
+    if device.type != "cpu" or local_world > len(cores):
+        yield False
+        return
+    _pin_threads({cores[local_rank]})
+    try:
+        yield True
+    finally:
+        _pin_threads(set(cores))
+
+
+def _pin_threads(cores: set[int]) -> None:
+    for thread in os.listdir("/proc/self/task"):
+        with suppress(ProcessLookupError):  # ended meanwhile
+            os.sched_setaffinity(int(thread), cores)
+
+
+def _mixed_speeds(name: str, device: torch.device, slowdowns: list[float], rounds: int, steps: int,
+                  quick: bool) -> Result:
     rank, world = dist.get_rank(), dist.get_world_size()
     if len(slowdowns) != world:
         raise ValueError(f"{len(slowdowns)} slowdowns for {world} ranks")
@@ -112,4 +147,9 @@ def mixed_speeds(name: str, device: torch.device, slowdowns: list[float], rounds
         extra["cores_bound_speedup"] = extra["ideal_speedup"] / max(1.0, demand)
     extra |= {f"first_plan_rank{r}": n for r, n in enumerate(first_plan)}
     extra |= {f"plan_rank{r}": n for r, n in enumerate(balancer.last_plan)}
+    # What the balancer measured: each rank's time per example, over the fastest rank's (the simulated
+    # factor, less what of the work's wall time the CPU-time pause does not stretch).
+    fitted = balancer.fitted_costs()
+    fastest = min(c.per_unit_s for c in fitted)
+    extra |= {f"measured_slowdown_rank{r}": c.per_unit_s / fastest for r, c in enumerate(fitted)}
     return Result(name, hs, dd, NAN, hs90, dd90, NAN, global_batch, extra=extra)
