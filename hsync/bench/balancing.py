@@ -41,7 +41,7 @@ def core_per_rank(device: torch.device) -> Iterator[bool]:
     machine has a core for each of its ranks, as independent devices compute apart: a slow rank's core
     sleeps with it rather than running a fast rank's threads, which would make the fast rank's speed
     depend on what the slow one does. Yields whether it pinned."""
-    cores = sorted(os.sched_getaffinity(0))
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []  # Linux only
     local_rank, local_world = (int(os.environ.get(k, v)) for k, v in
                                (("LOCAL_RANK", dist.get_rank()), ("LOCAL_WORLD_SIZE", dist.get_world_size())))
     if device.type != "cpu" or local_world > len(cores):

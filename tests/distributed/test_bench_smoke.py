@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -36,5 +37,7 @@ def test_quick_benchmark_writes_results(tmp_path):
         extra, ranks = row["extra"], row["world_size"]
         assert sum(extra[f"plan_rank{r}"] for r in range(ranks)) == 4 * ranks, extra
         assert extra["speedup_vs_ddp"] > 0 and extra["ideal_speedup"] >= 1
+        assert extra["core_per_rank"] == float(ranks <= len(os.sched_getaffinity(0))), extra
+        assert min(extra[f"measured_slowdown_rank{r}"] for r in range(ranks)) == 1.0, extra
     assert png.stat().st_size > 1000
     assert "| workload |" in result.stdout
