@@ -68,5 +68,18 @@ section kernels 90 python3 -m pytest "${pytest_args[@]}" tests/gpu/test_kernels_
 section nccl 210 python3 -m pytest "${pytest_args[@]}" tests/gpu/test_nccl.py
 section bench 170 python3 -m hsync.bench --device cuda --world-size 1 --only bert-base comm-path-64MiB \
   --rounds 3 --steps 4 --json "$out/bench.json" --markdown "$out/bench.md"
+# The GPU targets, read off the benchmark: 1-rank overhead over no sync, the pack kernel against a copy.
+python3 - "$out/bench.json" >> "$report" 2>&1 <<'PY' || true
+import json, sys
+rows = {r["workload"]: r for r in json.load(open(sys.argv[1]))["results"]}
+print("\n## targets\n")
+if "bert-base" in rows:
+    print(f"- bert-base, 1 rank: hsync {100 * rows['bert-base']['hsync_overhead_vs_nosync']:+.2f}% over no sync "
+          f"(target at most +1%), DDP {100 * rows['bert-base']['ddp_overhead_vs_nosync']:+.2f}%")
+if "comm-path-64MiB" in rows:
+    extra = rows["comm-path-64MiB"]["extra"]
+    print(f"- pack: {extra['pack_gb_per_s']:.0f} GB/s against a copy's {extra['copy_gb_per_s']:.0f} GB/s, "
+          f"{100 * extra['pack_vs_copy']:.1f}% (target at least 90%)")
+PY
 printf '\nwhole check: %d s\n' $((SECONDS - started)) >> "$report"
 echo "report: $report"

@@ -31,8 +31,11 @@ class Gradients(nn.Module):
 def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: torch.dtype | None = None) -> Result:
     """The reduction alone: hooks + pack + all-reduce + unpack of 64 float32 gradients through hsync and
     through torch DDP (same bucket cap), over the same backward without sync; in the notes, torch's
-    all-reduce of the same bytes as one flat tensor (the wire's limit) and tensor by tensor, and, on
-    GPU, a device-to-device copy (the memory's limit for pack and unpack).
+    all-reduce of the same bytes as one flat tensor (the wire's limit) and tensor by tensor, a copy of
+    the flat tensor (the memory's limit), and hsync's scale-and-pack kernel alone over all the
+    gradients as one tensor, against that copy (`pack_vs_copy`, in GB/s read and written; unpacking is
+    torch's own copy). The pack is timed as one tensor because 64 launches of a few microseconds of
+    work each would time the launches: in a backward they overlap the compute.
 
     With a `comm_dtype`, hsync communicates in it and DDP uses torch's matching compression hook; the flat
     all-reduce is then of that dtype, and hsync in float32 runs beside them (`hsync_fp32`), so the gain
@@ -46,6 +49,11 @@ def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: t
     grads = [torch.ones(numel, device=device) for _ in range(64)]
     flat = torch.cat(grads).to(comm_dtype or torch.float32)
     copy_dst = torch.empty_like(flat)
+    # What the pack pass reads (every gradient, in float32) and writes (the bucket, flags in its tail).
+    grads_flat = torch.cat(grads)
+    bucket = torch.empty(flat.numel() + 2, dtype=flat.dtype, device=device)
+    packed, nonfinite_flag, used_flag = bucket[:-2], bucket[-2:-1], bucket[-1:]
+    scale = torch.tensor(0.5, dtype=torch.float64, device=device)
 
     def backward_of(net: nn.Module) -> Callable[[], None]:
         def step() -> None:
@@ -58,9 +66,9 @@ def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: t
             work.wait()
 
     steps = {name: backward_of(net) for name, net in nets.items()}
-    steps |= {"flat": lambda: dist.all_reduce(flat), "per_tensor": per_tensor}
-    if device.type == "cuda":
-        steps["copy"] = lambda: copy_dst.copy_(flat)
+    steps |= {"flat": lambda: dist.all_reduce(flat), "per_tensor": per_tensor,
+              "copy": lambda: copy_dst.copy_(flat),
+              "pack": lambda: hsync._C.scale_and_pack(grads_flat, packed, scale, nonfinite_flag, used_flag)}
     times: dict[str, list[float]] = {k: [] for k in steps}
     for round_index in range(rounds + 1):
         for name, fn in steps.items():
@@ -86,7 +94,9 @@ def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: t
     if "hsync_fp32" in med:
         extra |= {"hsync_fp32_gb_per_s": delivered("hsync_fp32"),
                   "gb_per_s_vs_hsync_fp32": delivered("hsync") / delivered("hsync_fp32")}
-    if "copy" in med:
-        extra["device_copy_gb_per_s"] = 2 * flat.nbytes / 1e9 / med["copy"]  # read + write
+    copy_gb_per_s = 2 * flat.nbytes / 1e9 / med["copy"]  # read + write
+    pack_gb_per_s = (grads_flat.nbytes + packed.nbytes) / 1e9 / med["pack"]
+    extra |= {"copy_gb_per_s": copy_gb_per_s, "pack_gb_per_s": pack_gb_per_s,
+              "pack_vs_copy": pack_gb_per_s / copy_gb_per_s}
     return Result(f"comm-path-{megabytes:g}MiB{dtype_suffix(comm_dtype)}", med["hsync"], med["ddp"], med["nosync"],
                   p90["hsync"], p90["ddp"], p90["nosync"], 0, extra=extra)

@@ -31,6 +31,10 @@ def test_quick_benchmark_writes_results(tmp_path):
         if r["nosync_step_s"] is not None and r["samples_per_step"]:  # a training workload: memory measured too
             assert set(r["peak_memory_mb"]) == {"hsync", "ddp", "nosync"}
             assert all(mb > 0 for mb in r["peak_memory_mb"].values()), r["peak_memory_mb"]
+    for row in (r for r in data["results"] if r["workload"].startswith("comm-path-")):
+        extra = row["extra"]
+        assert extra["pack_gb_per_s"] > 0 and extra["copy_gb_per_s"] > 0, extra
+        assert math.isclose(extra["pack_vs_copy"], extra["pack_gb_per_s"] / extra["copy_gb_per_s"]), extra
     # Which rank gets more depends on timings, which this test does not judge (a loaded machine can
     # measure two equal speeds); every plan must still split the whole global batch.
     for row in data["results"][-3:]:
