@@ -311,18 +311,21 @@ void NcclComm::abort() {
     aborted_ = true;  // no NCCL call starts after this
     in_call = calls_in_progress_ > 0;
   }
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
   if (in_call) {
-    // A call is blocked (connecting to a dead peer, say): revoking ends it without freeing the
-    // communicator under it; the abort then waits, within the limit, until it has returned.
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
+    // A call blocked (connecting to a dead peer, say) is ended by revoking, which does not free
+    // the communicator under it; the abort then waits, within the limit, until it has returned.
     ncclCommRevoke(comm_, NCCL_REVOKE_DEFAULT);
-    std::unique_lock<std::mutex> lock(call_mutex_);
-    calls_changed_.wait_for(lock, kTeardownLimit, [this] { return calls_in_progress_ == 0; });
-  }
+    const auto wait_limit = std::chrono::milliseconds(kTeardownLimit);
 #else
-  // Older NCCL has no revoke: the abort itself ends a blocked call, as torch's watchdog relies on.
-  (void)in_call;
+    // Older NCCL has no revoke. A call that is only queueing work returns within microseconds:
+    // wait that out rather than free the communicator under it. One still blocked after that is
+    // ended by the abort itself, as torch's watchdog relies on.
+    const auto wait_limit = kEnqueueGrace;
 #endif
+    std::unique_lock<std::mutex> lock(call_mutex_);
+    calls_changed_.wait_for(lock, wait_limit, [this] { return calls_in_progress_ == 0; });
+  }
   tear_down_within_limit(comm_, /*destroy=*/false);
 }
 

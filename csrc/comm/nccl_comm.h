@@ -58,10 +58,11 @@ class StreamEvent {
 // the communicator. The abort ends kernels that wait on dead peers, and a host call blocked while
 // connecting to one, so no lock of ours is held across an NCCL call; a gate lets no call start
 // after the abort began. With NCCL >= 2.29 a blocked call is first ended by ncclCommRevoke and
-// the abort waits for it to return; older NCCL frees the communicator under it (torch's watchdog
-// runs the same risk). An abort can hang (NVIDIA/nccl#829), so it runs on a thread of its own
-// under kTeardownLimit; past that it is left to finish there. The error is raised on the host at
-// the next call into the communicator and when the engine reads the step scalars.
+// the abort waits for it to return; older NCCL gives a call in progress kEnqueueGrace to return,
+// then frees the communicator under one still blocked (torch's watchdog runs the same risk). An
+// abort can hang (NVIDIA/nccl#829), so it runs on a thread of its own under kTeardownLimit; past
+// that it is left to finish there. The error is raised on the host at the next call into the
+// communicator and when the engine reads the step scalars.
 //
 // Note [NCCL setup allowance]
 // Creating the communicator, and each collective of a size not yet completed (NCCL connects to
@@ -104,6 +105,8 @@ class NcclComm final : public Communicator {
 
   static constexpr std::chrono::seconds kSetupAllowance{120};
   static constexpr std::chrono::seconds kTeardownLimit{10};
+  // How long an abort on NCCL without ncclCommRevoke waits for a call in progress to return.
+  static constexpr std::chrono::milliseconds kEnqueueGrace{1000};
 
   int device_index_;
   std::chrono::milliseconds setup_allowance_;
