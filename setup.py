@@ -11,12 +11,12 @@ Switches (environment variables):
 """
 
 import glob
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 
 from setuptools import setup
 
@@ -54,16 +54,34 @@ sources = sorted(set(glob.glob("csrc/**/*.cpp", recursive=True)) - set(cuda_sour
 extra = {"cxx": list(opt)}
 kwargs = {"include_dirs": [os.path.abspath("csrc")]}
 
+
+def nvidia_wheel_dir(name: str) -> str | None:
+    """Where pip put nvidia/<name> of the CUDA wheels torch runs on (nccl, cu13), if anywhere."""
+    try:
+        spec = importlib.util.find_spec(f"nvidia.{name}")
+    except ModuleNotFoundError:
+        return None
+    return next(iter(spec.submodule_search_locations), None) if spec else None
+
+
 if with_cuda:
-    # The pip-installed CUDA libraries and NCCL that torch itself runs on.
-    site = sysconfig.get_paths()["purelib"]
-    nccl_lib = os.path.join(site, "nvidia", "nccl", "lib")
-    include_dirs = [os.path.join(site, "nvidia", sub, "include") for sub in ("cu13", "nccl")]
+    # The NCCL that torch itself runs on: one libnccl in the process.
+    nccl_dir = nvidia_wheel_dir("nccl")
+    if nccl_dir is None or not os.path.isfile(os.path.join(nccl_dir, "include", "nccl.h")):
+        sys.exit("HSYNC_WITH_CUDA: NCCL's headers were not found; install the nvidia-nccl wheel torch names "
+                 "(pip show torch lists it)")
+    nccl_lib = os.path.join(nccl_dir, "lib")
+    include_dirs = [os.path.join(nccl_dir, "include")]
+    # A toolkit of the compiler alone lacks the library headers torch's include (cublas_v2.h, ...);
+    # those come from the wheel then, never mixed with a full toolkit's own.
+    cu13_dir = nvidia_wheel_dir("cu13")
+    if not os.path.isfile(os.path.join(cuda_home, "include", "cublas_v2.h")) and cu13_dir is not None:
+        include_dirs.append(os.path.join(cu13_dir, "include"))
     sources += sorted(cuda_sources)
     extra["cxx"].append("-DHSYNC_WITH_CUDA")
     extra["nvcc"] = [*opt, "-DHSYNC_WITH_CUDA", "--expt-relaxed-constexpr"]
     kwargs = dict(
-        include_dirs=kwargs["include_dirs"] + [d for d in include_dirs if os.path.isdir(d)],
+        include_dirs=kwargs["include_dirs"] + include_dirs,
         library_dirs=[nccl_lib],
         extra_link_args=[f"-Wl,-rpath,{nccl_lib}", "-l:libnccl.so.2"],
     )

@@ -557,7 +557,7 @@ class _StepClock:
         if device.type != "cuda":
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(device))  # the model's device, whichever is current
         return event
 
     @staticmethod

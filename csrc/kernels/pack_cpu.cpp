@@ -148,6 +148,7 @@ void scale_and_pack(const at::Tensor& grad, const at::Tensor& out, const at::Ten
               ") does not fit its slot (", out.numel(), " ", out.scalar_type(), ")");
   HSYNC_CHECK(grad.device() == out.device(), "pack: gradient on ", grad.device(),
               " but its bucket is on ", out.device());
+  HSYNC_CHECK(out.is_contiguous(), "pack: the bucket slot must be contiguous");
   for (const at::Tensor* flag : {&nonfinite_flag, &used_flag}) {
     HSYNC_CHECK(flag->numel() == 1 && flag->scalar_type() == out.scalar_type() && flag->device() == out.device(),
                 "pack: flags must be one-element tensors of the bucket's dtype and device");

@@ -16,9 +16,10 @@ from tests.spawn import run_ranks, run_ranks_with_victim
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-# Each rank a host of its own (run_ranks fills in {rank}), talking over loopback sockets.
+# Each rank a host of its own (run_ranks fills in {rank}), talking over loopback sockets; NCCL's
+# warnings say why, should a rank fail.
 SOCKET_ENV = {"NCCL_HOSTID": "hsync-test-host-{rank}", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo",
-              "NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "1"}
+              "NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "1", "NCCL_DEBUG": "WARN"}
 
 
 def on_gpu(rank: int, world_size: int, steps, branch_ranks, grads: str):

@@ -49,6 +49,12 @@ def test_a_slot_of_the_wrong_size_is_refused():
                           torch.zeros(1), torch.zeros(1))
 
 
+def test_a_strided_slot_is_refused_rather_than_written_past():
+    slot = torch.zeros(4, 2)[:, 0]  # 4 elements, every other one of 8
+    with pytest.raises(RuntimeError, match="slot must be contiguous"):
+        _C.scale_and_pack(torch.ones(4), slot, torch.tensor(1.0, dtype=torch.float64), torch.zeros(1), torch.zeros(1))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_gradient_that_is_its_slot_is_scaled_in_place(dtype):
     # gradient_as_bucket_view: the gradient is the slot itself.
