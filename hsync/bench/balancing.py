@@ -71,10 +71,11 @@ def _mixed_speeds(name: str, device: torch.device, slowdowns: list[float], round
     pool = masked_batch(torch.Generator().manual_seed(0), 8 * global_batch, seq, 8000, device)  # alike everywhere
 
     # BERT's buffers are constants: broadcasting them would only add a meeting point to each step.
+    # (broadcast_buffers, not forward_sync_buffers: torch 2.11's DDP has only the former.)
     torch.manual_seed(0)
-    ours = hsync.WeightedDDP(workload.make_model(), forward_sync_buffers=False)
+    ours = hsync.WeightedDDP(workload.make_model(), broadcast_buffers=False)
     torch.manual_seed(0)
-    theirs = DistributedDataParallel(workload.make_model(), forward_sync_buffers=False)
+    theirs = DistributedDataParallel(workload.make_model(), broadcast_buffers=False)
     balancer = hsync.Balancer(ours, len(pool[0]), hsync.BalanceConfig(
         global_batch_size=global_batch, replan_every=10, simulate_slowdown=slowdowns[rank]))
     ddp_slowdown = SimulatedSlowdown(slowdowns[rank], device)
