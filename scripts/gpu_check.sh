@@ -70,7 +70,7 @@ section nccl 300 python3 -m pytest "${pytest_args[@]}" tests/gpu/test_nccl.py
 section bench 170 python3 -m hsync.bench --device cuda --world-size 1 --only bert-base comm-path-64MiB \
   --rounds 3 --steps 4 --json "$out/bench.json" --markdown "$out/bench.md"
 # The GPU targets, read off the benchmark: 1-rank overhead over no sync, the pack kernel against a copy.
-python3 - "$out/bench.json" >> "$report" 2>&1 <<'PY' || true
+[ -f "$out/bench.json" ] && python3 - "$out/bench.json" >> "$report" 2>&1 <<'PY' || true
 import json, sys
 rows = {r["workload"]: r for r in json.load(open(sys.argv[1]))["results"]}
 print("\n## targets\n")
