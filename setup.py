@@ -44,6 +44,7 @@ if with_cuda:
     os.environ["CUDA_HOME"] = cuda_home
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", kDefaultCudaArchs)
 
+import torch  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 debug = os.environ.get("HSYNC_DEBUG") == "1"
@@ -52,7 +53,13 @@ opt = ["-O0", "-g"] if debug else ["-O3"]
 cuda_sources = ["csrc/comm/nccl_comm.cpp", "csrc/kernels/pack_cuda.cpp", *glob.glob("csrc/kernels/*.cu")]
 sources = sorted(set(glob.glob("csrc/**/*.cpp", recursive=True)) - set(cuda_sources))
 extra = {"cxx": list(opt)}
+link_args = []
 kwargs = {"include_dirs": [os.path.abspath("csrc")]}
+# at::parallel_for is OpenMP inlined into our code: without -fopenmp the CPU pack runs on one thread
+# whatever torch.set_num_threads says. The loader resolves libgomp.so.1 to the copy torch has loaded.
+if "OpenMP" in torch.__config__.parallel_info():
+    extra["cxx"].append("-fopenmp")
+    link_args.append("-fopenmp")
 
 
 def nvidia_wheel_dir(name: str) -> str | None:
@@ -83,10 +90,11 @@ if with_cuda:
     kwargs = dict(
         include_dirs=kwargs["include_dirs"] + include_dirs,
         library_dirs=[nccl_lib],
-        extra_link_args=[f"-Wl,-rpath,{nccl_lib}", "-l:libnccl.so.2"],
+        extra_link_args=[*link_args, f"-Wl,-rpath,{nccl_lib}", "-l:libnccl.so.2"],
     )
     extension = CUDAExtension
 else:
+    kwargs["extra_link_args"] = link_args
     extension = CppExtension
 
 setup(

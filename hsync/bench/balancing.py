@@ -136,7 +136,7 @@ def _mixed_speeds(name: str, device: torch.device, slowdowns: list[float], round
     for _ in range(rounds):
         times["hsync"] += timed(hsync_step, steps)
         times["ddp"] += timed(ddp_step, steps)
-    stacked = torch.tensor([times["hsync"], times["ddp"]], dtype=torch.float64)
+    stacked = torch.tensor([times["hsync"], times["ddp"]], dtype=torch.float64, device=device)  # NCCL: on the GPU
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)  # a step lasts as long as on its slowest rank
     hs, dd = (statistics.median(row.tolist()) for row in stacked)
     hs90, dd90 = (statistics.quantiles(row.tolist(), n=10)[-1] for row in stacked)

@@ -58,7 +58,7 @@ def table(output: dict) -> list[str]:
              "notes |",
              "|" + " --- |" * 12]
     for r in output["results"]:
-        notes = ", ".join(f"{k} {v:.3g}" for k, v in r["extra"].items())
+        notes = ", ".join(f"{k} {'-' if _missing(v) else f'{v:.3g}'}" for k, v in r["extra"].items())
         memory = " / ".join(f"{r['peak_memory_mb'][v]:.1f}" for v in MEMORY_VARIANTS) if r["peak_memory_mb"] else "-"
         ranks = r.get("world_size", env["world_size"])
         name = r["workload"] + (f" ({ranks} ranks)" if ranks != env["world_size"] else "")

@@ -82,10 +82,14 @@ def run_jobs(args: argparse.Namespace) -> dict:
         if (job.world or args.world_size) == world:
             results.append(job.run())
             report(rank, results[-1])
-    # NaN (no floor for this workload) is not JSON: it is written as null.
+    # NaN (no floor for this workload, no rate measurable) is not JSON: it is written as null.
+    def json_safe(value: object) -> object:
+        if isinstance(value, dict):
+            return {k: json_safe(v) for k, v in value.items()}
+        return None if value != value else value
+
     return {"env": environment(device),
-            "results": [{k: None if v != v else v for k, v in asdict(r).items()} | {"world_size": world}
-                        for r in results]}
+            "results": [json_safe(asdict(r)) | {"world_size": world} for r in results]}
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:

@@ -40,10 +40,11 @@ def time_variants(workload: Workload, rounds: int, steps: int, device: torch.dev
                          for bucket in ours.bucket_params)
     del models, ours, params
     can_measure = measurable(device)
+    # On the device: a process group made for NCCL reduces CUDA tensors only.
     memory = torch.tensor([training_memory_mb(v, workload, batches, device) for v in MEMORY_VARIANTS]
-                          if can_measure else [NAN] * len(MEMORY_VARIANTS))
+                          if can_measure else [NAN] * len(MEMORY_VARIANTS), dtype=torch.float64, device=device)
     # Every rank's step is as slow as the slowest rank's: take the max over ranks, step by step.
-    stacked = torch.tensor([times[v] for v in VARIANTS], dtype=torch.float64)
+    stacked = torch.tensor([times[v] for v in VARIANTS], dtype=torch.float64, device=device)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
     med = {v: statistics.median(stacked[i].tolist()) for i, v in enumerate(VARIANTS)}
