@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -14,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hsync
 from hsync.balance import SimulatedSlowdown
-from hsync.bench.result import NAN, Result
+from hsync.bench.result import NAN, Result, slowest_rank_quantiles
 from hsync.bench.workloads import bert_workload, masked_batch
 
 
@@ -136,10 +135,8 @@ def _mixed_speeds(name: str, device: torch.device, slowdowns: list[float], round
     for _ in range(rounds):
         times["hsync"] += timed(hsync_step, steps)
         times["ddp"] += timed(ddp_step, steps)
-    stacked = torch.tensor([times["hsync"], times["ddp"]], dtype=torch.float64, device=device)  # NCCL: on the GPU
-    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)  # a step lasts as long as on its slowest rank
-    hs, dd = (statistics.median(row.tolist()) for row in stacked)
-    hs90, dd90 = (statistics.quantiles(row.tolist(), n=10)[-1] for row in stacked)
+    med, p90 = slowest_rank_quantiles(times, device)
+    hs, dd, hs90, dd90 = med["hsync"], med["ddp"], p90["hsync"], p90["ddp"]
     extra = {"hsync_samples_per_s": global_batch / hs, "ddp_samples_per_s": global_batch / dd,
              "speedup_vs_ddp": dd / hs, "ideal_speedup": max(slowdowns) * sum(1 / f for f in slowdowns) / world}
     if device.type == "cpu":

@@ -47,10 +47,10 @@ def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: t
     if comm_dtype is not None:
         nets["hsync_fp32"] = hsync.WeightedDDP(Gradients(64, numel, device))
     grads = [torch.ones(numel, device=device) for _ in range(64)]
-    flat = torch.cat(grads).to(comm_dtype or torch.float32)
-    copy_dst = torch.empty_like(flat)
     # What the pack pass reads (every gradient, in float32) and writes (the bucket, flags in its tail).
     grads_flat = torch.cat(grads)
+    flat = grads_flat.to(comm_dtype or torch.float32, copy=True)
+    copy_dst = torch.empty_like(flat)
     bucket = torch.empty(flat.numel() + 2, dtype=flat.dtype, device=device)
     packed, nonfinite_flag, used_flag = bucket[:-2], bucket[-2:-1], bucket[-1:]
     scale = torch.tensor(0.5, dtype=torch.float64, device=device)

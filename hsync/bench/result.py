@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
 
 MIB = 1024 * 1024
 NAN = float("nan")
@@ -42,3 +46,15 @@ class Result:
         self.plain_ratio_vs_ddp = self.hsync_plain_step_s / self.ddp_step_s
         self.hsync_overhead_vs_nosync = self.hsync_step_s / self.nosync_step_s - 1
         self.ddp_overhead_vs_nosync = self.ddp_step_s / self.nosync_step_s - 1
+
+
+def slowest_rank_quantiles(times: dict[str, list[float]],
+                           device: torch.device) -> tuple[dict[str, float], dict[str, float]]:
+    """Each variant's median and 90th-percentile step, every step taken as long as on its slowest rank
+    (where all ranks wait for it). Reduced on `device`: a process group made for NCCL reduces CUDA
+    tensors only."""
+    stacked = torch.tensor(list(times.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    rows = dict(zip(times, stacked.tolist(), strict=True))
+    return ({k: statistics.median(v) for k, v in rows.items()},
+            {k: statistics.quantiles(v, n=10)[-1] for k, v in rows.items()})

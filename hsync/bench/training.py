@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
 from hsync.bench.memory import live_bytes, measurable, peak_bytes_during
-from hsync.bench.result import MEMORY_VARIANTS, MIB, NAN, VARIANTS, Result
+from hsync.bench.result import MEMORY_VARIANTS, MIB, NAN, VARIANTS, Result, slowest_rank_quantiles
 from hsync.bench.workloads import Workload, train_step, wrap
 
 
@@ -43,12 +42,8 @@ def time_variants(workload: Workload, rounds: int, steps: int, device: torch.dev
     # On the device: a process group made for NCCL reduces CUDA tensors only.
     memory = torch.tensor([training_memory_mb(v, workload, batches, device) for v in MEMORY_VARIANTS]
                           if can_measure else [NAN] * len(MEMORY_VARIANTS), dtype=torch.float64, device=device)
-    # Every rank's step is as slow as the slowest rank's: take the max over ranks, step by step.
-    stacked = torch.tensor([times[v] for v in VARIANTS], dtype=torch.float64, device=device)
-    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
-    med = {v: statistics.median(stacked[i].tolist()) for i, v in enumerate(VARIANTS)}
-    p90 = {v: statistics.quantiles(stacked[i].tolist(), n=10)[-1] for i, v in enumerate(VARIANTS)}
+    med, p90 = slowest_rank_quantiles(times, device)
     return Result(workload.name, med["hsync"], med["ddp"], med["nosync"], p90["hsync"], p90["ddp"], p90["nosync"],
                   workload.samples * dist.get_world_size(), med["hsync_plain"], p90["hsync_plain"],
                   peak_memory_mb=dict(zip(MEMORY_VARIANTS, memory.tolist(), strict=True)) if can_measure else {},
