@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -66,7 +67,7 @@ def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
                             ("equal-speeds-auto", [1.0, 1.0])):
         jobs.append(Job(name, len(slowdowns), partial(mixed_speeds, name, device, slowdowns, args.rounds,
                                                                args.steps, args.quick)))
-    return [job for job in jobs if not args.only or any(pattern in job.name for pattern in args.only)]
+    return [job for job in jobs if not args.only or any(re.search(pattern, job.name) for pattern in args.only)]
 
 
 def run_jobs(args: argparse.Namespace) -> dict:
@@ -116,7 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per workload (plus a warm-up)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per variant and round")
     parser.add_argument("--quick", action="store_true", help="tiny workloads: checks the suite runs, measures little")
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="run the workloads whose names contain one of these")
+    parser.add_argument("--only", nargs="+", metavar="PATTERN",
+                        help="run the workloads whose names match one of these regular expressions, searched "
+                             "anywhere in the name: 'comm-path' selects every comm-path row, '^bert-base$' one")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG of the step times here")
     parser.add_argument("--markdown", help="write a results page (command, environment, table, plot) here")
@@ -124,6 +127,13 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("world_size", "rounds", "steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    for pattern in args.only or []:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            parser.error(f"--only {pattern!r} is not a regular expression: {e}")
+    if args.only and not plan_jobs(args, torch.device(args.device)):
+        parser.error(f"--only {' '.join(args.only)} matches no workload")
     if "RANK" in os.environ:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         args.world_size = dist.get_world_size()

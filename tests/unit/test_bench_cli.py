@@ -1,0 +1,48 @@
+"""The benchmark's command line: which rows --only selects, and flags it refuses before any work."""
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hsync.bench.run import main, plan_jobs
+
+
+def selected(device: str, *patterns: str) -> list[str]:
+    args = argparse.Namespace(quick=False, only=list(patterns), rounds=1, steps=1)
+    return [job.name for job in plan_jobs(args, torch.device(device))]
+
+
+def test_a_plain_name_selects_every_row_containing_it():
+    assert selected("cpu", "comm-path") == ["comm-path-16MiB", "comm-path-16MiB-bf16"]
+    assert selected("cuda", "bert-base") == ["bert-base", "bert-base-bucket-views", "bert-base-bf16"]
+    assert selected("cpu", "mixed-speeds", "equal-speeds") == ["mixed-speeds-2x", "mixed-speeds-1-1-2-4",
+                                                               "equal-speeds-auto"]
+
+
+def test_an_anchored_pattern_selects_one_row():
+    # What the GPU check asks for: the two rows its targets are read from, and nothing else.
+    assert selected("cuda", "^bert-base$", "^comm-path-64MiB$") == ["bert-base", "comm-path-64MiB"]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--only", "bert-("], "--only 'bert-(' is not a regular expression"),
+    (["--only", "^bert$", "resnet"], "--only ^bert$ resnet matches no workload"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+])
+def test_bad_flags_are_refused_in_one_line(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--device", "cpu", *flags])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in error, error
+
+
+def test_the_command_refuses_before_spawning_anything():
+    result = subprocess.run([sys.executable, "-m", "hsync.bench", "--only", "nothing-named-so"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith("--only nothing-named-so matches no workload")
