@@ -3,6 +3,7 @@ in the same processes, and the gradients must agree exactly (float64)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import io
@@ -186,6 +187,26 @@ def test_pickled_and_deep_copied_wrappers_train_like_ddps():
     assert_same(run_ranks(side_by_side, 2, pickled_copies))
 
 
+def compiled_wrapper(rank, world_size, wrap):
+    net = make_net(seed=0)
+    model = torch.compile(wrap(net, find_unused_parameters=True))
+    out = []
+    for step in range(3):
+        for micro in range(2 if step == 1 else 1):
+            _, _, slices = global_batch(step, [3, 5], micro)
+            x, y = slices[rank]
+            with model.no_sync() if step == 1 and micro == 0 else contextlib.nullcontext():
+                mse(model(x), y).backward()
+        out.append(grads_of(net))
+        model.zero_grad()
+    return out
+
+
+def test_a_compiled_wrapper_trains_like_a_compiled_ddp():
+    # torch.compile(DDP(net)): dynamo traces the wrapper's forward, through no_sync too.
+    assert_same(run_ranks(side_by_side, 2, compiled_wrapper, timeout=300))
+
+
 def save_wrapper(rank, world_size, path: str) -> None:
     import hsync
 
@@ -263,8 +284,6 @@ def test_ddps_constructor_arguments_are_accepted_honoured_or_refused():
 def join_weighted(rank, world_size, sizes_per_rank: list[list[int]], micro_steps: int):
     """Weighted steps under join(): rank r runs len(sizes_per_rank[r]) steps of that many examples
     per micro-step, accumulating all but the last micro-step under no_sync."""
-    import contextlib
-
     import hsync
 
     model = hsync.WeightedDDP(make_net(seed=0), bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4)

@@ -62,3 +62,13 @@ def test_parameters_unused_on_some_or_all_ranks(grads):
 def test_one_big_bucket_gives_the_same_result():
     steps = [[[3, 7]], [[5, 1]]]
     assert_matches_reference(run_ranks(train_weighted, 2, steps, frozenset(), 25.0), steps)
+
+
+@pytest.mark.parametrize("compiled", ["module", "wrapper"])
+def test_torch_compile_keeps_weighted_steps_exact(compiled):
+    # torch.compile(net) wrapped, as nanoGPT does with DDP, or the wrapper compiled: uneven
+    # micro-batches under no_sync, a branch one rank uses, a parameter no rank uses.
+    steps = [[[2, 5], [4, 1]], [[3, 3], [0, 6]], [[5, 2], [1, 1]]]
+    results = run_ranks(train_weighted, 2, steps, {1}, TINY_BUCKET_MB, "cpu", "copied", compiled, timeout=300)
+    assert_matches_reference(results, steps, branch_ranks={1})
+    assert all(r[1]["never_used.weight"] is None for r in results)

@@ -77,18 +77,21 @@ def reference_training(steps: list[list[list[int]]], branch_ranks=frozenset(), l
 
 
 def train_weighted(rank: int, world_size: int, steps, branch_ranks=frozenset(), bucket_mb=TINY_BUCKET_MB,
-                   device: str = "cpu", grads: str = "copied"):
+                   device: str = "cpu", grads: str = "copied", compiled: str | None = None):
     """The same training through WeightedDDP on this rank's slices (no_sync for all but the last micro-step).
 
     A rank with no examples in a micro-step runs a dummy batch with weight 0, as a trainer does
-    when its data runs out. `grads` is one of GRAD_MODES."""
+    when its data runs out. `grads` is one of GRAD_MODES. `compiled`: "module" wraps
+    torch.compile(net), as nanoGPT does with DDP; "wrapper" compiles the wrapped model."""
     import contextlib
 
     import hsync
 
     net = make_net(seed=rank).to(device)
-    model = hsync.WeightedDDP(net, bucket_cap_mb=bucket_mb, first_bucket_cap_mb=bucket_mb,
-                              gradient_as_bucket_view=grads != "copied")
+    model = hsync.WeightedDDP(torch.compile(net) if compiled == "module" else net, bucket_cap_mb=bucket_mb,
+                              first_bucket_cap_mb=bucket_mb, gradient_as_bucket_view=grads != "copied")
+    if compiled == "wrapper":
+        model = torch.compile(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     stats = []
     for step, micro_steps in enumerate(steps):
@@ -101,8 +104,8 @@ def train_weighted(rank: int, world_size: int, steps, branch_ranks=frozenset(), 
                 out = model.backward(mse(model(x, rank in branch_ranks), y), weight=sizes[rank])
         stats.append((out.loss, out.weight, out.finite))
         last_grads = {name: None if p.grad is None else p.grad.detach().cpu().clone()
-                      for name, p in model.module.named_parameters()}
+                      for name, p in net.named_parameters()}
         opt.step()
         opt.zero_grad(set_to_none=grads != "views-zeroed")
-    params = {name: p.detach().cpu() for name, p in model.module.named_parameters()}
+    params = {name: p.detach().cpu() for name, p in net.named_parameters()}
     return params, last_grads, stats, model.bucket_params
