@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
+from torch.nn.parallel import DistributedDataParallel
 
 from hsync._extension import _C
 from hsync.stats import (
@@ -316,10 +317,33 @@ class WeightedDDP(nn.Module, Joinable):
                 engine.broadcast_coalesced(buffers, root)
                 self._peer_wait_s += time.perf_counter() - started  # mostly waiting for rank `root`
         self._buffers_due = synced
-        output = self.module(*inputs, **kwargs)
+        with self._splitting_compiled_graphs():
+            output = self.module(*inputs, **kwargs)
         if synced:
             _on_backward_start(output, engine.begin_backward)
         return output
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """As DDP's: the size in bytes at which torch.compile splits the module's graphs, so that each
+        piece's gradients reach their buckets while backward goes on (`bucket_cap_mb`, but at least
+        the first-bucket cap of dynamo's DDPOptimizer, which refuses anything smaller)."""
+        return max(self._bucket_bytes_cap, dist._DEFAULT_FIRST_BUCKET_BYTES)
+
+    @contextlib.contextmanager
+    @torch._disable_dynamo(recursive=False)
+    def _splitting_compiled_graphs(self) -> Iterator[None]:
+        # A compiled graph's backward is one autograd node: every gradient in it arrives when it
+        # ends, too late to overlap the all-reduces with backward. While DDP runs its module's
+        # forward, dynamo splits each graph it compiles there at bucket_bytes_cap boundaries
+        # (DDPOptimizer); it asks DDP's class which module is running, as torch's own `replicate`
+        # answers for itself. Saved and restored, as DDP does, for nested wrappers.
+        previous = DistributedDataParallel._active_ddp_module
+        DistributedDataParallel._active_ddp_module = self
+        try:
+            yield
+        finally:
+            DistributedDataParallel._active_ddp_module = previous
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """DDP's, for torch's compression hooks: `bf16_compress_hook` and `fp16_compress_hook` set

@@ -188,6 +188,7 @@ def test_pickled_and_deep_copied_wrappers_train_like_ddps():
 
 
 def compiled_wrapper(rank, world_size, wrap):
+    torch._dynamo.reset()
     net = make_net(seed=0)
     model = torch.compile(wrap(net, find_unused_parameters=True))
     out = []
@@ -205,6 +206,47 @@ def compiled_wrapper(rank, world_size, wrap):
 def test_a_compiled_wrapper_trains_like_a_compiled_ddp():
     # torch.compile(DDP(net)): dynamo traces the wrapper's forward, through no_sync too.
     assert_same(run_ranks(side_by_side, 2, compiled_wrapper, timeout=300))
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(512, 512) for _ in range(layers))  # 1 MiB each
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def compiled_backward_nodes(loss: torch.Tensor) -> int:
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack += [child for child, _ in node.next_functions]
+    return sum("CompiledFunctionBackward" in type(node).__name__ for node in seen)
+
+
+def compiled_graph_split(rank, world_size, wrap):
+    torch._dynamo.reset()  # or the second wrapper would reuse the graphs compiled under the first
+    torch.manual_seed(0)
+    net = Stack()
+    model = wrap(torch.compile(net), bucket_cap_mb=2)
+    loss = model(torch.randn(4, 512)).square().mean()
+    nodes = compiled_backward_nodes(loss)
+    loss.backward()
+    return {"backward nodes": nodes, "grads": grads_of(net)}
+
+
+def test_compiled_graphs_split_at_bucket_boundaries_as_ddps_do():
+    # One graph's backward is one autograd node: unsplit, every gradient would reach its bucket only
+    # at its end, leaving nothing for the all-reduces to overlap.
+    results = run_ranks(side_by_side, 2, compiled_graph_split, timeout=300)
+    for result in results:
+        assert result["hsync"]["backward nodes"] == result["ddp"]["backward nodes"] > 1, result
+        torch.testing.assert_close(result["hsync"]["grads"], result["ddp"]["grads"])
 
 
 def save_wrapper(rank, world_size, path: str) -> None:
