@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("world_size", "rounds", "steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.device == "cuda" and torch.cuda.device_count() == 0:
+        parser.error("--device cuda: no CUDA device is visible here")
     for pattern in args.only or []:
         try:
             re.compile(pattern)

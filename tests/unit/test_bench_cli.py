@@ -40,6 +40,14 @@ def test_bad_flags_are_refused_in_one_line(flags, message, capsys):
     assert message in error, error
 
 
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="a CUDA device is visible")
+def test_cuda_without_a_device_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("--device cuda: no CUDA device is visible here")
+
+
 def test_the_command_refuses_before_spawning_anything():
     result = subprocess.run([sys.executable, "-m", "hsync.bench", "--only", "nothing-named-so"],
                             capture_output=True, text=True, timeout=120)
