@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
             re.compile(pattern)
         except re.error as e:
             parser.error(f"--only {pattern!r} is not a regular expression: {e}")
-    if args.only and not plan_jobs(args, torch.device(args.device)):
+    planned = plan_jobs(args, torch.device(args.device))
+    if not planned:
         parser.error(f"--only {' '.join(args.only)} matches no workload")
     if "RANK" in os.environ:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch.multiprocessing as mp
 
-    worlds = sorted({args.world_size} | {job.world for job in plan_jobs(args, torch.device(args.device)) if job.world})
+    worlds = sorted({args.world_size} | {job.world for job in planned if job.world})
     output: dict = {"env": None, "results": []}
     with tempfile.TemporaryDirectory() as tmp:
         for world in worlds:

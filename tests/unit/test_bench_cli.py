@@ -23,7 +23,7 @@ def test_a_plain_name_selects_every_row_containing_it():
 
 
 def test_an_anchored_pattern_selects_one_row():
-    # What the GPU check asks for: the two rows its targets are read from, and nothing else.
+    # Anchored at both ends, as the GPU check asks for bert-base: that row alone, not its variants.
     assert selected("cuda", "^bert-base$", "^comm-path-64MiB$") == ["bert-base", "comm-path-64MiB"]
 
 
