@@ -285,13 +285,25 @@ class WeightedDDP(nn.Module, Joinable):
         return [b for name, b in self.module.named_buffers() if name not in ignored and b.numel() > 0]
 
     def forward(self, *inputs, **kwargs):
+        inputs, kwargs, synced = self._pre_forward(*inputs, **kwargs)
+        with self._splitting_compiled_graphs():
+            output = self.module(*inputs, **kwargs)
+        return self._post_forward(output, synced)
+
+    # Under torch.compile(wrapper) dynamo compiles the module's forward and leaves this bookkeeping to
+    # Python: traced, its step-to-step values (a float timing the buffer broadcast, say) would be
+    # guarded on, and every step would compile the rest of forward anew.
+    @torch._disable_dynamo
+    def _pre_forward(self, *inputs, **kwargs) -> tuple[tuple, dict, bool]:
+        """The inputs on the module's device, and whether the next backward synchronises, after this
+        forward's share of the step: the engine told, joined ranks answered, rank 0's buffers received."""
         # As DDP: only a forward with gradients outside no_sync makes the next backward synchronise
         # (Note [Which backward synchronises] in csrc/engine.h).
         synced = torch.is_grad_enabled() and self._syncing
         if self.device_ids:
             inputs, kwargs = _move_to((inputs, kwargs), self.device)
         if self._engine is None and not synced and not self._join_config.enable:
-            return self.module(*inputs, **kwargs)  # a copy not trained yet: nothing to synchronise
+            return inputs, kwargs, False  # a copy not trained yet: nothing to synchronise
         engine = self._ensure_engine()
         if synced:
             engine.expect_gradients(True)
@@ -317,10 +329,12 @@ class WeightedDDP(nn.Module, Joinable):
                 engine.broadcast_coalesced(buffers, root)
                 self._peer_wait_s += time.perf_counter() - started  # mostly waiting for rank `root`
         self._buffers_due = synced
-        with self._splitting_compiled_graphs():
-            output = self.module(*inputs, **kwargs)
+        return inputs, kwargs, synced
+
+    @torch._disable_dynamo
+    def _post_forward(self, output, synced: bool):
         if synced:
-            _on_backward_start(output, engine.begin_backward)
+            _on_backward_start(output, self._engine.begin_backward)
         return output
 
     @property

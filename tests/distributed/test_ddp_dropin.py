@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.distributed.workloads import global_batch, make_net, mse
+from tests.distributed.workloads import Stack, compiled_backward_nodes, global_batch, make_net, mse
 from tests.spawn import run_ranks, run_ranks_expecting_errors
 
 pytestmark = pytest.mark.distributed
@@ -208,27 +208,6 @@ def test_a_compiled_wrapper_trains_like_a_compiled_ddp():
     assert_same(run_ranks(side_by_side, 2, compiled_wrapper, timeout=300))
 
 
-class Stack(nn.Module):
-    def __init__(self, layers: int = 4) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(512, 512) for _ in range(layers))  # 1 MiB each
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
-def compiled_backward_nodes(loss: torch.Tensor) -> int:
-    seen, stack = set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is not None and node not in seen:
-            seen.add(node)
-            stack += [child for child, _ in node.next_functions]
-    return sum("CompiledFunctionBackward" in type(node).__name__ for node in seen)
-
-
 def compiled_graph_split(rank, world_size, wrap):
     torch._dynamo.reset()  # or the second wrapper would reuse the graphs compiled under the first
     torch.manual_seed(0)
@@ -247,6 +226,49 @@ def test_compiled_graphs_split_at_bucket_boundaries_as_ddps_do():
     for result in results:
         assert result["hsync"]["backward nodes"] == result["ddp"]["backward nodes"] > 1, result
         torch.testing.assert_close(result["hsync"]["grads"], result["ddp"]["grads"])
+
+
+class Shifted(Stack):
+    """A buffer, as BERT's position ids: rank 0's is broadcast before each synchronised forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.zeros(512))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + self.shift)
+
+
+def compiled_steady_steps(rank, world_size, wrap):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = Shifted()
+    model = torch.compile(wrap(net, bucket_cap_mb=2))
+    g = torch.Generator().manual_seed(rank)
+
+    def step(weighted: bool) -> None:
+        with model.no_sync():
+            model(torch.randn(4, 512, generator=g)).square().mean().backward()
+        loss = model(torch.randn(4, 512, generator=g)).square().mean()
+        if weighted:
+            model.backward(loss, weight=4)  # equal weights: DDP's gradient
+        else:
+            loss.backward()
+
+    kinds = [False, True] if hasattr(model, "backward") else [False, False]
+    for weighted in kinds:  # the first builds the buckets, the next runs on them
+        step(weighted)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for weighted in kinds * 2:
+            step(weighted)
+    return grads_of(net)
+
+
+def test_a_compiled_wrapper_compiles_once_as_a_compiled_ddp_does():
+    # Each recompile of a BERT's forward costs seconds to minutes, and after eight dynamo gives up
+    # compiling the frame: step-to-step values must not reach the traced code.
+    for result in run_ranks(side_by_side, 2, compiled_steady_steps, timeout=300):
+        torch.testing.assert_close(result["hsync"], result["ddp"])
 
 
 def save_wrapper(rank, world_size, path: str) -> None:

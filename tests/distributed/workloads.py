@@ -31,6 +31,30 @@ class Net(nn.Module):
         return self.out(h).squeeze(-1)
 
 
+class Stack(nn.Module):
+    """Square layers of 1 MiB each: a bucket cap of 2 MiB splits a compiled graph of four into three."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(512, 512) for _ in range(layers))  # 1 MiB each
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def compiled_backward_nodes(loss: torch.Tensor) -> int:
+    """How many compiled graphs' backwards the loss's graph goes through: one per piece of a split graph."""
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack += [child for child, _ in node.next_functions]
+    return sum("CompiledFunctionBackward" in type(node).__name__ for node in seen)
+
+
 def make_net(seed: int, **kwargs) -> Net:
     torch.manual_seed(seed)
     return Net(**kwargs)
