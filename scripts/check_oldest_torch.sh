@@ -33,4 +33,5 @@ MAX_JOBS=${MAX_JOBS:-2} "$venv/bin/pip" install -q --no-build-isolation --no-dep
 "$venv/bin/python" -c "import hsync, torch; print(f'hsync built against torch {torch.__version__}',
                        f'and NCCL {hsync._C.nccl_version()}' if hsync._C.cuda_enabled else '(CPU only)')"
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/unit tests/gpu tests/distributed/test_parity.py \
-  tests/distributed/test_comm_dtype.py tests/distributed/test_faults.py tests/distributed/test_bench_smoke.py
+  tests/distributed/test_comm_dtype.py tests/distributed/test_faults.py tests/distributed/test_bench_smoke.py \
+  tests/distributed/test_bench_compiled.py

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import nn
@@ -29,11 +30,15 @@ class Workload:
     comm_dtype: torch.dtype | None = None
     """Gradients travel in this dtype: hsync's comm_dtype against DDP with torch's matching compression
     hook (bf16_compress_hook / fp16_compress_hook)."""
+    compiled: bool = False
+    """Every variant under torch.compile, the wrapper compiled as torch advises (the floor: the bare model).
+    dynamo splits the graphs of hsync and DDP at bucket boundaries, so that reductions start during the
+    compiled backward; the floor's stay whole."""
 
 
 def bert_workload(name: str, hidden: int, layers: int, batch: int, seq: int, device: torch.device,
                   bucket_cap_mb: float = 25.0, bucket_views: bool = False,
-                  comm_dtype: torch.dtype | None = None) -> Workload:
+                  comm_dtype: torch.dtype | None = None, compiled: bool = False) -> Workload:
     vocab = 8000
     config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                         num_attention_heads=max(1, hidden // 64), intermediate_size=4 * hidden,
@@ -50,7 +55,7 @@ def bert_workload(name: str, hidden: int, layers: int, batch: int, seq: int, dev
         return mlm + nn.functional.cross_entropy(out.seq_relationship_logits.float(), b[2])
 
     return Workload(name, lambda: BertForPreTraining(config).to(device), make_batch, loss, batch, bucket_cap_mb,
-                    bucket_views, comm_dtype)
+                    bucket_views, comm_dtype, compiled)
 
 
 def masked_batch(g: torch.Generator, batch: int, seq: int, vocab: int, device: torch.device) -> tuple:
@@ -91,6 +96,23 @@ def finish_step(net: nn.Module, loss: torch.Tensor, weight: int | None, opt: tor
 
 
 def wrap(variant: str, net: nn.Module, workload: Workload, device: torch.device) -> nn.Module:
+    """`net` as `variant` runs it: in hsync's wrapper, DDP's, or bare (the floor); compiled if the workload is."""
+    if not workload.compiled:
+        return sync_wrapper(variant, net, workload, device)
+    # dynamo's guards check a module's class, not which instance it is: with one class for all, every
+    # variant would run the graphs compiled for the first, split for DDP's buckets or whole.
+    net.__class__ = variant_class(type(net), variant)
+    return torch.compile(sync_wrapper(variant, net, workload, device))
+
+
+@cache
+def variant_class(cls: type[nn.Module], variant: str) -> type[nn.Module]:
+    """A subclass of `cls` for one variant alone (the same one for every model of that variant, so that a
+    fresh model reuses the variant's graphs)."""
+    return type(f"{cls.__name__}For{variant.title().replace('_', '')}", (cls,), {})
+
+
+def sync_wrapper(variant: str, net: nn.Module, workload: Workload, device: torch.device) -> nn.Module:
     if variant in ("hsync", "hsync_plain"):
         return hsync.WeightedDDP(net, bucket_cap_mb=workload.bucket_cap_mb,
                                  gradient_as_bucket_view=workload.bucket_views, comm_dtype=workload.comm_dtype)
