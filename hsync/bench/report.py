@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import time
 
 import torch
@@ -77,7 +78,7 @@ def markdown(output: dict, args: argparse.Namespace) -> str:
     options = [f"--device {args.device}", f"--world-size {env['world_size']}", f"--rounds {args.rounds}",
                f"--steps {args.steps}"] + (["--quick"] if args.quick else [])
     if args.only:
-        options.append("--only " + " ".join(args.only))
+        options.append("--only " + " ".join(map(shlex.quote, args.only)))  # patterns, as a shell must see them
     where = env.get("gpu", env["cpu"]) + (f", CUDA {env['cuda']}, NCCL {env['nccl']}" if "cuda" in env else
                                           f" ({env['cpu_count']} cores)")
     lines = [f"# {env['device'].upper()}, {env['world_size']} ranks over {env['backend']}", "",

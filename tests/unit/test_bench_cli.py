@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from hsync.bench.report import markdown
 from hsync.bench.run import main, plan_jobs
 
 
@@ -17,7 +18,8 @@ def selected(device: str, *patterns: str) -> list[str]:
 
 def test_a_plain_name_selects_every_row_containing_it():
     assert selected("cpu", "comm-path") == ["comm-path-16MiB", "comm-path-16MiB-bf16"]
-    assert selected("cuda", "bert-base") == ["bert-base", "bert-base-bucket-views", "bert-base-bf16"]
+    assert selected("cuda", "bert-base") == ["bert-base", "bert-base-bucket-views", "bert-base-bf16",
+                                             "bert-base-compiled"]
     assert selected("cpu", "mixed-speeds", "equal-speeds") == ["mixed-speeds-2x", "mixed-speeds-1-1-2-4",
                                                                "equal-speeds-auto"]
 
@@ -54,3 +56,12 @@ def test_the_command_refuses_before_spawning_anything():
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].endswith("--only nothing-named-so matches no workload")
+
+
+def test_a_results_page_gives_its_command_as_a_shell_must_read_it():
+    env = {"device": "cpu", "world_size": 2, "backend": "gloo", "cpu": "a CPU", "cpu_count": 2, "date": "today",
+           "python": "3", "torch": "2", "hsync": "0"}
+    args = argparse.Namespace(device="cpu", rounds=5, steps=6, quick=False, only=["^bert-mini$", "comm-path"],
+                              plot=None)
+    page = markdown({"env": env, "results": []}, args)
+    assert "--only '^bert-mini$' comm-path`" in page, page
