@@ -165,6 +165,7 @@ class Balancer:
     """
 
     def __init__(self, model: WeightedDDP, examples: int | Sequence[float], config: BalanceConfig) -> None:
+        model = getattr(model, "_orig_mod", model)  # torch.compile(WeightedDDP(net)): the wrapper it compiled
         if not isinstance(model, WeightedDDP):
             raise TypeError(f"hsync.Balancer needs the hsync.WeightedDDP that trains, got {type(model).__name__}")
         self.model = model

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from tests.distributed.workloads import compiled_backward_nodes
 from tests.spawn import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -34,9 +35,22 @@ def stacked(data: Numbers, indices: list[int]) -> tuple[torch.Tensor, torch.Tens
     return torch.stack([data[i][0] for i in indices]), torch.stack([data[i][1] for i in indices])
 
 
+class Regression(nn.Module):
+    """A small MLP. A class of the test's own: under torch.compile(wrapper), dynamo compiles the forward of a
+    user's module after the wrapper's graph breaks, but not that of torch's own nn.Sequential."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(6, 8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(x)))
+
+
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    return Regression().double()
 
 
 def gather_indices(indices: list[int]) -> list[int]:
@@ -88,9 +102,10 @@ def test_every_example_once_per_epoch_with_a_dataloader_and_changing_plans(lengt
     assert len(plans) >= 3, f"the plans changed during the run: {plans}"
 
 
-def exact_gradients(rank, world_size, lengths: bool):
+def exact_gradients(rank, world_size, lengths: bool, compiled: bool = False):
     """Per-rank accumulation counts (micro-batch limits 2 and 5 examples, a fixed uneven split, or
-    token lengths with a token limit): the gradient of every step is the one of the whole global batch."""
+    token lengths with a token limit): the gradient of every step is the one of the whole global batch.
+    Compiled: the balancer gets torch.compile(WeightedDDP(net)), as torch advises compiling a DDP."""
     import hsync
 
     size = 40
@@ -99,6 +114,9 @@ def exact_gradients(rank, world_size, lengths: bool):
     config = hsync.BalanceConfig(global_batch_size=16, rank_batch_sizes=None if lengths else [11, 5],
                                  micro_batch_limit=[6, 9] if lengths else [2, 5], seed=3)
     model = hsync.WeightedDDP(make_model())
+    if compiled:
+        torch._dynamo.reset()
+        model = torch.compile(model)
     reference = make_model()
     balancer = hsync.Balancer(model, costs, config)
     micro_steps, step_indices = [], []
@@ -110,6 +128,7 @@ def exact_gradients(rank, world_size, lengths: bool):
         # Token mode: the loss is a mean over "tokens" (each example's squared error counted length times).
         w = torch.tensor([costs[i] for i in indices], dtype=torch.float64) if lengths else torch.ones(len(indices))
         loss = ((model(x) - y).pow(2).squeeze(1) * w).sum() / w.sum()
+        assert compiled_backward_nodes(loss) == int(compiled), "compiled graphs run if, and only if, compiled"
         stats = balancer.backward(loss, weight=w.sum() if lengths else None)
         if stats is None:
             continue
@@ -130,9 +149,10 @@ def exact_gradients(rank, world_size, lengths: bool):
     return micro_steps
 
 
-@pytest.mark.parametrize("lengths", [False, True], ids=["examples", "tokens"])
-def test_gradients_are_exact_with_per_rank_accumulation_counts(lengths):
-    micro_steps = run_ranks(exact_gradients, 2, lengths, timeout=120)
+@pytest.mark.parametrize(("lengths", "compiled"), [(False, False), (True, False), (False, True)],
+                         ids=["examples", "tokens", "examples-compiled"])
+def test_gradients_are_exact_with_per_rank_accumulation_counts(lengths, compiled):
+    micro_steps = run_ranks(exact_gradients, 2, lengths, compiled, timeout=180)
     assert len(micro_steps[0]) == len(micro_steps[1]) == 3, "ceil(40 / 16) steps on every rank"
     if not lengths:
         # 11 examples by 2 and 5 examples by 5; the last step's 8 split 6 + 2 (largest remainders of 11:5).
