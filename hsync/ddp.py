@@ -191,7 +191,7 @@ class WeightedDDP(nn.Module, Joinable):
         self._uses_default_group = process_group is None or process_group == dist.group.WORLD
         self._hook_registered = False  # register_comm_hook was called
         self._steps_begun = False  # a synchronised forward ran: too late for register_comm_hook
-        self._syncing = True  # DDP's require_backward_grad_sync
+        self.require_backward_grad_sync = True  # public, as DDP's: nanoGPT-style loops set it per micro-step
         self._buffers_due = True  # DDP's require_forward_param_sync: the last forward fed a synced step
         self._join_announced = False  # what this rank's last forward under Join told the joined ranks
         self._plain_steps_join: bool | None = None  # the engine's plain steps under Join: their divide flag
@@ -299,7 +299,7 @@ class WeightedDDP(nn.Module, Joinable):
         forward's share of the step: the engine told, joined ranks answered, rank 0's buffers received."""
         # As DDP: only a forward with gradients outside no_sync makes the next backward synchronise
         # (Note [Which backward synchronises] in csrc/engine.h).
-        synced = torch.is_grad_enabled() and self._syncing
+        synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self.device_ids:
             inputs, kwargs = _move_to((inputs, kwargs), self.device)
         if self._engine is None and not synced and not self._join_config.enable:
@@ -395,12 +395,12 @@ class WeightedDDP(nn.Module, Joinable):
         """Accumulate gradients locally: forwards inside it are not followed by a reduction (as DDP's).
 
         The next synchronised step reduces everything accumulated."""
-        previous = self._syncing
-        self._syncing = False
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._syncing = previous
+            self.require_backward_grad_sync = previous
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
@@ -472,14 +472,14 @@ class WeightedDDP(nn.Module, Joinable):
         A bad input on any rank raises ValueError on every rank at the synchronised step.
         """
         engine = self._ensure_engine()
-        if self._join_config.enable and self._join_announced != self._syncing:
+        if self._join_config.enable and self._join_announced != self.require_backward_grad_sync:
             raise RuntimeError("hsync: under join(), run each micro-step's forward in the same no_sync() "
                                "state as its backward: the joined ranks were told at the forward whether "
                                "this step synchronises")
         window = self._window or self._new_window()
         self._window = window
         w = self._add_micro_step(window, loss, weight, metrics or {})
-        if not self._syncing:
+        if not self.require_backward_grad_sync:
             engine.expect_gradients(False)  # accumulate, even after a forward outside no_sync
             if w is not None and loss.requires_grad:
                 self._backprop(loss, w, window.ref)

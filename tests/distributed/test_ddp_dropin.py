@@ -139,6 +139,28 @@ def test_a_backward_that_skipped_the_wrappers_forward_stays_local():
     assert_same(results)
 
 
+def accumulation_by_flag(rank, world_size, wrap):
+    # nanoGPT's loop: rather than no_sync(), it sets the flag that no_sync() toggles, per micro-step.
+    model = wrap(make_net(seed=0), find_unused_parameters=True)
+    out = []
+    for step in range(2):
+        for micro in range(3):
+            model.require_backward_grad_sync = micro == 2
+            _, _, slices = global_batch(step, [2, 5], micro)
+            x, y = slices[rank]
+            mse(model(x), y).backward()
+            out.append(grads_of(model.module))  # local sums until the last micro-step, then reduced
+        model.zero_grad()
+    return out
+
+
+def test_setting_require_backward_grad_sync_accumulates_as_with_ddp():
+    results = run_ranks(side_by_side, 2, accumulation_by_flag)
+    assert_same(results)
+    first_micro_step = [result["ddp"][0]["inp.weight"] for result in results]
+    assert not torch.equal(*first_micro_step), "a micro-step with the flag cleared stays local"
+
+
 def gradient_penalty(rank: int, net: nn.Module) -> dict:
     """WGAN-GP style: torch.autograd.grad through the output, then the step's own backward."""
     _, _, slices = global_batch(0, [4, 4])
