@@ -42,8 +42,13 @@ from hsync.stats import (
 _MIB = 1024 * 1024
 _COMM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # torch's compression hooks that register_comm_hook takes, as the comm_dtype each stands for.
-_COMPRESS_HOOK_DTYPES = {default_hooks.bf16_compress_hook: torch.bfloat16,
-                         default_hooks.fp16_compress_hook: torch.float16}
+# torch's hooks whose arithmetic hsync's pack does itself, as the comm_dtype each means: the mean's
+# all-reduce (DDP's default, written as a hook), and that all-reduce in half precision, by a hook
+# or by a wrapper around allreduce_hook.
+_HOOK_COMM_DTYPES = {default_hooks.allreduce_hook: None, default_hooks.bf16_compress_hook: torch.bfloat16,
+                     default_hooks.fp16_compress_hook: torch.float16}
+_WRAPPER_COMM_DTYPES = {default_hooks.bf16_compress_wrapper: torch.bfloat16,
+                        default_hooks.fp16_compress_wrapper: torch.float16}
 _MAX_TIMEOUT = datetime.timedelta(days=365)  # the engine's clocks count nanoseconds in 64 bits
 _instances = itertools.count()  # same sequence on every rank: names this wrapper's store keys
 
@@ -192,7 +197,7 @@ class WeightedDDP(nn.Module, Joinable):
         self._hook_registered = False  # register_comm_hook was called
         self._steps_begun = False  # a synchronised forward ran: too late for register_comm_hook
         self.require_backward_grad_sync = True  # public, as DDP's: nanoGPT-style loops set it per micro-step
-        self._buffers_due = True  # DDP's require_forward_param_sync: the last forward fed a synced step
+        self.require_forward_param_sync = True  # public, as DDP's: the last forward fed a synced step
         self._join_announced = False  # what this rank's last forward under Join told the joined ranks
         self._plain_steps_join: bool | None = None  # the engine's plain steps under Join: their divide flag
         self._divide_by_initial_world_size = True
@@ -255,7 +260,7 @@ class WeightedDDP(nn.Module, Joinable):
                                "process group (no process_group or device_mesh argument), as with DDP; "
                                "pickle model.module instead")
         state = self.__dict__.copy()
-        state.update(_engine=None, _group=None, _window=None, _plain_steps_join=None, _buffers_due=False,
+        state.update(_engine=None, _group=None, _window=None, _plain_steps_join=None, require_forward_param_sync=False,
                      _last_step_done=None, _before_sync=None)
         return state
 
@@ -272,6 +277,23 @@ class WeightedDDP(nn.Module, Joinable):
     def broadcast_buffers(self) -> bool:
         """Whether buffers are broadcast from rank 0 before forwards (DDP's name for forward_sync_buffers)."""
         return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def will_sync_module_buffers(self) -> bool:
+        """As DDP's: whether the next forward broadcasts rank 0's buffers."""
+        return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._synced_buffers())
+
+    def _set_static_graph(self) -> None:
+        """DDP's late form of static_graph=True, which hsync needs no more than the argument (see the README)."""
+        self.static_graph = True
+
+    # For code that calls it through the wrapper's class (DDP = hsync.WeightedDDP): hsync honours the
+    # attribute it sets on the module, as DDP does.
+    _set_params_and_buffers_to_ignore_for_model = staticmethod(
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model)
 
     def _declare_metrics(self, names: Sequence[str]) -> None:
         """Adds metric slots to the step's scalars, on every rank alike, between steps (hsync.Balancer's)."""
@@ -308,7 +330,7 @@ class WeightedDDP(nn.Module, Joinable):
         if synced:
             engine.expect_gradients(True)
             self._steps_begun = True
-        buffers_due = self._buffers_due and self.forward_sync_buffers
+        buffers_due = self.require_forward_param_sync and self.forward_sync_buffers
         root = 0
         joining = self._join_config.enable
         plain_steps = self._divide_by_initial_world_size if joining else None
@@ -328,7 +350,7 @@ class WeightedDDP(nn.Module, Joinable):
                 started = time.perf_counter()
                 engine.broadcast_coalesced(buffers, root)
                 self._peer_wait_s += time.perf_counter() - started  # mostly waiting for rank `root`
-        self._buffers_due = synced
+        self.require_forward_param_sync = synced
         return inputs, kwargs, synced
 
     @torch._disable_dynamo
@@ -360,14 +382,17 @@ class WeightedDDP(nn.Module, Joinable):
             DistributedDataParallel._active_ddp_module = previous
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
-        """DDP's, for torch's compression hooks: `bf16_compress_hook` and `fp16_compress_hook` set
-        `comm_dtype` (the cast then rides in hsync's pack). Any other hook is refused: hsync runs none.
+        """DDP's, for torch's hooks whose arithmetic hsync's pack does itself: `bf16_compress_hook` and
+        `fp16_compress_hook`, or `bf16_compress_wrapper` / `fp16_compress_wrapper` around `allreduce_hook`,
+        set `comm_dtype` (the cast then rides in the pack); `allreduce_hook` alone is hsync's own
+        reduction. Any other hook is refused: hsync runs none.
 
         As with DDP, call it once, on every rank, before the first backward."""
-        refusal = self._comm_hook_refusal(state, hook)
+        known, comm_dtype = _hook_comm_dtype(hook)
+        refusal = self._comm_hook_refusal(state, hook, known)
         previous = self.comm_dtype
         if refusal is None:
-            self.comm_dtype = _COMPRESS_HOOK_DTYPES[hook]
+            self.comm_dtype = comm_dtype
         try:
             # A collective on every rank, refused or not: a rank's refusal is then raised on every rank.
             self._build_engine(self.process_group or dist.group.WORLD, refusal)
@@ -376,11 +401,12 @@ class WeightedDDP(nn.Module, Joinable):
             raise
         self._hook_registered = True
 
-    def _comm_hook_refusal(self, state: object, hook: Callable) -> Exception | None:
-        if hook not in _COMPRESS_HOOK_DTYPES:
+    def _comm_hook_refusal(self, state: object, hook: Callable, known: bool) -> Exception | None:
+        if not known:
             return ValueError(f"hsync.WeightedDDP runs no communication hooks, got {_describe(hook)}; torch's "
                               "bf16_compress_hook and fp16_compress_hook are taken as comm_dtype=torch.bfloat16 / "
-                              "torch.float16 (see 'Differences from DDP' in the README)")
+                              "torch.float16, and allreduce_hook as what hsync does anyway (see 'Differences "
+                              "from DDP' in the README)")
         if state is not None and state is not self.process_group:
             return ValueError("hsync.WeightedDDP.register_comm_hook: the hook's state must be None or the "
                               "wrapper's own process group")
@@ -442,7 +468,7 @@ class WeightedDDP(nn.Module, Joinable):
         synced, buffers_due, root = self._exchange_join_info(False, False, joined=True)
         if buffers_due:
             engine.broadcast_coalesced(self._synced_buffers(), root)
-        self._buffers_due = synced
+        self.require_forward_param_sync = synced
         if synced:
             window = self._new_window()
             engine.begin_weighted_step(window.local, window.ref)
@@ -620,6 +646,23 @@ class _JoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.model._sync_final_model(is_last_joiner)
+
+
+def _hook_comm_dtype(hook: Callable) -> tuple[bool, torch.dtype | None]:
+    """Whether `hook` is one of torch's hooks that hsync's pack does itself, and the comm_dtype it means."""
+    try:
+        if hook in _HOOK_COMM_DTYPES:
+            return True, _HOOK_COMM_DTYPES[hook]
+    except TypeError:  # an unhashable callable: none of torch's
+        return False, None
+    for wrapper, dtype in _WRAPPER_COMM_DTYPES.items():
+        # Each wrapper returns a closure over the hook it wraps: the same code, one cell.
+        around_mean = wrapper(default_hooks.allreduce_hook)
+        cells = getattr(hook, "__closure__", None) or ()
+        if getattr(hook, "__code__", None) is around_mean.__code__ and [c.cell_contents for c in cells] == [
+                default_hooks.allreduce_hook]:
+            return True, dtype
+    return False, None
 
 
 def _on_backward_start(output, callback: Callable[[], None]) -> None:

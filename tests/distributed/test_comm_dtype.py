@@ -102,8 +102,13 @@ def plain_mean(rank: int, world_size: int, low: torch.dtype) -> dict:
               "hsync": hsync.WeightedDDP(make_net(seed=0, dtype=f32), comm_dtype=low),
               "ddp": DDP(make_net(seed=0, dtype=f32), find_unused_parameters=True)}  # Net has unused ones
     models["ddp"].register_comm_hook(None, hook)
-    models["hsync_hook"] = hsync.WeightedDDP(make_net(seed=0, dtype=f32))  # DDP's way of asking for it
-    models["hsync_hook"].register_comm_hook(None, hook)
+    wrapper = default_hooks.bf16_compress_wrapper if low == torch.bfloat16 else default_hooks.fp16_compress_wrapper
+    # DDP's ways of asking for it: the hook, or the wrapper around the mean's all-reduce; and that
+    # all-reduce alone, hsync's own reduction.
+    for name, ddp_hook in (("hsync_hook", hook), ("hsync_wrapper", wrapper(default_hooks.allreduce_hook)),
+                           ("hsync_allreduce_hook", default_hooks.allreduce_hook)):
+        models[name] = hsync.WeightedDDP(make_net(seed=0, dtype=f32))
+        models[name].register_comm_hook(None, ddp_hook)
     grads = {}
     for name, model in models.items():
         mse(model(x), y).backward()
@@ -123,6 +128,8 @@ def test_a_plain_backward_averages_as_ddp_with_its_compression_hook_does(low):
             if low == torch.bfloat16:  # DDP rounds, then halves: exact in bfloat16's range, so one rounding too
                 assert torch.equal(grads["hsync"][name], grads["ddp"][name]), name
             assert torch.equal(grads["hsync_hook"][name], grads["hsync"][name]), name
+            assert torch.equal(grads["hsync_wrapper"][name], grads["hsync"][name]), name
+            assert torch.equal(grads["hsync_allreduce_hook"][name], exact), name
 
 
 def nonfinite_steps(rank: int, world_size: int, low: torch.dtype) -> list[bool]:
@@ -151,6 +158,7 @@ def test_non_finite_gradients_and_float16_overflow_are_seen_on_every_rank(low):
 
 def hook_too_late_or_twice(rank: int, world_size: int) -> list[str]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
     import hsync
 
@@ -161,7 +169,7 @@ def hook_too_late_or_twice(rank: int, world_size: int) -> list[str]:
     x, y = global_batch(0, [4] * world_size)[2][rank]
     mse(late(x), y).backward()
     for model, hook in ((twice, default_hooks.bf16_compress_hook), (late, default_hooks.bf16_compress_hook),
-                        (late, default_hooks.allreduce_hook)):
+                        (late, powerSGD_hook)):
         try:
             model.register_comm_hook(None, hook)
         except (RuntimeError, ValueError) as error:
@@ -174,7 +182,7 @@ def test_register_comm_hook_refuses_a_second_call_a_late_call_and_other_hooks():
         assert len(errors) == 3, errors
         assert "can only be called once" in errors[0]
         assert "before the first backward" in errors[1]
-        assert "runs no communication hooks, got function <function allreduce_hook" in errors[2]
+        assert "runs no communication hooks, got function <function powerSGD_hook" in errors[2]
 
 
 def sum_beyond_float16(rank: int, world_size: int, low: torch.dtype) -> tuple[bool, float]:
@@ -199,12 +207,13 @@ def test_a_float16_sum_that_overflows_is_seen_on_every_rank(low):
 
 def hook_refused_on_one_rank(rank: int, world_size: int) -> tuple[str, str, str | None]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
     import hsync
 
     model = hsync.WeightedDDP(make_net(seed=0))
     try:
-        model.register_comm_hook(None, default_hooks.allreduce_hook if rank == 1 else default_hooks.bf16_compress_hook)
+        model.register_comm_hook(None, powerSGD_hook if rank == 1 else default_hooks.bf16_compress_hook)
         error = "none"
     except ValueError as refused:
         error = str(refused)
@@ -216,7 +225,7 @@ def hook_refused_on_one_rank(rank: int, world_size: int) -> tuple[str, str, str 
 def test_a_hook_refused_on_one_rank_is_raised_on_every_rank():
     errors, after_refusal, after = zip(*run_ranks(hook_refused_on_one_rank, 2, timeout=30), strict=True)
     assert errors[0] == errors[1], errors
-    assert "runs no communication hooks, got function <function allreduce_hook" in errors[0]
+    assert "runs no communication hooks, got function <function powerSGD_hook" in errors[0]
     assert errors[0].endswith("(on rank 1)")
     assert after_refusal == ("None", "None")
     assert after == ("torch.float16", "torch.float16")

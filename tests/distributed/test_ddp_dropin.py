@@ -81,6 +81,51 @@ def test_a_buffer_reassigned_on_rank_0_reaches_every_rank():
     assert_same(run_ranks(side_by_side, 2, buffer_reassigned_on_rank_0))
 
 
+def settings_changed_on_the_wrapper(rank, world_size, wrap):
+    # What loops change on a DDP after wrapping: the buffer flags, a late static graph, ignored names
+    # set through the wrapper's class.
+    x = torch.ones(1, 2, dtype=torch.float64)
+    model = wrap(Counter())
+    seen = {"will sync": [model.will_sync_module_buffers()], "step": []}
+
+    def step(sync: bool = True) -> None:
+        model.module.step.fill_(rank + 1.0)  # each rank its own; a broadcast leaves rank 0's 1.0
+        with contextlib.nullcontext() if sync else model.no_sync():
+            model(x).sum().backward()
+        seen["step"].append(model.module.step.item())
+        seen["will sync"].append(model.will_sync_module_buffers())
+
+    step()
+    model.broadcast_buffers = False
+    step()
+    model.broadcast_buffers = True
+    step(sync=False)  # follows a synced step: broadcasts
+    step()  # follows a no_sync forward: does not
+    step(sync=False)
+    model.require_forward_param_sync = True  # forced after a no_sync forward, as some loops do
+    step()
+
+    ignoring = Counter()
+    ignoring.step.fill_(1.0)
+    wrap._set_params_and_buffers_to_ignore_for_model(ignoring, ["fc.weight"])
+    late_static = wrap(ignoring)
+    late_static._set_static_graph()
+    late_static(x * (rank + 1)).sum().backward()
+    seen["static graph"] = late_static.static_graph
+    return seen | {"grads": grads_of(model.module), "ignoring": grads_of(ignoring)}
+
+
+def test_settings_changed_on_the_wrapper_act_as_on_a_ddp():
+    results = run_ranks(side_by_side, 2, settings_changed_on_the_wrapper)
+    assert_same(results)
+    ours = [result["hsync"] for result in results]
+    assert ours[1]["step"] == [1.0, 2.0, 1.0, 2.0, 1.0, 1.0], "broadcast only when due"
+    assert ours[1]["will sync"] == [True, True, False, False, True, False, True]
+    assert ours[0]["static graph"]
+    weights = [result["ignoring"]["fc.weight"] for result in ours]
+    assert not torch.equal(*weights), "an ignored name stays local"
+
+
 class NoGradForWeight(torch.autograd.Function):
     """y = x * w, but backward returns no gradient for w (None), as some custom kernels do."""
 
