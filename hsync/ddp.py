@@ -73,7 +73,7 @@ class _Window:
     problem_kind: BadInput | None = None
 
 
-class WeightedDDP(nn.Module, Joinable):
+class WeightedDDP(DistributedDataParallel):
     """Wraps `module` for data-parallel training in which each rank may hold a different number of examples.
 
     `loss.backward()` gives torch DDP's result (gradients averaged over ranks with equal weights).
@@ -109,6 +109,11 @@ class WeightedDDP(nn.Module, Joinable):
 
     Set HSYNC_DEBUG_COLLECTIVES=1 to compare every collective across ranks before it runs ("collective
     mismatch: ..." instead of a hang when ranks make different calls); it slows every step.
+
+    A DistributedDataParallel by type only, so that code which recognises or unwraps a DDP by
+    isinstance (checkpointers, torch.distributed.checkpoint's state_dict) sees through it too. None of
+    DDP's machinery runs (its __init__ is not called: no reducer, no logger); every method of DDP's that
+    a training loop calls is hsync's own.
     """
 
     def __init__(
@@ -139,7 +144,7 @@ class WeightedDDP(nn.Module, Joinable):
         timeout: datetime.timedelta | None = None,
         comm_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not DDP's: see the class docstring
         Joinable.__init__(self)
         flags = dict(init_sync=init_sync, find_unused_parameters=find_unused_parameters,
                      check_reduction=check_reduction, gradient_as_bucket_view=gradient_as_bucket_view,
@@ -265,7 +270,7 @@ class WeightedDDP(nn.Module, Joinable):
         return state
 
     def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
+        nn.Module.__setstate__(self, state)  # DDP's would build a reducer
         self._join_config = _JoinConfig.construct_disabled_join_config()
 
     @property
@@ -290,10 +295,9 @@ class WeightedDDP(nn.Module, Joinable):
         """DDP's late form of static_graph=True, which hsync needs no more than the argument (see the README)."""
         self.static_graph = True
 
-    # For code that calls it through the wrapper's class (DDP = hsync.WeightedDDP): hsync honours the
-    # attribute it sets on the module, as DDP does.
-    _set_params_and_buffers_to_ignore_for_model = staticmethod(
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model)
+    def _register_buffer_comm_hook(self, *args, **kwargs) -> None:
+        raise RuntimeError("hsync.WeightedDDP runs no buffer communication hooks (see 'Differences from DDP' "
+                           "in the README)")
 
     def _declare_metrics(self, names: Sequence[str]) -> None:
         """Adds metric slots to the step's scalars, on every rank alike, between steps (hsync.Balancer's)."""

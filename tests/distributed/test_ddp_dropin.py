@@ -338,6 +338,26 @@ def test_a_compiled_wrapper_compiles_once_as_a_compiled_ddp_does():
         torch.testing.assert_close(result["hsync"], result["ddp"])
 
 
+def unwrapped_by_type(rank, world_size, wrap):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model = wrap(make_net(seed=0))
+    inner = model
+    while isinstance(inner, DistributedDataParallel):  # as checkpointers (fvcore, Accelerate) unwrap
+        inner = inner.module
+    assert inner is model.module
+    state = get_model_state_dict(model)  # torch.distributed.checkpoint's names: the bare model's
+    changed = {name: value + 1 for name, value in state.items()}
+    set_model_state_dict(model, dict(changed))  # it empties the dict it is given
+    return {"names": sorted(state), "loaded": all(torch.equal(p, changed[n]) for n, p in inner.named_parameters())}
+
+
+def test_code_that_unwraps_a_ddp_by_type_unwraps_the_wrapper():
+    for result in run_ranks(side_by_side, 2, unwrapped_by_type):
+        assert result["hsync"] == result["ddp"], result
+        assert result["hsync"]["loaded"] and "inp.weight" in result["hsync"]["names"], result
+
+
 def save_wrapper(rank, world_size, path: str) -> None:
     import hsync
 
@@ -394,6 +414,9 @@ def constructor_arguments(rank, world_size):
                 errors[label, name] = None
             except Exception as error:  # noqa: BLE001 - the error is the result
                 errors[label, name] = (type(error).__name__, str(error))
+    # A DDP method hsync does not offer is refused, not inherited as a silent no-op.
+    with pytest.raises(RuntimeError, match="no buffer communication hooks"):
+        model._register_buffer_comm_hook(None, lambda state, buffers: [])
     return errors
 
 
