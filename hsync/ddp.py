@@ -41,14 +41,14 @@ from hsync.stats import (
 
 _MIB = 1024 * 1024
 _COMM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-# torch's compression hooks that register_comm_hook takes, as the comm_dtype each stands for.
 # torch's hooks whose arithmetic hsync's pack does itself, as the comm_dtype each means: the mean's
-# all-reduce (DDP's default, written as a hook), and that all-reduce in half precision, by a hook
-# or by a wrapper around allreduce_hook.
+# all-reduce in the gradients' own dtype (DDP's default, written as a hook), and that all-reduce in
+# half precision, by a hook or by a wrapper around allreduce_hook. A wrapper returns a closure over
+# the hook it wraps: known by its code, and by allreduce_hook in its one cell.
 _HOOK_COMM_DTYPES = {default_hooks.allreduce_hook: None, default_hooks.bf16_compress_hook: torch.bfloat16,
                      default_hooks.fp16_compress_hook: torch.float16}
-_WRAPPER_COMM_DTYPES = {default_hooks.bf16_compress_wrapper: torch.bfloat16,
-                        default_hooks.fp16_compress_wrapper: torch.float16}
+_WRAPPER_CODE_COMM_DTYPES = {default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook).__code__: torch.bfloat16,
+                             default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook).__code__: torch.float16}
 _MAX_TIMEOUT = datetime.timedelta(days=365)  # the engine's clocks count nanoseconds in 64 bits
 _instances = itertools.count()  # same sequence on every rank: names this wrapper's store keys
 
@@ -285,6 +285,9 @@ class WeightedDDP(DistributedDataParallel):
 
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
+        # Settable, as DDP's (a plain attribute in torch 2.11, a property since).
+        if not isinstance(value, bool):
+            raise TypeError(f"hsync.WeightedDDP.broadcast_buffers must be a bool, got {value!r}")
         self.forward_sync_buffers = value
 
     def will_sync_module_buffers(self) -> bool:
@@ -311,16 +314,19 @@ class WeightedDDP(DistributedDataParallel):
         return [b for name, b in self.module.named_buffers() if name not in ignored and b.numel() > 0]
 
     def forward(self, *inputs, **kwargs):
-        inputs, kwargs, synced = self._pre_forward(*inputs, **kwargs)
+        inputs, kwargs, synced = self._prepare_forward(*inputs, **kwargs)
         with self._splitting_compiled_graphs():
             output = self.module(*inputs, **kwargs)
-        return self._post_forward(output, synced)
+        return self._finish_forward(output, synced)
 
     # Under torch.compile(wrapper) dynamo compiles the module's forward and leaves this bookkeeping to
     # Python: traced, its step-to-step values (a float timing the buffer broadcast, say) would be
-    # guarded on, and every step would compile the rest of forward anew.
+    # guarded on, and every step would compile the rest of forward anew. Disabled, not merely kept
+    # in a function of its own, so that this holds whatever dynamo does at a nested graph break.
+    # (Not DDP's _pre_forward / _post_forward: different signatures under the same names would break
+    # torch code that calls DDP's.)
     @torch._disable_dynamo
-    def _pre_forward(self, *inputs, **kwargs) -> tuple[tuple, dict, bool]:
+    def _prepare_forward(self, *inputs, **kwargs) -> tuple[tuple, dict, bool]:
         """The inputs on the module's device, and whether the next backward synchronises, after this
         forward's share of the step: the engine told, joined ranks answered, rank 0's buffers received."""
         # As DDP: only a forward with gradients outside no_sync makes the next backward synchronise
@@ -358,7 +364,7 @@ class WeightedDDP(DistributedDataParallel):
         return inputs, kwargs, synced
 
     @torch._disable_dynamo
-    def _post_forward(self, output, synced: bool):
+    def _finish_forward(self, output, synced: bool):
         if synced:
             _on_backward_start(output, self._engine.begin_backward)
         return output
@@ -388,8 +394,8 @@ class WeightedDDP(DistributedDataParallel):
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """DDP's, for torch's hooks whose arithmetic hsync's pack does itself: `bf16_compress_hook` and
         `fp16_compress_hook`, or `bf16_compress_wrapper` / `fp16_compress_wrapper` around `allreduce_hook`,
-        set `comm_dtype` (the cast then rides in the pack); `allreduce_hook` alone is hsync's own
-        reduction. Any other hook is refused: hsync runs none.
+        set `comm_dtype` (the cast then rides in the pack); `allreduce_hook` alone, the full-precision
+        mean, sets comm_dtype=None. Any other hook is refused: hsync runs none.
 
         As with DDP, call it once, on every rank, before the first backward."""
         known, comm_dtype = _hook_comm_dtype(hook)
@@ -409,8 +415,8 @@ class WeightedDDP(DistributedDataParallel):
         if not known:
             return ValueError(f"hsync.WeightedDDP runs no communication hooks, got {_describe(hook)}; torch's "
                               "bf16_compress_hook and fp16_compress_hook are taken as comm_dtype=torch.bfloat16 / "
-                              "torch.float16, and allreduce_hook as what hsync does anyway (see 'Differences "
-                              "from DDP' in the README)")
+                              "torch.float16, and allreduce_hook as comm_dtype=None (see 'Differences from DDP' "
+                              "in the README)")
         if state is not None and state is not self.process_group:
             return ValueError("hsync.WeightedDDP.register_comm_hook: the hook's state must be None or the "
                               "wrapper's own process group")
@@ -659,13 +665,9 @@ def _hook_comm_dtype(hook: Callable) -> tuple[bool, torch.dtype | None]:
             return True, _HOOK_COMM_DTYPES[hook]
     except TypeError:  # an unhashable callable: none of torch's
         return False, None
-    for wrapper, dtype in _WRAPPER_COMM_DTYPES.items():
-        # Each wrapper returns a closure over the hook it wraps: the same code, one cell.
-        around_mean = wrapper(default_hooks.allreduce_hook)
-        cells = getattr(hook, "__closure__", None) or ()
-        if getattr(hook, "__code__", None) is around_mean.__code__ and [c.cell_contents for c in cells] == [
-                default_hooks.allreduce_hook]:
-            return True, dtype
+    code, cells = getattr(hook, "__code__", None), getattr(hook, "__closure__", None) or ()
+    if code in _WRAPPER_CODE_COMM_DTYPES and [c.cell_contents for c in cells] == [default_hooks.allreduce_hook]:
+        return True, _WRAPPER_CODE_COMM_DTYPES[code]
     return False, None
 
 

@@ -96,7 +96,9 @@ def finish_step(net: nn.Module, loss: torch.Tensor, weight: int | None, opt: tor
 
 
 def wrap(variant: str, net: nn.Module, workload: Workload, device: torch.device) -> nn.Module:
-    """`net` as `variant` runs it: in hsync's wrapper, DDP's, or bare (the floor); compiled if the workload is."""
+    """`net` as `variant` runs it: in hsync's wrapper, DDP's, or bare (the floor); compiled if the workload is.
+
+    Compiled, `net` itself changes class (see variant_class): a benchmark's model, never saved."""
     if not workload.compiled:
         return sync_wrapper(variant, net, workload, device)
     # dynamo's guards check a module's class, not which instance it is: with one class for all, every

@@ -104,10 +104,10 @@ def plain_mean(rank: int, world_size: int, low: torch.dtype) -> dict:
     models["ddp"].register_comm_hook(None, hook)
     wrapper = default_hooks.bf16_compress_wrapper if low == torch.bfloat16 else default_hooks.fp16_compress_wrapper
     # DDP's ways of asking for it: the hook, or the wrapper around the mean's all-reduce; and that
-    # all-reduce alone, hsync's own reduction.
+    # all-reduce alone, in full precision. The hook decides, whatever comm_dtype the wrapper was given.
     for name, ddp_hook in (("hsync_hook", hook), ("hsync_wrapper", wrapper(default_hooks.allreduce_hook)),
                            ("hsync_allreduce_hook", default_hooks.allreduce_hook)):
-        models[name] = hsync.WeightedDDP(make_net(seed=0, dtype=f32))
+        models[name] = hsync.WeightedDDP(make_net(seed=0, dtype=f32), comm_dtype=low if "allreduce" in name else None)
         models[name].register_comm_hook(None, ddp_hook)
     grads = {}
     for name, model in models.items():
