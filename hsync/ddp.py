@@ -6,6 +6,7 @@ wires a module to it and turns `backward(loss, weight)` into the engine's per-st
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import functools
@@ -50,7 +51,10 @@ _HOOK_COMM_DTYPES = {default_hooks.allreduce_hook: None, default_hooks.bf16_comp
 _WRAPPER_CODE_COMM_DTYPES = {default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook).__code__: torch.bfloat16,
                              default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook).__code__: torch.float16}
 _MAX_TIMEOUT = datetime.timedelta(days=365)  # the engine's clocks count nanoseconds in 64 bits
-_instances = itertools.count()  # same sequence on every rank: names this wrapper's store keys
+# Per group, the same sequence on every rank of it (each engine over a group is built by all its ranks
+# alike): names an engine's store keys. One count for all groups would not be: ranks outside a group
+# skip its engines.
+_engines_built: collections.defaultdict[str, itertools.count] = collections.defaultdict(itertools.count)
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 """Collective deadline unless WeightedDDP(timeout=...) or HSYNC_TIMEOUT (seconds) says otherwise: longer
@@ -802,7 +806,8 @@ def _make_comm(group: dist.ProcessGroup, device: torch.device, timeout_s: float)
     """The engine's communicator: NCCL of our own on GPU (Note [NCCL bootstrap]), the process group on CPU."""
     # Keys unique to this wrapper and this attempt: torchrun may restart workers on the same store.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefix = f"hsync/{attempt}/{dist.distributed_c10d._get_process_group_name(group)}/{next(_instances)}"
+    group_name = dist.distributed_c10d._get_process_group_name(group)
+    prefix = f"hsync/{attempt}/{group_name}/{next(_engines_built[group_name])}"
     store = dist.distributed_c10d._get_default_store()
     debug = os.environ.get("HSYNC_DEBUG_COLLECTIVES", "0") not in ("", "0")
     faults = _C.FaultOptions(store, f"{prefix}/failure", timeout_s, debug)
