@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
+from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel import DistributedDataParallel
 
 from hsync._extension import _C
@@ -50,6 +51,25 @@ _HOOK_COMM_DTYPES = {default_hooks.allreduce_hook: None, default_hooks.bf16_comp
                      default_hooks.fp16_compress_hook: torch.float16}
 _WRAPPER_CODE_COMM_DTYPES = {default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook).__code__: torch.bfloat16,
                              default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook).__code__: torch.float16}
+_BUILTIN_HOOKS = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+                  dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+# DDP's reducer, logger, and forward and buffer plumbing, which hsync replaces. Inherited, each would fail
+# reaching for state a WeightedDDP does not have; absent, `hasattr` tells the truth and a call names the
+# attribute. Every other name of DDP's class is hsync's own or inherited on purpose: see
+# test_every_attribute_of_ddps_class_is_hsyncs_own_inherited_on_purpose_or_absent.
+_DDP_MACHINERY = (
+    "_assign_modules_buffers", "_build_debug_param_to_name_mapping", "_build_params_for_reducer",
+    "_check_and_sync_module_buffers", "_check_comm_hook", "_check_default_group",
+    "_check_global_requires_backward_grad_sync", "_check_reducer_finalized", "_check_sync_bufs_post_fwd",
+    "_check_sync_bufs_pre_fwd", "_clear_grad_buffer", "_ddp_init_helper", "_default_broadcast_coalesced",
+    "_delayed_all_reduce_hook", "_distributed_broadcast_coalesced", "_find_common_rank",
+    "_fire_reducer_autograd_hook", "_get_ddp_logging_data", "_lazy_init", "_log_and_throw",
+    "_match_all_reduce_for_bwd_pass", "_match_unused_params_allreduce", "_module_wait_for_copy_hook",
+    "_passing_sync_batchnorm_handle", "_post_forward", "_pre_forward", "_register_accum_grad_hook",
+    "_register_delay_all_reduce_hook", "_remove_autograd_hooks", "_root_copy_hook", "_run_ddp_forward",
+    "_set_ddp_runtime_logging_sample_rate", "_set_sparse_metadata", "_setup_in_backward_optimizers",
+    "_sync_buffers", "_sync_module_buffers",
+)
 _MAX_TIMEOUT = datetime.timedelta(days=365)  # the engine's clocks count nanoseconds in 64 bits
 # Per group, the same sequence on every rank of it (each engine over a group is built by all its ranks
 # alike): names an engine's store keys. One count for all groups would not be: ranks outside a group
@@ -116,8 +136,8 @@ class WeightedDDP(DistributedDataParallel):
 
     A DistributedDataParallel by type only, so that code which recognises or unwraps a DDP by
     isinstance (checkpointers, torch.distributed.checkpoint's state_dict) sees through it too. None of
-    DDP's machinery runs (its __init__ is not called: no reducer, no logger); every method of DDP's that
-    a training loop calls is hsync's own.
+    DDP's machinery runs (its __init__ is not called: no reducer, no logger) or is there (_DDP_MACHINERY);
+    every method of DDP's that a training loop calls is hsync's own or works inherited.
     """
 
     def __init__(
@@ -305,6 +325,37 @@ class WeightedDDP(DistributedDataParallel):
     def _register_buffer_comm_hook(self, *args, **kwargs) -> None:
         raise RuntimeError("hsync.WeightedDDP runs no buffer communication hooks (see 'Differences from DDP' "
                            "in the README)")
+
+    def _register_fused_optim(self, *args, **kwargs) -> None:
+        raise RuntimeError("hsync.WeightedDDP runs no optimizer inside backward (DDP's _register_fused_optim); "
+                           "call optimizer.step() after backward")
+
+    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
+        """DDP's built-in hooks, as their Python twins: ALLREDUCE as allreduce_hook, FP16_COMPRESS as
+        fp16_compress_hook (see register_comm_hook)."""
+        hook = _BUILTIN_HOOKS.get(comm_hook_type) if isinstance(comm_hook_type, dist.BuiltinCommHookType) else None
+        self.register_comm_hook(None, hook or comm_hook_type)  # refused there, on every rank, if unknown
+
+    def _update_process_group(self, new_process_group: dist.ProcessGroup) -> None:
+        """DDP's way to shrink or grow the group without wrapping anew (as fault-tolerant trainers do after
+        a failure): later steps reduce over `new_process_group`. Call it between steps, on every rank of
+        the new group; it checks the model across them (a collective). As with DDP, it forgets a step
+        in progress: a failed backward's, or a forward's whose backward has not run."""
+        if new_process_group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(f"hsync.WeightedDDP._update_process_group: rank {dist.get_rank()} is not in the new "
+                             "process group; call it on the group's ranks only")
+        if not isinstance(new_process_group, dist.ProcessGroup):
+            raise TypeError("hsync.WeightedDDP._update_process_group: expected a ProcessGroup, got "
+                            f"{_describe(new_process_group)}")
+        if self._engine is not None:
+            self._engine.expect_gradients(False)  # a forward before this call no longer feeds a step
+        self._uses_default_group = new_process_group == dist.group.WORLD
+        self._plain_steps_join = None  # the new engine has not been told
+        self._build_engine(new_process_group)
+
+    def to_kwargs(self, inputs: tuple, kwargs: dict | None, device_id: int) -> tuple[tuple, tuple[dict, ...]]:
+        """As DDP's (kept there for old code): inputs and kwargs moved to device `device_id` of the module's type."""
+        return _to_kwargs(inputs, kwargs, torch.device(self.device.type, device_id), False)
 
     def _declare_metrics(self, names: Sequence[str]) -> None:
         """Adds metric slots to the step's scalars, on every rank alike, between steps (hsync.Balancer's)."""
@@ -626,6 +677,22 @@ class WeightedDDP(DistributedDataParallel):
         return self._ensure_engine().bucket_params()
 
 
+class _Absent:
+    """A name of DDP's class that WeightedDDP does not have (_DDP_MACHINERY): reading it raises
+    AttributeError, as for any missing attribute."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: object, owner: type | None = None):
+        raise AttributeError(f"hsync.WeightedDDP has no {self.name!r}: it is DDP's own machinery, which hsync "
+                             "replaces")
+
+
+for _name in _DDP_MACHINERY:
+    setattr(WeightedDDP, _name, _Absent(_name))
+
+
 class _StepClock:
     """Instants of a step on the timeline where its work happens: the host's clock on the CPU, CUDA
     events on a GPU (whose work is asynchronous: the host's clock tells when work was queued)."""
@@ -833,6 +900,13 @@ def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
     for name, sub in module.named_modules():
         if isinstance(sub, nn.Embedding | nn.EmbeddingBag) and sub.sparse:
             problems.append(f"'{name}' produces sparse gradients (sparse=True); hsync reduces dense gradients only")
+    for name, p in _reduced_parameters(module, named=True):
+        if hasattr(p, "_in_backward_optimizers"):
+            # Its optimizer would step on the local gradient, before any reduction: ranks would drift apart.
+            problems.append(f"parameter '{name}' has an optimizer applied in backward (torch's "
+                            "_apply_optimizer_in_backward), which hsync does not run; step the optimizer "
+                            "after backward")
+            break
     return signature, problems
 
 

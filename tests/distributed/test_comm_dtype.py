@@ -7,6 +7,7 @@ import contextlib
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.distributed.workloads import global_batch, make_net, mse
 from tests.spawn import run_ranks
@@ -27,8 +28,6 @@ def _subnormal_spacing(dtype: torch.dtype) -> float:
 
 
 def weighted_steps(rank: int, world_size: int, low: torch.dtype, views: bool, device: str = "cpu") -> list[dict]:
-    import torch.distributed as dist
-
     import hsync
 
     f32 = torch.float32
@@ -109,6 +108,13 @@ def plain_mean(rank: int, world_size: int, low: torch.dtype) -> dict:
                            ("hsync_allreduce_hook", default_hooks.allreduce_hook)):
         models[name] = hsync.WeightedDDP(make_net(seed=0, dtype=f32), comm_dtype=low if "allreduce" in name else None)
         models[name].register_comm_hook(None, ddp_hook)
+    # And DDP's built-in (C++) hooks: the same two, by name.
+    builtin = {"hsync_builtin_allreduce": dist.BuiltinCommHookType.ALLREDUCE}
+    if low == torch.float16:
+        builtin["hsync_builtin_fp16"] = dist.BuiltinCommHookType.FP16_COMPRESS
+    for name, hook_type in builtin.items():
+        models[name] = hsync.WeightedDDP(make_net(seed=0, dtype=f32), comm_dtype=low if "allreduce" in name else None)
+        models[name]._register_builtin_comm_hook(hook_type)
     grads = {}
     for name, model in models.items():
         mse(model(x), y).backward()
@@ -130,6 +136,9 @@ def test_a_plain_backward_averages_as_ddp_with_its_compression_hook_does(low):
             assert torch.equal(grads["hsync_hook"][name], grads["hsync"][name]), name
             assert torch.equal(grads["hsync_wrapper"][name], grads["hsync"][name]), name
             assert torch.equal(grads["hsync_allreduce_hook"][name], exact), name
+            assert torch.equal(grads["hsync_builtin_allreduce"][name], exact), name
+            if low == torch.float16:
+                assert torch.equal(grads["hsync_builtin_fp16"][name], grads["hsync"][name]), name
 
 
 def nonfinite_steps(rank: int, world_size: int, low: torch.dtype) -> list[bool]:
@@ -174,15 +183,20 @@ def hook_too_late_or_twice(rank: int, world_size: int) -> list[str]:
             model.register_comm_hook(None, hook)
         except (RuntimeError, ValueError) as error:
             errors.append(str(error))
+    try:
+        hsync.WeightedDDP(make_net(seed=0))._register_builtin_comm_hook("ALLREDUCE")
+    except ValueError as error:
+        errors.append(str(error))
     return errors
 
 
 def test_register_comm_hook_refuses_a_second_call_a_late_call_and_other_hooks():
     for errors in run_ranks(hook_too_late_or_twice, 2):
-        assert len(errors) == 3, errors
+        assert len(errors) == 4, errors
         assert "can only be called once" in errors[0]
         assert "before the first backward" in errors[1]
         assert "runs no communication hooks, got function <function powerSGD_hook" in errors[2]
+        assert "runs no communication hooks, got str 'ALLREDUCE'" in errors[3]  # a name, not the enum
 
 
 def sum_beyond_float16(rank: int, world_size: int, low: torch.dtype) -> tuple[bool, float]:

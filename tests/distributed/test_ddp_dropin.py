@@ -360,6 +360,118 @@ def test_code_that_unwraps_a_ddp_by_type_unwraps_the_wrapper():
         assert result["hsync"]["loaded"] and "inp.weight" in result["hsync"]["names"], result
 
 
+# Names of DDP's class that a WeightedDDP inherits as they are: they work on it unchanged (tested below).
+INHERITED_FROM_DDP = {"__annotations__", "_active_ddp_module", "_get_active_ddp_module", "_inside_ddp_forward",
+                      "_set_params_and_buffers_to_ignore_for_model", "_get_data_parallel_params", "_get_parameters",
+                      "_distributed_rank", "_set_ddp_sink_clone", "train", "gather", "scatter"}
+
+
+def test_every_attribute_of_ddps_class_is_hsyncs_own_inherited_on_purpose_or_absent():
+    import hsync
+    from hsync.ddp import _DDP_MACHINERY
+
+    undecided = sorted(set(vars(DistributedDataParallel)) - set(vars(hsync.WeightedDDP)) - INHERITED_FROM_DDP)
+    assert not undecided, f"torch's DDP has names hsync has not decided on: {undecided}"
+    assert set(_DDP_MACHINERY) <= set(vars(DistributedDataParallel)), "DDP's machinery named as it is in torch"
+    for name in _DDP_MACHINERY:
+        assert not hasattr(hsync.WeightedDDP, name), name
+        with pytest.raises(AttributeError, match=f"has no '{name}': it is DDP's own machinery"):
+            getattr(hsync.WeightedDDP, name)
+
+
+def outcome(function, *args) -> object:
+    """What the call returns, or the error it raises (type and message)."""
+    try:
+        return function(*args)
+    except Exception as error:  # noqa: BLE001 - the error is the result
+        return f"{type(error).__name__}: {error}"
+
+
+def inherited_as_they_are(rank, world_size, wrap):
+    model = wrap(make_net(seed=0), find_unused_parameters=True)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    with model._inside_ddp_forward():
+        active = DistributedDataParallel._get_active_ddp_module() is model
+    model._set_ddp_sink_clone(False)  # no effect on either: DDP's sink clones outputs, hsync has none
+    present = {name: hasattr(model, name) for name in sorted(INHERITED_FROM_DDP)}
+    in_eval = model.train(False) is model and not model.module.training
+    model.train()
+    return {"present": present, "active inside forward": active, "in eval": in_eval,
+            "rank": model._distributed_rank, "gathered": outcome(model.gather, [x, 2 * x], -1),
+            "scattered": outcome(model.scatter, (x,), {}, [0]),  # multi-device legacy: on CPU, an error
+            "to_kwargs": model.to_kwargs((x,), {"y": x}, 0),
+            "parameters": [p.shape for p in model._get_data_parallel_params(model.module)],
+            "own parameters": [p.shape for p in model._get_parameters(model.module)],
+            "output": model(x)}
+
+
+def test_ddps_methods_inherited_as_they_are_work_as_on_a_ddp():
+    for result in run_ranks(side_by_side, 2, inherited_as_they_are):
+        ours, theirs = result["hsync"], result["ddp"]
+        assert all(ours["present"].values()), ours["present"]
+        errors = {key for key, value in theirs.items() if isinstance(value, str)}
+        assert {key: ours.pop(key) for key in errors} == {key: theirs.pop(key) for key in errors}
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def regrouped(rank, world_size, wrap):
+    """DDP's _update_process_group: three ranks train, ranks 0 and 1 go on alone, then all three again."""
+    model = wrap(make_net(seed=0), find_unused_parameters=True)
+    pair = dist.new_group([0, 1])
+    out = []
+    for step, group in enumerate((None, pair, dist.group.WORLD)):
+        if group is not None and rank in dist.get_process_group_ranks(group):
+            model._update_process_group(group)
+        if group is pair and rank == 2:
+            continue
+        x, y = global_batch(step, [3, 5, 4])[2][rank]
+        model.zero_grad()
+        mse(model(x), y).backward()
+        out.append(grads_of(model.module))
+    return out
+
+
+def test_updating_the_process_group_regroups_as_ddp_does():
+    results = run_ranks(side_by_side, 3, regrouped)
+    assert_same(results)
+    assert [len(result["hsync"]) for result in results] == [3, 3, 2]
+    for step, ranks in ((0, (0, 1, 2)), (1, (0, 1)), (2, (0, 1, 2))):
+        grads = [results[rank]["hsync"][step if rank < 2 else step // 2]["inp.weight"] for rank in ranks]
+        assert all(torch.equal(grads[0], g) for g in grads), f"step {step}: reduced over ranks {ranks}"
+
+
+def refused_ddp_features(rank, world_size):
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0))
+    errors = {}
+    with pytest.raises(RuntimeError) as error:
+        model._register_fused_optim(torch.optim.SGD, lr=0.1)
+    errors["fused optimizer"] = str(error.value)
+    pair = dist.new_group([0, 1])
+    if rank == 2:
+        with pytest.raises(ValueError) as error:
+            model._update_process_group(pair)
+        errors["outside the new group"] = str(error.value)
+    net = make_net(seed=0)
+    if rank == 1:
+        _apply_optimizer_in_backward(torch.optim.SGD, net.out.parameters(), {"lr": 0.1})
+    with pytest.raises(ValueError) as error:
+        hsync.WeightedDDP(net)
+    errors["optimizer in backward"] = str(error.value)
+    return errors
+
+
+def test_ddp_features_hsync_lacks_are_refused_on_every_rank_that_asks():
+    errors = run_ranks(refused_ddp_features, 3)[2]  # rank 2 is outside the pair
+    assert "runs no optimizer inside backward (DDP's _register_fused_optim)" in errors["fused optimizer"]
+    assert "rank 2 is not in the new process group" in errors["outside the new group"]
+    assert errors["optimizer in backward"].startswith(
+        "hsync: cannot wrap the model: on rank 1, parameter 'out.weight' has an optimizer applied in backward")
+
+
 def save_wrapper(rank, world_size, path: str) -> None:
     import hsync
 
