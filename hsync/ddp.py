@@ -70,6 +70,7 @@ _DDP_MACHINERY = (
     "_set_ddp_runtime_logging_sample_rate", "_set_sparse_metadata", "_setup_in_backward_optimizers",
     "_sync_buffers", "_sync_module_buffers",
 )
+_FLAGS_WITH_DEFAULT_NONE = ("broadcast_buffers", "forward_sync_buffers", "cross_rank_backward")
 _MAX_TIMEOUT = datetime.timedelta(days=365)  # the engine's clocks count nanoseconds in 64 bits
 # Per group, the same sequence on every rank of it (each engine over a group is built by all its ranks
 # alike): names an engine's store keys. One count for all groups would not be: ranks outside a group
@@ -89,7 +90,8 @@ class _Window:
     local: torch.Tensor
     """This rank's step scalars, slot layout of hsync.stats (float64 on the model's device)."""
     ref: torch.Tensor
-    """The weight local gradients are expressed in: the first non-zero weight of the window."""
+    """The weight local gradients are expressed in: the window's first non-zero weight, or 1 on every
+    rank with cross_rank_backward."""
     out_of_range: torch.Tensor
     """How many weights of the window were negative, NaN or infinite (checked on the device)."""
     problem: str | None = None
@@ -117,6 +119,12 @@ class WeightedDDP(DistributedDataParallel):
             wire (as DDP's bf16_compress_hook / fp16_compress_hook, with the cast fused into the
             pack). Default None: each gradient's own dtype. Gradients come back in their own dtype,
             rounded to comm_dtype; the bucket caps count bytes of comm_dtype.
+        cross_rank_backward: whether the ranks' backward passes send gradients to each other (a
+            SyncBatchNorm, a loss over features all-gathered with autograd). Weighted steps then scale
+            each rank's loss by its weight alone, the same factor on every rank, which keeps them exact;
+            otherwise each rank's gradient is expressed in a weight of its own (Note [Weighted
+            reduction] in csrc/engine.h), exact only while each rank's gradient is its own. Default
+            None: True if the module holds a torch.nn.SyncBatchNorm.
 
     DDP's arguments as hsync reads them: `process_group` or a 1-D `device_mesh` choose the group;
     `bucket_cap_mb` (default 25); `broadcast_buffers` / `forward_sync_buffers` as DDP's (rank 0's
@@ -167,6 +175,7 @@ class WeightedDDP(DistributedDataParallel):
         metric_names: tuple[str, ...] = (),
         timeout: datetime.timedelta | None = None,
         comm_dtype: torch.dtype | None = None,
+        cross_rank_backward: bool | None = None,
     ) -> None:
         nn.Module.__init__(self)  # not DDP's: see the class docstring
         Joinable.__init__(self)
@@ -174,9 +183,9 @@ class WeightedDDP(DistributedDataParallel):
                      check_reduction=check_reduction, gradient_as_bucket_view=gradient_as_bucket_view,
                      static_graph=static_graph, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
                      batched_grad_copy=batched_grad_copy, broadcast_buffers=broadcast_buffers,
-                     forward_sync_buffers=forward_sync_buffers)
+                     forward_sync_buffers=forward_sync_buffers, cross_rank_backward=cross_rank_backward)
         for name, value in flags.items():
-            if not isinstance(value, bool) and not (value is None and name.endswith("buffers")):
+            if not isinstance(value, bool) and not (value is None and name in _FLAGS_WITH_DEFAULT_NONE):
                 raise TypeError(f"hsync.WeightedDDP: {name} must be True or False, got {_describe(value)}")
         unsupported = dict(delay_all_reduce_named_params=delay_all_reduce_named_params,
                            param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
@@ -222,6 +231,8 @@ class WeightedDDP(DistributedDataParallel):
         self._first_bucket_bytes_cap = int(first_bucket_cap_mb * _MIB)
         self._timeout_s = _resolve_timeout(timeout)
         self.comm_dtype = comm_dtype
+        self.cross_rank_backward = cross_rank_backward if cross_rank_backward is not None else any(
+            isinstance(m, nn.SyncBatchNorm) for m in module.modules())
         self._uses_default_group = process_group is None or process_group == dist.group.WORLD
         self._hook_registered = False  # register_comm_hook was called
         self._steps_begun = False  # a synchronised forward ran: too late for register_comm_hook
@@ -268,7 +279,8 @@ class WeightedDDP(DistributedDataParallel):
     def _settings_that_must_agree(self) -> dict[str, object]:
         """What shapes the collectives: ranks that disagree would send buckets that don't match."""
         return dict(comm_dtype=self.comm_dtype, bucket_cap_mb=self._bucket_bytes_cap / _MIB,
-                    first_bucket_cap_mb=self._first_bucket_bytes_cap / _MIB)
+                    first_bucket_cap_mb=self._first_bucket_bytes_cap / _MIB,
+                    cross_rank_backward=self.cross_rank_backward)
 
     def _ensure_engine(self):
         """The engine; a copy made by pickling or deepcopy builds its own on first use (see __getstate__)."""
@@ -610,7 +622,10 @@ class WeightedDDP(DistributedDataParallel):
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.float64, device=self.device)
 
-        return _Window(local=zeros(NUM_SLOTS + len(self.metric_names)), ref=zeros(), out_of_range=zeros())
+        # A common unit on every rank when backward passes mix the ranks' gradients (cross_rank_backward),
+        # else the window's first non-zero weight (set by _add_micro_step).
+        ref = zeros().fill_(1.0) if self.cross_rank_backward else zeros()
+        return _Window(local=zeros(NUM_SLOTS + len(self.metric_names)), ref=ref, out_of_range=zeros())
 
     def _add_micro_step(self, window: _Window, loss, weight, metrics) -> torch.Tensor | None:
         """Adds this micro-step to the window; returns its weight, or None if its input is bad."""

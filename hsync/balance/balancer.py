@@ -186,6 +186,8 @@ class Balancer:
         # What bounds micro-batches besides micro_batch_limit: a GPU's memory (on the CPU, nothing).
         self._memory = DeviceMemory(model.device) if model.device.type == "cuda" else None
         self._check_same_everywhere()
+        if model.cross_rank_backward:
+            self._check_epoch_end_lockstep()
         self._names = {q: [f"hsync.balance.{q}/{r}" for r in range(self.world_size)] for q in _QUANTITIES}
         model._declare_metrics([name for names in self._names.values() for name in names])
         self.slowdown = SimulatedSlowdown(config.simulate_slowdown, model.device)
@@ -249,6 +251,8 @@ class Balancer:
             shares = self._split(costs, ranks)
             self._split_steps[step] = ([len(share) for share in shares], costs)
             self._split_through = step
+            if self.model.cross_rank_backward:
+                self._check_lockstep(step, [[costs[p] for p in share] for share in shares], ranks)
             mine = [positions[p] for p in shares[self.rank]]
             ranges = micro_batches([self._costs[i] for i in mine], ranks[self.rank].micro_cap)
             if not ranges:
@@ -260,6 +264,34 @@ class Balancer:
                 self._pending.append(_MicroBatch(step, j == len(batches) - 1, 0 if filler else len(indices),
                                                  units, filler))
                 yield indices
+
+    def _check_epoch_end_lockstep(self) -> None:
+        """No step of an epoch, its last included, leaves a rank without an example (_check_lockstep): found
+        before training, not at the epoch's end."""
+        batch = self.config.global_batch_size
+        last = len(self._costs) - (self.steps_per_epoch - 1) * batch
+        fixed = self.config.rank_batch_sizes
+        for size in (batch, last):
+            if size < self.world_size or (fixed is not None and 0 in split_proportionally(size, fixed)):
+                raise ValueError(
+                    f"hsync.Balancer: a step of size {size} would leave a rank without an example, but the model's "
+                    "backward passes exchange gradients between ranks (WeightedDDP.cross_rank_backward, a "
+                    "SyncBatchNorm), so every rank must run every step; choose a global_batch_size whose "
+                    f"remainder in the {len(self._costs)} examples, if any, gives each rank one")
+
+    @staticmethod
+    def _check_lockstep(step: int, share_costs: list[list[float]], ranks: list[RankCost]) -> None:
+        """With cross_rank_backward (a SyncBatchNorm) every forward is a collective, so every rank must run
+        the same number of micro-batches, none of them a filler, whose example would enter the others'
+        statistics. Raised on every rank alike (the plan is the same everywhere), before the step runs."""
+        counts = [len(micro_batches(costs, rank.micro_cap)) for costs, rank in zip(share_costs, ranks, strict=True)]
+        if min(counts) == 0 or len(set(counts)) > 1:
+            raise RuntimeError(
+                f"hsync.Balancer: step {step} would give the ranks {counts} micro-batches, but the model's "
+                "backward passes exchange gradients between ranks (WeightedDDP.cross_rank_backward, a "
+                "SyncBatchNorm), so every rank must run the same number of forwards, with one example at "
+                "least; plan one micro-batch per rank and step (no micro_batch_limit, shares that fit every "
+                "rank's memory)")
 
     def _order(self, epoch: int) -> list[int]:
         if not self.config.shuffle:

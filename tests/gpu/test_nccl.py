@@ -9,6 +9,7 @@ share a GPU could fail the survivors' teardown when a peer dies.
 import pytest
 import torch
 
+from tests.distributed import test_cross_rank_backward
 from tests.distributed.test_comm_dtype import check_within_rounding, weighted_steps
 from tests.distributed.test_faults import DEADLINE_S, VICTIM, noticed_after, train_until_victim_strikes
 from tests.distributed.workloads import reference_training, train_weighted
@@ -48,6 +49,13 @@ def comm_dtype_on_gpu(rank: int, world_size: int, low: torch.dtype, views: bool)
 @pytest.mark.parametrize(("low", "views"), [(torch.bfloat16, False), (torch.float16, True)], ids=str)
 def test_nccl_carries_16_bit_buckets_within_their_rounding(low, views):
     check_within_rounding(run_ranks(comm_dtype_on_gpu, 3, low, views, env=SOCKET_ENV, timeout=240), low)
+
+
+def test_weighted_steps_through_torchs_sync_batch_norm_match_one_process():
+    # torch's SyncBatchNorm over gloo (CUDA tensors), hsync's gradients over NCCL.
+    results = run_ranks(test_cross_rank_backward.weighted_steps, 3, "sync-batch-norm", "cuda", env=SOCKET_ENV,
+                        timeout=240)
+    test_cross_rank_backward.check_against_one_process(results, "sync-batch-norm")
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])

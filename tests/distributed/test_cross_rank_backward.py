@@ -1,0 +1,170 @@
+"""Models whose backward passes exchange gradients between ranks (SyncBatchNorm; any layer or loss
+built on differentiable collectives): weighted steps stay exact against a single process that
+normalises over the concatenated global batch."""
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+from tests.distributed.workloads import global_batch
+from tests.spawn import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+# steps[s][micro][rank]: one step, then a window of two micro-steps; every rank runs each forward.
+STEPS = [[[3, 7, 2]], [[1, 4, 2], [3, 2, 5]]]
+
+
+def batch_norm_over(x: torch.Tensor, sums: torch.Tensor, eps: float) -> torch.Tensor:
+    """x normalised by the mean and (biased) variance that `sums` = [sum x, sum x^2, count] describe."""
+    width = x.shape[1]
+    mean = sums[:width] / sums[-1]
+    var = sums[width:2 * width] / sums[-1] - mean ** 2
+    return (x - mean) * torch.rsqrt(var + eps)
+
+
+def global_sums(x: torch.Tensor) -> torch.Tensor:
+    """[sum x, sum x^2, count] over every rank's x, through a differentiable all-reduce: in backward,
+    each rank's gradient reaches every other rank, as in torch's SyncBatchNorm."""
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(torch.cat([x.sum(0), (x * x).sum(0), x.new_full((1,), x.shape[0])]))
+
+
+class CpuSyncBatchNorm(nn.SyncBatchNorm):
+    """torch's SyncBatchNorm in training, on the CPU (torch's needs a GPU): found by type, as it is."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return batch_norm_over(x, global_sums(x), self.eps) * self.weight + self.bias
+
+
+class GlobalNorm(nn.Module):
+    """The same normalisation in a layer of one's own, which no wrapper can recognise."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return batch_norm_over(x, global_sums(x), 1e-5) * self.scale
+
+
+class LocalNorm(nn.Module):
+    """GlobalNorm's twin for one process holding the whole global batch."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sums = torch.cat([x.sum(0), (x * x).sum(0), x.new_full((1,), x.shape[0])])
+        weight = self.norm.weight if isinstance(self.norm, nn.SyncBatchNorm) else self.norm.scale
+        bias = self.norm.bias if isinstance(self.norm, nn.SyncBatchNorm) else 0.0
+        return batch_norm_over(x, sums, 1e-5) * weight + bias
+
+
+def make_model(norm: str, device: str = "cpu") -> nn.Sequential:
+    """On a GPU, with torch's own SyncBatchNorm."""
+    torch.manual_seed(0)
+    sync_batch_norm = nn.SyncBatchNorm if device == "cuda" else CpuSyncBatchNorm
+    layer = sync_batch_norm(6).double() if norm == "sync-batch-norm" else GlobalNorm(6)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.uniform_(0.5, 1.5)
+    return nn.Sequential(nn.Linear(4, 6, dtype=torch.float64), layer, nn.Tanh(),
+                         nn.Linear(6, 1, dtype=torch.float64), nn.Flatten(0)).to(device)
+
+
+def sum_of_squares(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((pred - target) ** 2).sum()
+
+
+def weighted_steps(rank: int, world_size: int, norm: str, device: str = "cpu") -> list[dict[str, torch.Tensor]]:
+    import hsync
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    flag = {} if norm == "sync-batch-norm" else {"cross_rank_backward": True}
+    model = hsync.WeightedDDP(make_model(norm, device), **flag)
+    grads = []
+    for step, micro_steps in enumerate(STEPS):
+        for micro, sizes in enumerate(micro_steps):
+            x, y = (t.to(device) for t in global_batch(step, sizes, micro)[2][rank])
+            with model.no_sync() if micro < len(micro_steps) - 1 else contextlib.nullcontext():
+                model.backward(sum_of_squares(model(x), y) / len(x), weight=len(x))
+        grads.append({name: p.grad.cpu() for name, p in model.module.named_parameters()})
+        model.zero_grad()
+    return grads
+
+
+def reference_steps(norm: str) -> list[dict[str, torch.Tensor]]:
+    """The gradient of the mean squared error over every example of the step, in one process."""
+    model = make_model(norm)
+    model[1] = LocalNorm(model[1])
+    grads = []
+    for step, micro_steps in enumerate(STEPS):
+        total = sum(sum(sizes) for sizes in micro_steps)
+        for micro, sizes in enumerate(micro_steps):
+            x, y, _ = global_batch(step, sizes, micro)
+            (sum_of_squares(model(x), y) / total).backward()
+        grads.append({name.replace("1.norm.", "1."): p.grad.clone() for name, p in model.named_parameters()})
+        model.zero_grad()
+    return grads
+
+
+def check_against_one_process(results: list, norm: str) -> None:
+    expected = reference_steps(norm)
+    for rank, grads in enumerate(results):
+        torch.testing.assert_close(grads, expected, rtol=1e-10, atol=1e-12, msg=lambda m, r=rank: f"rank {r}: {m}")
+
+
+@pytest.mark.parametrize("norm", ["sync-batch-norm", "a-layer-of-ones-own"])
+def test_weighted_steps_through_a_cross_rank_backward_match_one_process(norm):
+    check_against_one_process(run_ranks(weighted_steps, 3, norm), norm)
+
+
+def disagreeing_flag(rank: int, world_size: int) -> str:
+    import hsync
+
+    with pytest.raises(RuntimeError) as error:
+        hsync.WeightedDDP(make_model("a-layer-of-ones-own"), cross_rank_backward=rank == 1)
+    return str(error.value)
+
+
+def test_ranks_that_disagree_on_cross_rank_backward_are_refused():
+    for message in run_ranks(disagreeing_flag, 2):
+        assert "cross_rank_backward differs across ranks: False on rank 0, True on rank 1" in message
+
+
+
+def balanced_steps(rank: int, world_size: int, examples: int, limit: int | None) -> str | list[torch.Tensor]:
+    """hsync.Balancer over a SyncBatchNorm model: two steps, or the error that stopped them."""
+    import hsync
+
+    model = hsync.WeightedDDP(make_model("sync-batch-norm"))
+    x_all, y_all, _ = global_batch(0, [examples])
+    config = hsync.BalanceConfig(global_batch_size=12, rank_batch_sizes=[6, 4, 2],
+                                 micro_batch_limit=[limit, None, None], seed=0)
+    try:
+        balancer = hsync.Balancer(model, examples, config)
+        for indices in balancer:
+            stats = balancer.backward(sum_of_squares(model(x_all[indices]), y_all[indices]) / len(indices))
+            if stats is not None and balancer.global_step == 2:
+                return [p.grad for p in model.parameters()]
+    except (RuntimeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    raise AssertionError("the epoch ended before two steps")
+
+
+def test_a_balancer_runs_every_rank_in_lockstep_or_says_why_it_cannot():
+    runs = {name: run_ranks(balanced_steps, 3, examples, limit, timeout=60)
+            for name, examples, limit in (("lockstep", 24, None), ("more micro-batches on rank 0", 24, 2),
+                                          ("a last step too small", 25, None))}
+    grads = runs["lockstep"]
+    assert all(torch.equal(a, b) for other in grads[1:] for a, b in zip(grads[0], other, strict=True))
+    for error in runs["more micro-batches on rank 0"]:  # found on every rank, before the step's forward
+        assert error.startswith("RuntimeError: hsync.Balancer: step 0 would give the ranks [3, 1, 1] micro-batches")
+    for error in runs["a last step too small"]:  # found before training
+        assert error.startswith("ValueError: hsync.Balancer: a step of size 1 would leave a rank without an example")
