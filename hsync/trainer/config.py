@@ -102,6 +102,9 @@ class TrainConfig:
     """Dtype the gradients travel in: fp32 (the model's own), or bf16 / fp16 for half the bytes on the wire,
     each gradient rounded once to it (fp16's range is checked, before and after the sum: an overflow counts
     as a non-finite step)."""
+    compile: bool = False
+    """Compile the wrapped model with torch.compile (as torch advises for DDP, the wrapper): faster steps
+    on a GPU once the first steps have compiled it (and again when a batch's shape first changes)."""
     collective_timeout: float = 0.0
     """Seconds any one gradient collective may take before every rank stops with an error naming it;
     0: hsync's default (HSYNC_TIMEOUT, else 300)."""

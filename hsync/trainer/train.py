@@ -54,10 +54,12 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(cfg.seed)
     timeout = datetime.timedelta(seconds=cfg.collective_timeout) if cfg.collective_timeout else None
-    model = hsync.WeightedDDP(build_model(preset, vocab, cfg.dropout).to(device), broadcast_buffers=False,
-                              gradient_as_bucket_view=cfg.bucket_views,
-                              metric_names=("tokens", "examples", "mlm", "nsp", StopRequest.METRIC),
-                              timeout=timeout, comm_dtype=COMM_DTYPES[cfg.comm_dtype])
+    wrapper = hsync.WeightedDDP(build_model(preset, vocab, cfg.dropout).to(device), broadcast_buffers=False,
+                                gradient_as_bucket_view=cfg.bucket_views,
+                                metric_names=("tokens", "examples", "mlm", "nsp", StopRequest.METRIC),
+                                timeout=timeout, comm_dtype=COMM_DTYPES[cfg.comm_dtype])
+    net = wrapper.module
+    model = torch.compile(wrapper) if cfg.compile else wrapper
     torch.manual_seed(cfg.seed + rank)  # rank 0's weights everywhere, but each rank its own dropout
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
             "global_batch_size": cfg.global_batch_size}
     if checkpoint.should_resume(cfg.save_dir, cfg.resume):
         state = checkpoint.load(Path(cfg.save_dir), meta)
-        model.module.load_state_dict(state["model"])
+        net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         balancer.load_state_dict(state["balancer"])
@@ -98,11 +100,11 @@ def main(argv: list[str] | None = None) -> None:
             plans.update(step)
             if corpus.valid is not None and not stopping and (
                     (cfg.eval_every and step % cfg.eval_every == 0) or step == last_step):
-                log.evaluation(step, evaluate(model.module, corpus.valid, vocab, cfg.seed, eval_batch))
+                log.evaluation(step, evaluate(net, corpus.valid, vocab, cfg.seed, eval_batch))
             saved = None
             if cfg.save_dir and (stopping or (cfg.save_every and step % cfg.save_every == 0) or step == last_step):
                 saved = checkpoint.save(Path(cfg.save_dir), step, {
-                    "model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                    "model": net.state_dict(), "optimizer": optimizer.state_dict(),
                     "schedule": schedule.state_dict(), "balancer": balancer.state_dict(), "meta": meta})
             started = time.perf_counter()
             if stopping:
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
             if step == last_step:
                 break
     if balancer.global_step == cfg.max_steps and not stopping:
-        final = save_final_model(model.module, vocab, preset, Path(cfg.save_dir) / "final") if cfg.save_dir else None
+        final = save_final_model(net, vocab, preset, Path(cfg.save_dir) / "final") if cfg.save_dir else None
         report(rank, log.summary(final))
     log.close()
     dist.destroy_process_group()
@@ -169,7 +171,7 @@ def balancing(cfg: TrainConfig, world: int, slowdown: float) -> hsync.BalanceCon
                                replan_every=cfg.rebalance_every, seed=cfg.seed, simulate_slowdown=slowdown)
 
 
-def train_micro_step(model: hsync.WeightedDDP, balancer: hsync.Balancer, batch: dict[str, torch.Tensor],
+def train_micro_step(model: nn.Module, balancer: hsync.Balancer, batch: dict[str, torch.Tensor],
                      nsp_weight: float, stop_requested: float) -> hsync.StepStats | None:
     """Forward, loss and backward of one micro-batch; the weight is its number of masked tokens (module
     docstring). The sums of both losses ride in the step's scalars, for the log."""

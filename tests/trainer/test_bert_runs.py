@@ -154,6 +154,24 @@ def test_a_run_goes_on_at_other_world_sizes_with_the_updates_of_an_uninterrupted
         torch.testing.assert_close(elastic_run[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_a_compiled_run_makes_the_updates_of_an_uncompiled_one(tmp_path):
+    common = ("--max-steps", "6", "--balance", "manual", "--rank-batch-sizes", "20,12", "--dropout", "0",
+              "--log-every", "1")
+    output = {}
+    for name, flags in (("eager", ()), ("compiled", ("--compile",))):
+        result = ok(torchrun(tmp_path, *common, *flags, "--save-dir", str(tmp_path / name),
+                             "--log-file", str(tmp_path / f"{name}.jsonl"), env={"TORCH_LOGS": "dynamo"}))
+        output[name] = result.stdout + result.stderr
+    traced = re.compile(r"torchdynamo start tracing forward .*hsync/ddp\.py")
+    assert traced.search(output["compiled"]) and not traced.search(output["eager"])
+    losses = {name: [row["loss"] for row in read_log(tmp_path / f"{name}.jsonl")] for name in output}
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-4) and len(losses["eager"]) == 6
+    eager, compiled = model_state(tmp_path / "eager"), model_state(tmp_path / "compiled")
+    assert compiled.keys() == eager.keys(), "a compiled run's checkpoint resumes an uncompiled run, and back"
+    for name, value in eager.items():  # compiled kernels round differently
+        torch.testing.assert_close(compiled[name], value, rtol=1e-3, atol=5e-5, msg=name)
+
+
 def test_ctrl_c_stops_every_rank_after_the_step_with_a_checkpoint_to_resume_from(tmp_path):
     log, save = tmp_path / "log.jsonl", tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
