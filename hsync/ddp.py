@@ -10,7 +10,6 @@ import collections
 import contextlib
 import datetime
 import functools
-import itertools
 import math
 import numbers
 import os
@@ -72,10 +71,10 @@ _DDP_MACHINERY = (
 )
 _FLAGS_WITH_DEFAULT_NONE = ("broadcast_buffers", "forward_sync_buffers", "cross_rank_backward")
 _MAX_TIMEOUT = datetime.timedelta(days=365)  # the engine's clocks count nanoseconds in 64 bits
-# Per group, the same sequence on every rank of it (each engine over a group is built by all its ranks
-# alike): names an engine's store keys. One count for all groups would not be: ranks outside a group
-# skip its engines.
-_engines_built: collections.defaultdict[str, itertools.count] = collections.defaultdict(itertools.count)
+# Per group, the index of the next engine built over it: with the group's name, names an engine's store
+# keys. The ranks agree on it as they build one (the largest any proposes), so a rank outside a group,
+# which skips that group's engines, or a process that replaced a failed one, uses the same keys.
+_engines_built: collections.defaultdict[str, int] = collections.defaultdict(int)
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 """Collective deadline unless WeightedDDP(timeout=...) or HSYNC_TIMEOUT (seconds) says otherwise: longer
@@ -231,10 +230,11 @@ class WeightedDDP(DistributedDataParallel):
         self._first_bucket_bytes_cap = int(first_bucket_cap_mb * _MIB)
         self._timeout_s = _resolve_timeout(timeout)
         self.comm_dtype = comm_dtype
-        self.cross_rank_backward = cross_rank_backward if cross_rank_backward is not None else any(
+        self._cross_rank_backward = cross_rank_backward if cross_rank_backward is not None else any(
             isinstance(m, nn.SyncBatchNorm) for m in module.modules())
         self._uses_default_group = process_group is None or process_group == dist.group.WORLD
         self._hook_registered = False  # register_comm_hook was called
+        self._balanced = False  # an hsync.Balancer declared its metrics: it plans for these ranks
         self._steps_begun = False  # a synchronised forward ran: too late for register_comm_hook
         self.require_backward_grad_sync = True  # public, as DDP's: nanoGPT-style loops set it per micro-step
         self.require_forward_param_sync = True  # public, as DDP's: the last forward fed a synced step
@@ -256,25 +256,30 @@ class WeightedDDP(DistributedDataParallel):
             self._engine.broadcast_coalesced([p.detach() for p in _reduced_parameters(module)] + buffers, 0)
 
     def _build_engine(self, group: dist.ProcessGroup, refusal: Exception | None = None) -> None:
-        """Checks the model across ranks and builds the engine: at wrap time, and lazily for a copy.
-        `refusal`: this rank's reason not to build it, raised on every rank after the check."""
-        # Weakly, like the engine: destroy_process_group() must be able to free the group (and join
-        # its threads) while the model lives on; a group freed at interpreter exit aborts it.
-        self._group = weakref.ref(group)
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        """Checks the model across ranks and builds the engine: at wrap time, lazily for a copy, and for a
+        new group. `refusal`: this rank's reason not to build it, raised on every rank after the check.
+        Nothing changes unless every check passes."""
         named = [(name, p) for name, p in _reduced_parameters(self.module, named=True) if p.requires_grad]
-        _verify_same_model(group, self.module, self._settings_that_must_agree(), refusal)
-        self.device = named[0][1].device
+        group_name = dist.distributed_c10d._get_process_group_name(group)
+        index = _verify_same_model(group, self.module, self._settings_that_must_agree(), refusal,
+                                   _engines_built[group_name])
+        _engines_built[group_name] = index + 1
+        device = named[0][1].device
         self._engine = _C.Engine(
             [p for _, p in named],
             [name for name, _ in named],
-            _make_comm(group, self.device, self._timeout_s),
+            _make_comm(group, device, self._timeout_s, f"{group_name}/{index}"),
             self._bucket_bytes_cap,
             self._first_bucket_bytes_cap,
             self.gradient_as_bucket_view,
             self.comm_dtype,
         )
+        # Weakly, like the engine: destroy_process_group() must be able to free the group (and join
+        # its threads) while the model lives on; a group freed at interpreter exit aborts it.
+        self._group = weakref.ref(group)
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.device = device
 
     def _settings_that_must_agree(self) -> dict[str, object]:
         """What shapes the collectives: ranks that disagree would send buckets that don't match."""
@@ -313,6 +318,12 @@ class WeightedDDP(DistributedDataParallel):
     def process_group(self) -> dist.ProcessGroup | None:
         """The group gradients are reduced over (None once it was destroyed)."""
         return self._group() if self._group is not None else None
+
+    @property
+    def cross_rank_backward(self) -> bool:
+        """Whether the ranks' backward passes send gradients to each other (see the constructor): fixed at
+        wrap time, the same on every rank."""
+        return self._cross_rank_backward
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -359,11 +370,15 @@ class WeightedDDP(DistributedDataParallel):
         if not isinstance(new_process_group, dist.ProcessGroup):
             raise TypeError("hsync.WeightedDDP._update_process_group: expected a ProcessGroup, got "
                             f"{_describe(new_process_group)}")
-        if self._engine is not None:
-            self._engine.expect_gradients(False)  # a forward before this call no longer feeds a step
+        if self._balanced:
+            raise RuntimeError("hsync.WeightedDDP._update_process_group: an hsync.Balancer plans this wrapper's "
+                               "steps for its ranks; wrap the model anew, with a new Balancer, for the new group")
+        previous = self._engine
+        self._build_engine(new_process_group)
+        if previous is not None:
+            previous.expect_gradients(False)  # a forward before this call no longer feeds a step
         self._uses_default_group = new_process_group == dist.group.WORLD
         self._plain_steps_join = None  # the new engine has not been told
-        self._build_engine(new_process_group)
 
     def to_kwargs(self, inputs: tuple, kwargs: dict | None, device_id: int) -> tuple[tuple, tuple[dict, ...]]:
         """As DDP's (kept there for old code): inputs and kwargs moved to device `device_id` of the module's type."""
@@ -373,6 +388,7 @@ class WeightedDDP(DistributedDataParallel):
         """Adds metric slots to the step's scalars, on every rank alike, between steps (hsync.Balancer's)."""
         if self._window is not None:
             raise RuntimeError("hsync.WeightedDDP: metrics can be added between steps only, not inside no_sync")
+        self._balanced = True
         self.metric_names = (*self.metric_names, *(n for n in names if n not in self.metric_names))
 
     def _synced_buffers(self) -> list[torch.Tensor]:
@@ -513,6 +529,9 @@ class WeightedDDP(DistributedDataParallel):
         divide by the world size (divide_by_initial_world_size=True, DDP's default) or by the number of
         ranks not joined yet. At the end every rank holds the parameters of the last rank to join.
         As with DDP, each forward under join must be followed by at most one synchronised backward."""
+        if self.cross_rank_backward:
+            raise RuntimeError("hsync.WeightedDDP.join: a joined rank cannot shadow forwards and backwards that "
+                               "are collectives themselves (cross_rank_backward, a SyncBatchNorm)")
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
@@ -584,8 +603,7 @@ class WeightedDDP(DistributedDataParallel):
         w = self._add_micro_step(window, loss, weight, metrics or {})
         if not self.require_backward_grad_sync:
             engine.expect_gradients(False)  # accumulate, even after a forward outside no_sync
-            if w is not None and loss.requires_grad:
-                self._backprop(loss, w, window.ref)
+            self._backprop_micro_step(loss, w, window.ref)
             return None
 
         self._window = None
@@ -600,8 +618,7 @@ class WeightedDDP(DistributedDataParallel):
 
         engine.begin_weighted_step(scalars, window.ref)
         try:
-            if w is not None and loss.requires_grad:
-                self._backprop(loss, w, window.ref)
+            self._backprop_micro_step(loss, w, window.ref)
         finally:
             # Also after a failed backward (out of memory, say): this rank still completes the
             # step's collectives, so its peers are not left waiting.
@@ -679,12 +696,17 @@ class WeightedDDP(DistributedDataParallel):
         as_tensors = [v if isinstance(v, torch.Tensor) else _to_device([v], self.device)[0] for v in values]
         return torch.stack(as_tensors), None
 
-    @staticmethod
-    def _backprop(loss: torch.Tensor, weight: torch.Tensor, ref: torch.Tensor) -> None:
-        # Gradients are accumulated in units of `ref` (Note [Weighted reduction] in csrc/engine.h):
-        # the first micro-step backpropagates the loss unscaled, later ones by weight / ref.
-        scale = torch.where(ref > 0, weight / ref.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
-        (loss * scale.to(loss.dtype)).backward()
+    def _backprop_micro_step(self, loss, weight: torch.Tensor | None, ref: torch.Tensor) -> None:
+        """Backpropagates the micro-step's loss, scaled to `ref`'s units; `weight` None: its input was bad."""
+        if weight is not None and loss.requires_grad:
+            # Gradients are accumulated in units of `ref` (Note [Weighted reduction] in csrc/engine.h):
+            # the first micro-step backpropagates the loss unscaled, later ones by weight / ref.
+            scale = torch.where(ref > 0, weight / ref.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
+            (loss * scale.to(loss.dtype)).backward()
+        elif self.cross_rank_backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
+            # A bad input still takes its part in backward's collectives, which its peers are waiting
+            # in; the step is then refused on every rank.
+            (loss.sum() * 0).backward()
 
     @property
     def bucket_params(self) -> list[list[int]]:
@@ -884,12 +906,12 @@ def _resolve_timeout(timeout: datetime.timedelta | None) -> float:
     return seconds
 
 
-def _make_comm(group: dist.ProcessGroup, device: torch.device, timeout_s: float):
-    """The engine's communicator: NCCL of our own on GPU (Note [NCCL bootstrap]), the process group on CPU."""
-    # Keys unique to this wrapper and this attempt: torchrun may restart workers on the same store.
+def _make_comm(group: dist.ProcessGroup, device: torch.device, timeout_s: float, engine_key: str):
+    """The engine's communicator: NCCL of our own on GPU (Note [NCCL bootstrap]), the process group on CPU.
+    `engine_key`: the same on every rank of the group, and used by no other engine over it."""
+    # Keys unique to this engine and this attempt: torchrun may restart workers on the same store.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    group_name = dist.distributed_c10d._get_process_group_name(group)
-    prefix = f"hsync/{attempt}/{group_name}/{next(_engines_built[group_name])}"
+    prefix = f"hsync/{attempt}/{engine_key}"
     store = dist.distributed_c10d._get_default_store()
     debug = os.environ.get("HSYNC_DEBUG_COLLECTIVES", "0") not in ("", "0")
     faults = _C.FaultOptions(store, f"{prefix}/failure", timeout_s, debug)
@@ -926,18 +948,19 @@ def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
 
 
 def _verify_same_model(group: dist.ProcessGroup, module: nn.Module, settings: dict[str, object],
-                       refusal: Exception | None = None) -> None:
+                       refusal: Exception | None, engine_index: int) -> int:
     """Raises the same error on every rank if a rank refused (its `refusal`, naming the rank), the ranks'
-    models or `settings` differ (RuntimeError, as DDP's) or one cannot be wrapped (ValueError)."""
+    models or `settings` differ (RuntimeError, as DDP's) or one cannot be wrapped (ValueError); else
+    returns the engine index the ranks agree on (the largest `engine_index` proposed)."""
     gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (*_model_signature(module), settings, refusal), group=group)
-    for rank, (*_, theirs) in enumerate(gathered):
+    dist.all_gather_object(gathered, (*_model_signature(module), settings, refusal, engine_index), group=group)
+    for rank, (*_, theirs, _) in enumerate(gathered):
         if theirs is not None:
             raise type(theirs)(f"{theirs} (on rank {rank})")
-    for rank, (_, problems, _, _) in enumerate(gathered):
+    for rank, (_, problems, *_) in enumerate(gathered):
         if problems:
             raise ValueError(f"hsync: cannot wrap the model: on rank {rank}, {problems[0]}")
-    for rank, (_, _, theirs, _) in enumerate(gathered[1:], start=1):
+    for rank, (_, _, theirs, *_) in enumerate(gathered[1:], start=1):
         for name, value in gathered[0][2].items():
             if theirs[name] != value:
                 raise RuntimeError(f"hsync.WeightedDDP: {name} differs across ranks: {value} on rank 0, "
@@ -947,6 +970,7 @@ def _verify_same_model(group: dist.ProcessGroup, module: nn.Module, settings: di
         difference = _first_difference(reference, signature, rank)
         if difference:
             raise RuntimeError(f"hsync: the model differs across ranks: {difference}")
+    return max(proposed for *_, proposed in gathered)
 
 
 def _first_difference(reference: list[tuple], other: list[tuple], rank: int) -> str | None:

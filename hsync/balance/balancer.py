@@ -446,9 +446,10 @@ class Balancer:
 
     def _micro_cap(self, rank: int, measured: bool = True) -> float:
         """Units of work rank `rank` may run in one micro-batch: the configured limit, and on a GPU what its
-        memory allows as it last reported, or, before that is known, an equal share."""
+        memory allows as it last reported, or, before that is known, an equal share. With cross_rank_backward
+        only the limit: a share split by memory would break the ranks' lockstep (_check_lockstep)."""
         cap = self._limits[rank]
-        if self._memory is not None:
+        if self._memory is not None and not self.model.cross_rank_backward:
             capacity = self._capacities[rank] if measured else 0.0
             cap = min(cap, capacity if capacity > 0 else self._equal_share_units)
         return cap

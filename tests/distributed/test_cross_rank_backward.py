@@ -140,31 +140,59 @@ def test_ranks_that_disagree_on_cross_rank_backward_are_refused():
 
 
 def balanced_steps(rank: int, world_size: int, examples: int, limit: int | None) -> str | list[torch.Tensor]:
-    """hsync.Balancer over a SyncBatchNorm model: two steps, or the error that stopped them."""
+    """hsync.Balancer over a SyncBatchNorm model: the first step's gradients, or the error that stopped it."""
     import hsync
 
     model = hsync.WeightedDDP(make_model("sync-batch-norm"))
     x_all, y_all, _ = global_batch(0, [examples])
     config = hsync.BalanceConfig(global_batch_size=12, rank_batch_sizes=[6, 4, 2],
-                                 micro_batch_limit=[limit, None, None], seed=0)
+                                 micro_batch_limit=[limit, None, None], shuffle=False)
     try:
         balancer = hsync.Balancer(model, examples, config)
         for indices in balancer:
-            stats = balancer.backward(sum_of_squares(model(x_all[indices]), y_all[indices]) / len(indices))
-            if stats is not None and balancer.global_step == 2:
-                return [p.grad for p in model.parameters()]
+            if balancer.backward(sum_of_squares(model(x_all[indices]), y_all[indices]) / len(indices)):
+                return {name: p.grad for name, p in model.module.named_parameters()}
     except (RuntimeError, ValueError) as error:
         return f"{type(error).__name__}: {error}"
-    raise AssertionError("the epoch ended before two steps")
+    raise AssertionError("no step completed")
 
 
 def test_a_balancer_runs_every_rank_in_lockstep_or_says_why_it_cannot():
     runs = {name: run_ranks(balanced_steps, 3, examples, limit, timeout=60)
             for name, examples, limit in (("lockstep", 24, None), ("more micro-batches on rank 0", 24, 2),
                                           ("a last step too small", 25, None))}
-    grads = runs["lockstep"]
-    assert all(torch.equal(a, b) for other in grads[1:] for a, b in zip(grads[0], other, strict=True))
+    # Unshuffled, the first step is the first 12 examples: the gradient of their mean, normalised together.
+    model = make_model("sync-batch-norm")
+    model[1] = LocalNorm(model[1])
+    x, y, _ = global_batch(0, [24])
+    (sum_of_squares(model(x[:12]), y[:12]) / 12).backward()
+    expected = {name.replace("1.norm.", "1."): p.grad for name, p in model.named_parameters()}
+    for grads in runs["lockstep"]:
+        torch.testing.assert_close(grads, expected, rtol=1e-10, atol=1e-12)
     for error in runs["more micro-batches on rank 0"]:  # found on every rank, before the step's forward
         assert error.startswith("RuntimeError: hsync.Balancer: step 0 would give the ranks [3, 1, 1] micro-batches")
     for error in runs["a last step too small"]:  # found before training
         assert error.startswith("ValueError: hsync.Balancer: a step of size 1 would leave a rank without an example")
+
+
+def bad_input_on_one_rank(rank: int, world_size: int) -> list[str]:
+    import hsync
+
+    model = hsync.WeightedDDP(make_model("sync-batch-norm"))
+    x, y = global_batch(0, [3, 3, 3])[2][rank]
+    errors = []
+    for weight in (-1.0 if rank == 1 else 3.0, "three" if rank == 2 else 3.0):
+        with pytest.raises(ValueError) as error:
+            model.backward(sum_of_squares(model(x), y) / 3, weight=weight)
+        errors.append(str(error.value))
+    with pytest.raises(RuntimeError) as error:
+        model.join()
+    return [*errors, str(error.value)]
+
+
+def test_bad_input_through_a_cross_rank_backward_is_refused_on_every_rank_without_a_hang():
+    # The rank with the bad weight still takes part in backward's collectives (SyncBatchNorm's).
+    for negative, not_a_number, join in run_ranks(bad_input_on_one_rank, 3, timeout=60):
+        assert "rank 1 passed a weight that is negative, NaN or infinite" in negative, negative
+        assert "rank 2 passed" in not_a_number and "weight" in not_a_number, not_a_number
+        assert "join: a joined rank cannot shadow forwards and backwards that are collectives" in join

@@ -394,6 +394,10 @@ def inherited_as_they_are(rank, world_size, wrap):
         active = DistributedDataParallel._get_active_ddp_module() is model
     model._set_ddp_sink_clone(False)  # no effect on either: DDP's sink clones outputs, hsync has none
     present = {name: hasattr(model, name) for name in sorted(INHERITED_FROM_DDP)}
+    if type(model) is not DistributedDataParallel:
+        from hsync.ddp import _DDP_MACHINERY
+
+        assert not any(hasattr(model, name) for name in _DDP_MACHINERY), "absent from an instance too"
     in_eval = model.train(False) is model and not model.module.training
     model.train()
     return {"present": present, "active inside forward": active, "in eval": in_eval,
@@ -415,18 +419,23 @@ def test_ddps_methods_inherited_as_they_are_work_as_on_a_ddp():
 
 
 def regrouped(rank, world_size, wrap):
-    """DDP's _update_process_group: three ranks train, ranks 0 and 1 go on alone, then all three again."""
+    """DDP's _update_process_group: three ranks train, ranks 0 and 1 go on alone, then all three again,
+    the first time with a forward from before the update (which, as in DDP, no longer synchronises)."""
     model = wrap(make_net(seed=0), find_unused_parameters=True)
     pair = dist.new_group([0, 1])
     out = []
-    for step, group in enumerate((None, pair, dist.group.WORLD)):
-        if group is not None and rank in dist.get_process_group_ranks(group):
-            model._update_process_group(group)
+    for step, (group, after_forward) in enumerate(((None, False), (pair, False), (dist.group.WORLD, True),
+                                                   (None, False))):
         if group is pair and rank == 2:
             continue
+        if group is not None and not after_forward:
+            model._update_process_group(group)
         x, y = global_batch(step, [3, 5, 4])[2][rank]
         model.zero_grad()
-        mse(model(x), y).backward()
+        loss = mse(model(x), y)
+        if group is not None and after_forward:
+            model._update_process_group(group)
+        loss.backward()
         out.append(grads_of(model.module))
     return out
 
@@ -434,10 +443,13 @@ def regrouped(rank, world_size, wrap):
 def test_updating_the_process_group_regroups_as_ddp_does():
     results = run_ranks(side_by_side, 3, regrouped)
     assert_same(results)
-    assert [len(result["hsync"]) for result in results] == [3, 3, 2]
-    for step, ranks in ((0, (0, 1, 2)), (1, (0, 1)), (2, (0, 1, 2))):
-        grads = [results[rank]["hsync"][step if rank < 2 else step // 2]["inp.weight"] for rank in ranks]
+    steps = [result["hsync"] for result in results]
+    assert [len(grads) for grads in steps] == [4, 4, 3]
+    steps[2].insert(1, None)  # rank 2 sat out step 1
+    for step, ranks in ((0, (0, 1, 2)), (1, (0, 1)), (3, (0, 1, 2))):
+        grads = [steps[rank][step]["inp.weight"] for rank in ranks]
         assert all(torch.equal(grads[0], g) for g in grads), f"step {step}: reduced over ranks {ranks}"
+    assert not torch.equal(steps[0][2]["inp.weight"], steps[1][2]["inp.weight"]), "step 2 stayed local"
 
 
 def refused_ddp_features(rank, world_size):
@@ -461,6 +473,18 @@ def refused_ddp_features(rank, world_size):
     with pytest.raises(ValueError) as error:
         hsync.WeightedDDP(net)
     errors["optimizer in backward"] = str(error.value)
+
+    # A refused update changes nothing: the wrapper still reduces over its old group.
+    if rank == 1:
+        _apply_optimizer_in_backward(torch.optim.SGD, model.module.out.parameters(), {"lr": 0.1})
+    with pytest.raises(ValueError):
+        model._update_process_group(dist.new_group([0, 1, 2]))
+    errors["group after a refused update"] = dist.get_process_group_ranks(model.process_group)
+    balanced = hsync.WeightedDDP(make_net(seed=0))
+    hsync.Balancer(balanced, 12, hsync.BalanceConfig(global_batch_size=6))
+    with pytest.raises(RuntimeError) as error:
+        balanced._update_process_group(dist.group.WORLD)
+    errors["under a balancer"] = str(error.value)
     return errors
 
 
@@ -470,6 +494,8 @@ def test_ddp_features_hsync_lacks_are_refused_on_every_rank_that_asks():
     assert "rank 2 is not in the new process group" in errors["outside the new group"]
     assert errors["optimizer in backward"].startswith(
         "hsync: cannot wrap the model: on rank 1, parameter 'out.weight' has an optimizer applied in backward")
+    assert errors["group after a refused update"] == [0, 1, 2]
+    assert "an hsync.Balancer plans this wrapper's steps for its ranks" in errors["under a balancer"]
 
 
 def save_wrapper(rank, world_size, path: str) -> None:
