@@ -8,6 +8,10 @@ update is the exact weighted mean however a step is split: changing plans, a dif
 after a restart, or a rank that takes several micro-batches all leave the updates the same, up to
 the order of floating-point sums. Every rank runs every step (a rank left without an example in the
 last step of an epoch runs a filler micro-batch of weight 0), so all ranks end each epoch together.
+A model whose forward is itself a collective (WeightedDDP.cross_rank_backward, a SyncBatchNorm)
+needs more: the same number of micro-batches on every rank and no filler, checked before each step;
+its batch statistics then also depend on how a rank's share is cut into micro-batches, so only one
+micro-batch per rank and step keeps the updates independent of the plan.
 
 Measurements travel in the step's fused scalars, as WeightedDDP metrics (one slot per rank and
 quantity): every rank fits the same cost models from the same numbers and takes the same decisions,
