@@ -51,13 +51,6 @@ def test_nccl_carries_16_bit_buckets_within_their_rounding(low, views):
     check_within_rounding(run_ranks(comm_dtype_on_gpu, 3, low, views, env=SOCKET_ENV, timeout=240), low)
 
 
-def test_weighted_steps_through_torchs_sync_batch_norm_match_one_process():
-    # torch's SyncBatchNorm over gloo (CUDA tensors), hsync's gradients over NCCL.
-    results = run_ranks(test_cross_rank_backward.weighted_steps, 3, "sync-batch-norm", "cuda", env=SOCKET_ENV,
-                        timeout=240)
-    test_cross_rank_backward.check_against_one_process(results, "sync-batch-norm")
-
-
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_nccl_survivors_of_a_lost_peer_abort_and_raise(how):
     # On GPU the failure surfaces at the next call into hsync after the watchdog saw it (Note [NCCL failures]).
@@ -70,3 +63,10 @@ def test_nccl_survivors_of_a_lost_peer_abort_and_raise(how):
             assert "deadline" in survivor.error or "a peer failed first" in survivor.error, survivor.error
         assert noticed_after(survivor.error) < DEADLINE_S + 5, survivor.error
         assert survivor.exitcode == 0, f"rank {rank}: {survivor}"
+
+
+def test_weighted_steps_through_torchs_sync_batch_norm_match_one_process():
+    # torch's SyncBatchNorm over gloo (CUDA tensors), hsync's gradients over NCCL.
+    results = run_ranks(test_cross_rank_backward.weighted_steps, 3, "sync-batch-norm", "cuda", env=SOCKET_ENV,
+                        timeout=240)
+    test_cross_rank_backward.check_against_one_process(results, "sync-batch-norm")
