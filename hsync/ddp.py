@@ -18,6 +18,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -721,7 +722,7 @@ class _Absent:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def __get__(self, instance: object, owner: type | None = None):
+    def __get__(self, instance: object, owner: type | None = None) -> NoReturn:
         raise AttributeError(f"hsync.WeightedDDP has no {self.name!r}: it is DDP's own machinery, which hsync "
                              "replaces")
 
