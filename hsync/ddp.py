@@ -413,6 +413,10 @@ class WeightedDDP(DistributedDataParallel):
     def _prepare_forward(self, *inputs, **kwargs) -> tuple[tuple, dict, bool]:
         """The inputs on the module's device, and whether the next backward synchronises, after this
         forward's share of the step: the engine told, joined ranks answered, rank 0's buffers received."""
+        if self._join_config.enable and self.cross_rank_backward:
+            # Refused before any collective, on every rank alike: under Join every rank runs forwards.
+            raise RuntimeError("hsync.WeightedDDP under Join: a joined rank cannot shadow forwards and backwards "
+                               "that are collectives themselves (cross_rank_backward, a SyncBatchNorm)")
         # As DDP: only a forward with gradients outside no_sync makes the next backward synchronise
         # (Note [Which backward synchronises] in csrc/engine.h).
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
@@ -530,9 +534,6 @@ class WeightedDDP(DistributedDataParallel):
         divide by the world size (divide_by_initial_world_size=True, DDP's default) or by the number of
         ranks not joined yet. At the end every rank holds the parameters of the last rank to join.
         As with DDP, each forward under join must be followed by at most one synchronised backward."""
-        if self.cross_rank_backward:
-            raise RuntimeError("hsync.WeightedDDP.join: a joined rank cannot shadow forwards and backwards that "
-                               "are collectives themselves (cross_rank_backward, a SyncBatchNorm)")
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 

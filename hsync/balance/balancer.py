@@ -294,8 +294,7 @@ class Balancer:
                 f"hsync.Balancer: step {step} would give the ranks {counts} micro-batches, but the model's "
                 "backward passes exchange gradients between ranks (WeightedDDP.cross_rank_backward, a "
                 "SyncBatchNorm), so every rank must run the same number of forwards, with one example at "
-                "least; plan one micro-batch per rank and step (no micro_batch_limit, shares that fit every "
-                "rank's memory)")
+                "least; plan one micro-batch per rank and step (no micro_batch_limit)")
 
     def _order(self, epoch: int) -> list[int]:
         if not self.config.shuffle:

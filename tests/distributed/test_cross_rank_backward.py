@@ -189,8 +189,12 @@ def bad_input_on_one_rank(rank: int, world_size: int) -> list[str]:
         with pytest.raises(ValueError) as error:
             model.backward(sum_of_squares(model(x), y) / 3, weight=weight)
         errors.append(str(error.value))
-    with pytest.raises(RuntimeError) as error:
-        model.join()
+    from torch.distributed.algorithms.join import Join
+
+    with model.join(enable=False):  # a loop that always wraps its epoch in join, with it off
+        model.backward(sum_of_squares(model(x), y) / 3, weight=3)
+    with pytest.raises(RuntimeError) as error, Join([model]):  # torch's Join, not only the wrapper's
+        model(x)
     return [*errors, str(error.value)]
 
 
@@ -199,4 +203,4 @@ def test_bad_input_through_a_cross_rank_backward_is_refused_on_every_rank_withou
     for negative, not_a_number, join in run_ranks(bad_input_on_one_rank, 3, timeout=60):
         assert "rank 1 passed a weight that is negative, NaN or infinite" in negative, negative
         assert "rank 2 passed" in not_a_number and "weight" in not_a_number, not_a_number
-        assert "join: a joined rank cannot shadow forwards and backwards that are collectives" in join
+        assert "under Join: a joined rank cannot shadow forwards and backwards that are collectives" in join
