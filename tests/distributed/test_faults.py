@@ -21,17 +21,24 @@ VICTIM = 2
 
 
 def train_until_victim_strikes(rank: int, world_size: int, how: str, deadlines: dict[int, float],
-                               device: str = "cpu", subgroup_first: tuple[int, ...] = ()) -> None:
+                               device: str = "cpu", history: str = "") -> None:
     """Trains; at step 3 the victim kills or stops itself in the middle of backward, after some
-    buckets went out. The others raise, with the seconds they took to notice. The ranks in
-    `subgroup_first` first wrap a model over a group of their own, which the others never see."""
+    buckets went out. The others raise, with the seconds they took to notice. Before, with history
+    "subgroup", ranks 0 and VICTIM wrap a model over a group of their own, which rank 1 never sees;
+    with "replacement", every rank wraps one, then rank 1 forgets it, as a process that replaced a
+    failed one would never have seen it."""
     import hsync
 
     if device == "cuda":
         torch.cuda.set_device(0)
-    subgroup = dist.new_group(list(subgroup_first)) if subgroup_first else None
-    if rank in subgroup_first:
-        hsync.WeightedDDP(make_net(seed=0).to(device), process_group=subgroup)
+    if history == "subgroup":
+        subgroup = dist.new_group([0, VICTIM])
+        if rank in (0, VICTIM):
+            hsync.WeightedDDP(make_net(seed=0).to(device), process_group=subgroup)
+    elif history == "replacement":
+        hsync.WeightedDDP(make_net(seed=0).to(device))
+        if rank == 1:
+            hsync.ddp._engines_built.clear()
     timeout = datetime.timedelta(seconds=deadlines.get(rank, DEADLINE_S))
     model = hsync.WeightedDDP(make_net(seed=0).to(device), bucket_cap_mb=TINY_BUCKET_MB, timeout=timeout)
     if rank == VICTIM:
@@ -79,12 +86,12 @@ def test_frozen_peer_fails_every_survivor_at_the_deadline():
         assert survivor.exitcode == 0 and survivor.exited_after is not None, f"rank {rank}: {survivor}"
 
 
-@pytest.mark.parametrize("subgroup_first", [(), (0, VICTIM)], ids=["", "after-a-wrapper-over-a-subgroup"])
-def test_a_rank_that_gives_up_tells_its_peers(subgroup_first):
+@pytest.mark.parametrize("history", ["", "subgroup", "replacement"])
+def test_a_rank_that_gives_up_tells_its_peers(history):
     # Rank 0 gives up on the frozen rank after 2 s; rank 1 would wait 60 s, but reads rank 0's post,
-    # under the same key though rank 1 built one wrapper fewer.
+    # under the same key though rank 1 built, or remembers, one wrapper fewer.
     survivors = run_ranks_with_victim(train_until_victim_strikes, 3, VICTIM, "stop", {0: 2.0, 1: 60.0}, "cpu",
-                                      subgroup_first, timeout=20)
+                                      history, timeout=20)
     first, told = survivors[0].error, survivors[1].error
     assert first is not None and "did not complete within the 2.00 s deadline" in first, first
     assert told is not None and "hsync: rank 1 (gloo): stopped waiting for all-reduce #" in told, told
