@@ -605,6 +605,9 @@ class WeightedDDP(DistributedDataParallel):
         w = self._add_micro_step(window, loss, weight, metrics or {})
         if not self.require_backward_grad_sync:
             engine.expect_gradients(False)  # accumulate, even after a forward outside no_sync
+            # The window's next forward belongs to this step, whose buffers came with its first: one
+            # broadcast per step, as DDP's under no_sync, however many micro-batches each rank runs.
+            self.require_forward_param_sync = False
             self._backprop_micro_step(loss, w, window.ref)
             return None
 

@@ -37,15 +37,17 @@ def stacked(data: Numbers, indices: list[int]) -> tuple[torch.Tensor, torch.Tens
 
 class Regression(nn.Module):
     """A small MLP. A class of the test's own: under torch.compile(wrapper), dynamo compiles the forward of a
-    user's module after the wrapper's graph breaks, but not that of torch's own nn.Sequential."""
+    user's module after the wrapper's graph breaks, but not that of torch's own nn.Sequential. With a
+    buffer, as BERT's position ids: rank 0's is broadcast once a step, however many micro-batches a rank runs."""
 
     def __init__(self) -> None:
         super().__init__()
         self.hidden = nn.Linear(6, 8)
         self.out = nn.Linear(8, 1)
+        self.register_buffer("shift", torch.zeros(6))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.hidden(x)))
+        return self.out(torch.tanh(self.hidden(x + self.shift)))
 
 
 def make_model() -> nn.Module:
