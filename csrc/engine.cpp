@@ -319,6 +319,12 @@ void Engine::finalize_if_pending() {
   if (in_step_) finalize();
 }
 
+void Engine::mark_step_failed() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!in_step_) return;
+  for (size_t b = next_bucket_; b < buckets_.size(); ++b) buckets_[b].nonfinite_flag.fill_(1);
+}
+
 void Engine::finalize() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!in_step_) return;

@@ -42,6 +42,14 @@
 // the end of a plain loss.backward(); a weighted step is finalized by its caller after
 // backward returns. Which graph tasks may feed a step: Note [Nested backwards].
 //
+// Note [A backward that fails]
+// A backward that raises on one rank (out of memory, say) still completes the step's collectives
+// (its peers are waiting in them), but what it packs is a partial gradient. The buckets not
+// launched yet then carry a raised non-finite flag, so every rank's step reads as not finite and
+// is skipped everywhere, as after an overflow, instead of peers stepping on it unawares. (If
+// every bucket had already gone, the reduced gradient is whole.) A micro-step under no_sync that
+// fails marks its window's loss as not finite instead (hsync/ddp.py): same outcome, a step later.
+//
 // Note [Gradients as bucket views]
 // With grads_as_views, each parameter's .grad *is* its slot in the bucket (as DDP's
 // gradient_as_bucket_view): autograd accumulates into the slot, pack scales it in place, the
@@ -134,6 +142,9 @@ class Engine {
 
   // Completes the current step if autograd did not (no hook fired in this backward).
   void finalize_if_pending();
+
+  // This rank's backward raised midway: Note [A backward that fails].
+  void mark_step_failed();
 
   // Whether gradient hooks feed a synchronised step: Note [Which backward synchronises].
   void expect_gradients(bool expected) { expect_gradients_.store(expected); }

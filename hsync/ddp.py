@@ -608,7 +608,11 @@ class WeightedDDP(DistributedDataParallel):
             # The window's next forward belongs to this step, whose buffers came with its first: one
             # broadcast per step, as DDP's under no_sync, however many micro-batches each rank runs.
             self.require_forward_param_sync = False
-            self._backprop_micro_step(loss, w, window.ref)
+            try:
+                self._backprop_micro_step(loss, w, window.ref)
+            except BaseException:
+                window.local[LOSS_NONFINITE] += 1  # Note [A backward that fails] in csrc/engine.h
+                raise
             return None
 
         self._window = None
@@ -624,6 +628,9 @@ class WeightedDDP(DistributedDataParallel):
         engine.begin_weighted_step(scalars, window.ref)
         try:
             self._backprop_micro_step(loss, w, window.ref)
+        except BaseException:
+            engine.mark_step_failed()  # Note [A backward that fails] in csrc/engine.h
+            raise
         finally:
             # Also after a failed backward (out of memory, say): this rank still completes the
             # step's collectives, so its peers are not left waiting.

@@ -69,7 +69,8 @@ class StepStats:
 
     @property
     def finite(self) -> bool:
-        """False when any rank's loss or unscaled gradient held an inf or NaN: skip this step everywhere."""
+        """False when any rank's loss or unscaled gradient held an inf or NaN, or its backward raised
+        midway (its gradient is partial): skip this step everywhere."""
         grad_nonfinite = float(self._grad_nonfinite)
         # On GPU, waiting for the flag is waiting for the buckets: a collective that failed meanwhile
         # (its values are garbage) raises here, before anyone steps on them.
