@@ -32,6 +32,8 @@ replaced is undone, and the next one must promise twice the gain.
 
 from __future__ import annotations
 
+import array
+import hashlib
 import math
 import statistics
 from collections import deque
@@ -45,6 +47,7 @@ from hsync.balance.memory import DeviceMemory
 from hsync.balance.planner import (
     RankCost,
     fit_affine,
+    longest_first,
     micro_batches,
     proportional_costs,
     split_proportionally,
@@ -155,12 +158,13 @@ class Balancer:
 
         balancer = hsync.Balancer(model, len(dataset), hsync.BalanceConfig(global_batch_size=64))
         loader = DataLoader(dataset, batch_sampler=balancer, num_workers=2, pin_memory=True)
-        for epoch in range(epochs):
+        for epoch in range(balancer.epoch, epochs):  # after load_state_dict: where it left off
             balancer.set_epoch(epoch)
             for x, y in loader:
                 loss = loss_fn(model(x.to(device)), y.to(device))
-                if balancer.backward(loss):  # the step's StepStats on its last micro-batch, else None
-                    optimizer.step()
+                if stats := balancer.backward(loss):  # the step's StepStats on its last micro-batch, else None
+                    if stats.finite:
+                        optimizer.step()
                     optimizer.zero_grad()
 
     Iterating yields this rank's micro-batches (lists of dataset indices), step after step; call
@@ -175,21 +179,18 @@ class Balancer:
         self.model = model
         self.config = config
         self.rank, self.world_size = model.rank, model.world_size
-        self._costs = self._example_costs(examples)
-        # A GPU rank's micro-batch before its memory is measured: an equal share, at the longest length.
-        self._equal_share_units = config.global_batch_size / self.world_size * max(self._costs)
-        limit = config.micro_batch_limit
-        limits = list(limit) if isinstance(limit, Sequence) else [limit] * self.world_size
-        if len(limits) != self.world_size or any(v is not None and not v > 0 for v in limits):
-            raise ValueError(f"BalanceConfig.micro_batch_limit must be a positive number or one per rank "
-                             f"({self.world_size}), got {limit!r}")
-        self._limits = [math.inf if v is None else float(v) for v in limits]
-        if config.rank_batch_sizes is not None and len(config.rank_batch_sizes) != self.world_size:
-            raise ValueError(f"BalanceConfig.rank_batch_sizes has {len(config.rank_batch_sizes)} sizes for "
-                             f"{self.world_size} ranks")
         # What bounds micro-batches besides micro_batch_limit: a GPU's memory (on the CPU, nothing).
         self._memory = DeviceMemory(model.device) if model.device.type == "cuda" else None
-        self._check_same_everywhere()
+        # A refusal of this rank's own arguments is raised on every rank, so no peer waits in the check.
+        refusal = None
+        try:
+            self._costs = self._example_costs(examples)
+            self._limits = self._micro_batch_limits()
+        except ValueError as error:
+            refusal = str(error)
+        self._check_same_everywhere(refusal)
+        # A GPU rank's micro-batch before its memory is measured: an equal share, at the longest length.
+        self._equal_share_units = -(-config.global_batch_size // self.world_size) * max(self._costs)
         if model.cross_rank_backward:
             self._check_epoch_end_lockstep()
         self._names = {q: [f"hsync.balance.{q}/{r}" for r in range(self.world_size)] for q in _QUANTITIES}
@@ -306,9 +307,12 @@ class Balancer:
         fixed = self.config.rank_batch_sizes
         if fixed is None:
             return split_step(costs, ranks)
+        # Runs of the step's examples longest first, as split_step's: micro_batches() cuts them by the
+        # longest of each, and similar lengths pad little.
+        order = longest_first(costs)
         sizes = split_proportionally(len(costs), fixed)
         bounds = [sum(sizes[:r]) for r in range(self.world_size + 1)]
-        return [list(range(bounds[r], bounds[r + 1])) for r in range(self.world_size)]
+        return [order[bounds[r]:bounds[r + 1]] for r in range(self.world_size)]
 
     # -- the training loop's side ------------------------------------------------------------------
 
@@ -481,13 +485,13 @@ class Balancer:
         run resumes at the next step whatever its world size. Measurements are not kept: a resumed run
         measures its ranks anew."""
         return {"epoch": self.epoch, "step_in_epoch": self._step_in_epoch, "global_step": self.global_step,
-                "seed": self.config.seed, "global_batch_size": self.config.global_batch_size,
-                "num_examples": len(self._costs)}
+                "seed": self.config.seed, "shuffle": self.config.shuffle,
+                "global_batch_size": self.config.global_batch_size, "num_examples": len(self._costs)}
 
     def load_state_dict(self, state: Mapping) -> None:
         for key, ours in (("num_examples", len(self._costs)), ("global_batch_size", self.config.global_batch_size),
-                          ("seed", self.config.seed)):
-            if state[key] != ours:
+                          ("seed", self.config.seed), ("shuffle", self.config.shuffle)):
+            if state.get(key, ours) != ours:  # (checkpoints before "shuffle" was kept: not checked)
                 raise ValueError(f"hsync.Balancer: the checkpoint has {key} {state[key]}, this run {ours}: "
                                  "it was written for other data or another batch")
         self.epoch, self._step_in_epoch = state["epoch"], state["step_in_epoch"]
@@ -498,29 +502,51 @@ class Balancer:
 
     # -- set-up ------------------------------------------------------------------------------------
 
+    def _micro_batch_limits(self) -> list[float]:
+        limit, fixed = self.config.micro_batch_limit, self.config.rank_batch_sizes
+        limits = list(limit) if isinstance(limit, Sequence) else [limit] * self.world_size
+        if len(limits) != self.world_size or any(v is not None and not v > 0 for v in limits):
+            raise ValueError(f"BalanceConfig.micro_batch_limit must be a positive number or one per rank "
+                             f"({self.world_size}), got {limit!r}")
+        if fixed is not None and len(fixed) != self.world_size:
+            raise ValueError(f"BalanceConfig.rank_batch_sizes has {len(fixed)} sizes for {self.world_size} ranks")
+        return [math.inf if v is None else float(v) for v in limits]
+
     @staticmethod
     def _example_costs(examples: int | Sequence[float]) -> list[float]:
         if isinstance(examples, int) and not isinstance(examples, bool):
             if examples < 1:
                 raise ValueError(f"hsync.Balancer needs at least one example, got {examples}")
             return [1.0] * examples
-        costs = [float(c) for c in examples]
+        try:
+            costs = [float(c) for c in examples]
+        except (TypeError, ValueError):
+            costs = []
         if not costs or any(not (c > 0) or math.isinf(c) for c in costs):
             raise ValueError("hsync.Balancer: example costs must be finite positive numbers (lengths), and "
                              "there must be at least one")
         return costs
 
-    def _check_same_everywhere(self) -> None:
-        """Every rank must split the same steps of the same data: a difference is refused on every rank."""
+    def _check_same_everywhere(self, refusal: str | None) -> None:
+        """Every rank must split the same steps of the same data: a difference, or a rank's refusal of its
+        own arguments, is raised on every rank."""
         config = self.config
-        mine = (len(self._costs), sum(self._costs), config.global_batch_size, config.seed, config.shuffle,
-                config.rank_batch_sizes and list(config.rank_batch_sizes), self._limits, config.replan_every,
-                config.warmup_steps, config.probe_steps, config.min_gain, self._memory is not None)
-        group = self.model.process_group
+        mine = refusal if refusal is not None else (
+            len(self._costs), _digest(self._costs), config.global_batch_size, config.seed, config.shuffle,
+            config.rank_batch_sizes and list(config.rank_batch_sizes), self._limits, config.replan_every,
+            config.warmup_steps, config.probe_steps, config.min_gain, self._memory is not None)
         everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=group)
+        dist.all_gather_object(everyone, mine, group=self.model.process_group)
+        refused = [r for r, theirs in enumerate(everyone) if isinstance(theirs, str)]
+        if refused:
+            raise ValueError(f"{everyone[refused[0]]} (rank {refused[0]}; refused on ranks {refused})")
         different = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
         if different:
             raise ValueError(f"hsync.Balancer: ranks {different} were given other data or settings than rank 0 "
-                             f"(examples, their total cost, the BalanceConfig): rank 0 has {everyone[0]}, "
+                             f"(examples, a digest of their costs, the BalanceConfig): rank 0 has {everyone[0]}, "
                              f"rank {different[0]} {everyone[different[0]]}")
+
+
+def _digest(costs: list[float]) -> str:
+    """A fingerprint of the example costs: ranks given the same lengths in another order differ."""
+    return hashlib.blake2b(array.array("d", costs).tobytes(), digest_size=8).hexdigest()

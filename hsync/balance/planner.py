@@ -76,7 +76,7 @@ def split_step(costs: Sequence[float], ranks: Sequence[RankCost]) -> list[list[i
                              f"got {rank}")
     if any(not (c > 0) or math.isinf(c) for c in costs):
         raise ValueError("every example needs a finite positive cost")
-    order = sorted(range(len(costs)), key=lambda i: -costs[i])
+    order = longest_first(costs)
     ordered = [costs[i] for i in order]
     # Every split is feasible within hi: no share pads beyond all examples at the longest one's cost.
     lo = 0.0
@@ -92,6 +92,11 @@ def split_step(costs: Sequence[float], ranks: Sequence[RankCost]) -> list[list[i
     runs = _fill(ordered, ranks, hi)
     assert runs is not None, "the upper bound of the bisection is always feasible"
     return [order[start:stop] for start, stop in runs]
+
+
+def longest_first(costs: Sequence[float]) -> list[int]:
+    """Positions of `costs`, longest first; equal costs keep their order."""
+    return sorted(range(len(costs)), key=lambda i: -costs[i])
 
 
 def _fill(ordered: Sequence[float], ranks: Sequence[RankCost], limit: float) -> list[tuple[int, int]] | None:

@@ -349,12 +349,43 @@ def test_a_fast_rank_gets_its_share_in_micro_batches_its_memory_holds(fits, micr
     assert slow_counts[22:] == [1] * 42, "the slow rank's 16 fit in one micro-batch"
 
 
+def micro_batches_of_an_epoch(rank, world_size):
+    """Without a backward, the sampler splits a whole epoch: (each rank's micro-batches with a fixed split
+    of examples with lengths; the first step's micro-batch sizes on a GPU before memory is measured)."""
+    import hsync
+
+    model = hsync.WeightedDDP(make_model())
+    lengths = [float(1 + (7 * i) % 10) for i in range(40)]
+    fixed = hsync.Balancer(model, lengths, hsync.BalanceConfig(global_batch_size=16, rank_batch_sizes=[11, 5],
+                                                               micro_batch_limit=20, seed=1))
+    batches = [[lengths[i] for i in indices] for indices in fixed]
+    assert gather_indices([i for indices in fixed for i in indices]) == list(range(40)), "every example once"
+    unmeasured = hsync.Balancer(model, 63, hsync.BalanceConfig(global_batch_size=63))
+    unmeasured._memory = SimulatedMemory(1e12, 0.0, 1.0)  # as on a GPU: an equal share before measurements
+    sizes = [len(indices) for indices in unmeasured]
+    first_step = [n for n, micro in zip(sizes, unmeasured._pending, strict=True) if micro.step == 0]
+    return batches, first_step
+
+
+def test_micro_batches_keep_to_their_cap():
+    for rank, (batches, first_step) in enumerate(run_ranks(micro_batches_of_an_epoch, 2, timeout=60)):
+        for costs in batches:  # longest first, as a fixed split's share is ordered too
+            assert len(costs) == 1 or len(costs) * max(costs) <= 20, f"rank {rank}: {costs} pads beyond 20"
+        # 63 by 2: 32 and 31 examples, each in one micro-batch (an equal share rounded up).
+        assert first_step == [[32], [31]][rank]
+
+
 def refused_on_every_rank(rank, world_size):
     import hsync
 
     model = hsync.WeightedDDP(make_model())
     with pytest.raises(ValueError, match=r"ranks \[1\] were given other data or settings than rank 0"):
         hsync.Balancer(model, 100 if rank == 0 else 99, hsync.BalanceConfig(global_batch_size=8))
+    with pytest.raises(ValueError, match=r"at least one example, got 0 \(rank 1; refused on ranks \[1\]\)"):
+        hsync.Balancer(model, 100 if rank == 0 else 0, hsync.BalanceConfig(global_batch_size=8))
+    lengths = [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match=r"ranks \[1\] were given other data or settings than rank 0"):
+        hsync.Balancer(model, lengths if rank == 0 else lengths[::-1], hsync.BalanceConfig(global_batch_size=2))
     with pytest.raises(ValueError, match="has 3 sizes for 2 ranks"):
         hsync.Balancer(model, 100, hsync.BalanceConfig(global_batch_size=9, rank_batch_sizes=[3, 3, 3]))
     balancer = hsync.Balancer(model, 100, hsync.BalanceConfig(global_batch_size=8))
@@ -362,6 +393,8 @@ def refused_on_every_rank(rank, world_size):
         balancer.backward(model(torch.zeros(1, 6, dtype=torch.float64)).sum())
     with pytest.raises(ValueError, match="written for other data"):
         balancer.load_state_dict({**balancer.state_dict(), "num_examples": 7})
+    with pytest.raises(ValueError, match="the checkpoint has shuffle False, this run True"):
+        balancer.load_state_dict({**balancer.state_dict(), "shuffle": False})
     return True
 
 
