@@ -262,10 +262,10 @@ class WeightedDDP(DistributedDataParallel):
         Nothing changes unless every check passes."""
         named = [(name, p) for name, p in _reduced_parameters(self.module, named=True) if p.requires_grad]
         group_name = dist.distributed_c10d._get_process_group_name(group)
-        index = _verify_same_model(group, self.module, self._settings_that_must_agree(), refusal,
+        device = named[0][1].device
+        index = _verify_same_model(group, device, self.module, self._settings_that_must_agree(), refusal,
                                    _engines_built[group_name])
         _engines_built[group_name] = index + 1
-        device = named[0][1].device
         self._engine = _C.Engine(
             [p for _, p in named],
             [name for name, _ in named],
@@ -959,13 +959,22 @@ def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
     return signature, problems
 
 
-def _verify_same_model(group: dist.ProcessGroup, module: nn.Module, settings: dict[str, object],
-                       refusal: Exception | None, engine_index: int) -> int:
+def gather_objects(obj: object, group: dist.ProcessGroup | None, device: torch.device) -> list:
+    """dist.all_gather_object with `device` as the current CUDA device, where NCCL carries it: torch's
+    uses the current one, cuda:0 on every rank of a program that never called torch.cuda.set_device
+    (as DDP's users need not), which NCCL refuses as one GPU used twice."""
+    gathered: list = [None] * dist.get_world_size(group)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def _verify_same_model(group: dist.ProcessGroup, device: torch.device, module: nn.Module,
+                       settings: dict[str, object], refusal: Exception | None, engine_index: int) -> int:
     """Raises the same error on every rank if a rank refused (its `refusal`, naming the rank), the ranks'
     models or `settings` differ (RuntimeError, as DDP's) or one cannot be wrapped (ValueError); else
     returns the engine index the ranks agree on (the largest `engine_index` proposed)."""
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (*_model_signature(module), settings, refusal, engine_index), group=group)
+    gathered = gather_objects((*_model_signature(module), settings, refusal, engine_index), group, device)
     for rank, (*_, theirs, _) in enumerate(gathered):
         if theirs is not None:
             raise type(theirs)(f"{theirs} (on rank {rank})")

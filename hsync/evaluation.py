@@ -1,5 +1,5 @@
 """Exact global metrics for a training loop's own evaluation: each rank evaluates its shard of the data
-once (no example padded in or counted twice), and the sums travel in one all-reduce.
+once (no example padded in or counted twice), and only the sums are collective.
 
     sampler = hsync.ShardSampler(len(test_set), batch_size=64)
     correct = count = 0
@@ -48,24 +48,42 @@ class ShardSampler(Sampler[list[int]]):
 
 def sum_over_ranks(values: Mapping[str, float | torch.Tensor],
                    group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """Each value summed over every rank of `group`, in one all-reduce, in float64 (counts stay exact up
-    to 2**53). Every rank must pass the same names in the same order; a rank that passes others makes
-    every rank raise."""
+    """Each value summed over every rank of `group` in float64 (counts stay exact up to 2**53). Every rank
+    must pass the same names in the same order, each with one number; otherwise every rank raises."""
     names = list(values)
-    # The names travel too, as a checksum in one more slot: its sum equals world * checksum only if
-    # every rank named the same metrics.
-    checksum = float(zlib.crc32("\0".join(names).encode()))
     device = _device_of(group)
-    slots = [torch.as_tensor(values[n], dtype=torch.float64, device=device).detach() for n in names]
-    for name, slot in zip(names, slots, strict=True):
+    slots: list[torch.Tensor] = []
+    problem = None
+    for name in names:
+        try:
+            slot = torch.as_tensor(values[name], dtype=torch.float64, device=device).detach()
+        except (TypeError, ValueError, RuntimeError):
+            problem = f"'{name}' is a {type(values[name]).__name__}"
+            break
         if slot.numel() != 1:
-            raise ValueError(f"hsync.sum_over_ranks: '{name}' must be one number, got shape {tuple(slot.shape)}")
-    local = torch.stack([s.reshape(()) for s in slots] + [torch.tensor(checksum, dtype=torch.float64, device=device)])
-    dist.all_reduce(local, group=group)
-    totals = local.tolist()
-    if totals[-1] != checksum * dist.get_world_size(group):
+            problem = f"'{name}' has shape {tuple(slot.shape)}"
+            break
+        slots.append(slot.reshape(()))
+    # Agreement first, in a small all-reduce of its own, so that ranks naming different numbers of
+    # metrics never meet in a reduction of different sizes: names and count equal everywhere exactly
+    # when their maxima and minima (the maxima of their negatives) agree.
+    checksum = float(zlib.crc32("\0".join(names).encode()))
+    rank = dist.get_rank(group)
+    header = torch.tensor([len(names), -len(names), checksum, -checksum, rank + 1 if problem else 0],
+                          dtype=torch.float64, device=device)
+    dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group)
+    count_max, count_min, sum_max, sum_min, refused = header.tolist()
+    if refused:
+        culprit = int(refused) - 1  # the highest rank that refused; its own message says what it passed
+        raise ValueError(f"hsync.sum_over_ranks: rank {culprit} passed a value that is not one number"
+                         + (f": {problem}" if culprit == rank else ""))
+    if count_max != -count_min or sum_max != -sum_min:
         raise ValueError(f"hsync.sum_over_ranks: ranks passed different metric names (this rank: {names})")
-    return dict(zip(names, totals[:-1], strict=True))
+    if not names:
+        return {}
+    local = torch.stack(slots)
+    dist.all_reduce(local, group=group)
+    return dict(zip(names, local.tolist(), strict=True))
 
 
 def _device_of(group: dist.ProcessGroup | None) -> torch.device:

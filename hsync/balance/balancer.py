@@ -41,7 +41,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from hsync.balance.memory import DeviceMemory
 from hsync.balance.planner import (
@@ -55,7 +54,7 @@ from hsync.balance.planner import (
     step_time,
 )
 from hsync.balance.simulate import SimulatedSlowdown
-from hsync.ddp import WeightedDDP
+from hsync.ddp import WeightedDDP, gather_objects
 from hsync.stats import StepStats
 
 _PROBE_DELTA = 0.5
@@ -535,8 +534,7 @@ class Balancer:
             len(self._costs), _digest(self._costs), config.global_batch_size, config.seed, config.shuffle,
             config.rank_batch_sizes and list(config.rank_batch_sizes), self._limits, config.replan_every,
             config.warmup_steps, config.probe_steps, config.min_gain, self._memory is not None)
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.model.process_group)
+        everyone = gather_objects(mine, self.model.process_group, self.model.device)
         refused = [r for r, theirs in enumerate(everyone) if isinstance(theirs, str)]
         if refused:
             raise ValueError(f"{everyone[refused[0]]} (rank {refused[0]}; refused on ranks {refused})")

@@ -41,26 +41,35 @@ def test_every_example_is_evaluated_once_and_the_sums_are_global():
             assert totals == {"total": pytest.approx(expected, rel=1e-12), "count": num_examples, "ones": world}
 
 
-def mismatched_names(rank: int, world_size: int) -> None:
+MISMATCHES = {
+    "order": ({"right": 1.0, "count": 2.0}, {"count": 2.0, "right": 1.0}, "ranks passed different metric names"),
+    "count": ({"right": 1.0, "count": 2.0}, {"right": 1.0, "count": 2.0, "loss": 0.5},
+              "ranks passed different metric names"),
+    "shape": ({"loss": 1.0}, {"loss": torch.ones(3)}, "rank 1 passed a value that is not one number"),
+    "type": ({"loss": 1.0}, {"loss": "high"}, "rank 1 passed a value that is not one number"),
+}
+
+
+def mismatched_values(rank: int, world_size: int, case: str) -> None:
     import hsync
 
-    hsync.sum_over_ranks({"right": 1.0, "count": 2.0} if rank == 0 else {"count": 2.0, "right": 1.0})
+    hsync.sum_over_ranks(MISMATCHES[case][rank])
 
 
-def test_ranks_that_name_different_metrics_all_fail():
-    for text in run_ranks_expecting_errors(mismatched_names, 2):
-        assert "ranks passed different metric names" in text, text
+@pytest.mark.parametrize("case", MISMATCHES)
+def test_ranks_that_pass_different_or_bad_metrics_all_fail(case):
+    # Also when only one rank's are bad, or a rank names more: never a reduction of different sizes.
+    for text in run_ranks_expecting_errors(mismatched_values, 2, case):
+        assert MISMATCHES[case][2] in text, text
 
 
-def bad_values(rank: int, world_size: int) -> str:
+def bad_sampler(rank: int, world_size: int) -> str:
     import hsync
 
-    with pytest.raises(ValueError, match="'loss' must be one number, got shape"):
-        hsync.sum_over_ranks({"loss": torch.ones(3)})
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
         hsync.ShardSampler(10, 0)
     return "refused"
 
 
-def test_values_that_are_not_one_number_are_refused_before_the_reduction():
-    assert run_ranks(bad_values, 2) == ["refused", "refused"]
+def test_a_nonsense_batch_size_is_refused():
+    assert run_ranks(bad_sampler, 2) == ["refused", "refused"]
