@@ -249,6 +249,8 @@ class WeightedDDP(DistributedDataParallel):
         self._before_sync: Callable[[], None] | None = None  # runs when a weighted step's local work is done
         device = next(p.device for p in _reduced_parameters(module) if p.requires_grad)
         self.device_ids, self.output_device = _check_device_ids(device_ids, output_device, device)
+        # As DDP's: with device_ids, host inputs are copied to the device on a side stream.
+        self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
         self._build_engine(process_group or dist.group.WORLD)
         if init_sync:
             # Like DDP: every rank starts from rank 0's parameters (and buffers, unless broadcast_buffers=False).
@@ -383,7 +385,8 @@ class WeightedDDP(DistributedDataParallel):
 
     def to_kwargs(self, inputs: tuple, kwargs: dict | None, device_id: int) -> tuple[tuple, tuple[dict, ...]]:
         """As DDP's (kept there for old code): inputs and kwargs moved to device `device_id` of the module's type."""
-        return _to_kwargs(inputs, kwargs, torch.device(self.device.type, device_id), False)
+        return _to_kwargs(inputs, kwargs, torch.device(self.device.type, device_id),
+                          self.use_side_stream_for_tensor_copies)
 
     def _declare_metrics(self, names: Sequence[str]) -> None:
         """Adds metric slots to the step's scalars, on every rank alike, between steps (hsync.Balancer's)."""
@@ -420,8 +423,10 @@ class WeightedDDP(DistributedDataParallel):
         # As DDP: only a forward with gradients outside no_sync makes the next backward synchronise
         # (Note [Which backward synchronises] in csrc/engine.h).
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if self.device_ids:
-            inputs, kwargs = _move_to((inputs, kwargs), self.device)
+        if self.device_ids and (inputs or kwargs):
+            # torch's own move, as DDP's forward makes it (a PackedSequence keeps its batch sizes on the host).
+            moved_inputs, moved_kwargs = _to_kwargs(inputs, kwargs, self.device, self.use_side_stream_for_tensor_copies)
+            inputs, kwargs = moved_inputs[0], moved_kwargs[0]
         if self._engine is None and not synced and not self._join_config.enable:
             return inputs, kwargs, False  # a copy not trained yet: nothing to synchronise
         engine = self._ensure_engine()
@@ -845,19 +850,6 @@ def _device_index(value, device: torch.device) -> int:
     if isinstance(value, str | torch.device) and torch.device(value).type == device.type:
         return torch.device(value).index if torch.device(value).index is not None else 0
     raise ValueError(f"expected a {device.type} device index or device, got {_describe(value)}")
-
-
-def _move_to(value, device: torch.device):
-    """Inputs moved to the module's device, as DDP does when given device_ids."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_move_to(v, device) for v in value))
-    if isinstance(value, list | tuple):
-        return type(value)(_move_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _move_to(v, device)) for k, v in value.items())
-    return value
 
 
 def _to_device(values: list[float], device: torch.device) -> torch.Tensor:

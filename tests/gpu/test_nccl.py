@@ -6,6 +6,8 @@ torch's process group is gloo: hsync needs only its store, and a torch NCCL grou
 share a GPU could fail the survivors' teardown when a peer dies.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -70,3 +72,29 @@ def test_weighted_steps_through_torchs_sync_batch_norm_match_one_process():
     results = run_ranks(test_cross_rank_backward.weighted_steps, 3, "sync-batch-norm", "cuda", env=SOCKET_ENV,
                         timeout=240)
     test_cross_rank_backward.check_against_one_process(results, "sync-batch-norm")
+
+
+def packed_sequence_steps(rank: int, world_size: int) -> list[float]:
+    import hsync
+
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(3, 4)
+    reference = copy.deepcopy(lstm).cuda()
+    model = hsync.WeightedDDP(lstm.cuda(), device_ids=[0])
+    packed = torch.nn.utils.rnn.pack_sequence([torch.randn(5, 3), torch.randn(2, 3)])  # on the host
+    out, _ = model(packed)
+    assert out.data.is_cuda and out.batch_sizes.device.type == "cpu", "moved as DDP moves it"
+    model.backward(out.data.square().mean(), weight=2)
+    reference_out, _ = reference(packed.to("cuda"))
+    reference_out.data.square().mean().backward()
+    # Every rank ran the same inputs: the weighted mean is each rank's own gradient.
+    return [(ours.grad - theirs.grad).abs().max().item()
+            for ours, theirs in zip(model.module.parameters(), reference.parameters(), strict=True)]
+
+
+def test_a_packed_sequence_moves_to_the_device_as_with_ddp():
+    # With device_ids, inputs move as DDP's forward moves them: a PackedSequence's batch sizes stay on
+    # the host, where torch requires them.
+    for differences in run_ranks(packed_sequence_steps, 2, env=SOCKET_ENV, timeout=240):
+        assert max(differences) < 1e-5, differences
