@@ -446,7 +446,10 @@ void Engine::broadcast_coalesced(const std::vector<at::Tensor>& tensors, int roo
   std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
   for (const at::Tensor& t : tensors) {
     HSYNC_CHECK(t.device() == device_, "broadcast: tensor on ", t.device(), ", expected ", device_);
-    by_dtype[t.scalar_type()].push_back(t);
+    // A complex buffer (rotary embeddings' freqs_cis) travels as its real pairs, as torch's own
+    // broadcast sends it: NCCL has no complex type. Its values land through the view.
+    const at::Tensor wire = t.is_complex() ? at::view_as_real(t) : t;
+    by_dtype[wire.scalar_type()].push_back(wire);
   }
   const at::NoGradGuard no_grad;
   std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> flats;

@@ -81,6 +81,37 @@ def test_a_buffer_reassigned_on_rank_0_reaches_every_rank():
     assert_same(run_ranks(side_by_side, 2, buffer_reassigned_on_rank_0))
 
 
+class Rotary(nn.Module):
+    """A complex buffer, as torchtitan's rotary embeddings' freqs_cis, different on each rank until wrapped."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4, dtype=torch.float64)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones(2, dtype=torch.float64),
+                                                      torch.arange(2, dtype=torch.float64) + rank))
+
+    def forward(self, x):
+        rotated = torch.view_as_real(torch.view_as_complex(x.reshape(-1, 2, 2)) * self.freqs_cis).reshape(-1, 4)
+        return self.fc(rotated)
+
+
+def complex_buffer(rank, world_size, wrap, device: str = "cpu"):
+    model = wrap(Rotary(rank).to(device))
+    received = model.module.freqs_cis.clone()
+    for step in range(2):
+        model.module.freqs_cis.mul_(1j)  # changed locally: rank 0's comes back at the next forward
+        model.zero_grad()
+        model(torch.randn(3, 4, dtype=torch.float64, device=device) + rank + step).square().sum().backward()
+    return {"wrapped": received.cpu(), "after": model.module.freqs_cis.cpu(), "grads": grads_of(model.module.cpu())}
+
+
+def test_a_complex_buffer_is_broadcast_as_ddp_broadcasts_it():
+    results = run_ranks(side_by_side, 2, complex_buffer)
+    assert_same(results)
+    for result in results:
+        torch.testing.assert_close(result["hsync"]["wrapped"], results[0]["hsync"]["wrapped"], rtol=0, atol=0)
+
+
 def settings_changed_on_the_wrapper(rank, world_size, wrap):
     # What loops change on a DDP after wrapping: the buffer flags, a late static graph, ignored names
     # set through the wrapper's class.

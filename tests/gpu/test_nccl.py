@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from tests.distributed import test_cross_rank_backward
+from tests.distributed import test_cross_rank_backward, test_ddp_dropin
 from tests.distributed.test_comm_dtype import check_within_rounding, weighted_steps
 from tests.distributed.test_faults import DEADLINE_S, VICTIM, noticed_after, train_until_victim_strikes
 from tests.distributed.workloads import reference_training, train_weighted
@@ -98,3 +98,18 @@ def test_a_packed_sequence_moves_to_the_device_as_with_ddp():
     # the host, where torch requires them.
     for differences in run_ranks(packed_sequence_steps, 2, env=SOCKET_ENV, timeout=240):
         assert max(differences) < 1e-5, differences
+
+
+def complex_buffer_on_gpu(rank: int, world_size: int) -> dict:
+    import hsync
+
+    torch.cuda.set_device(0)
+    return test_ddp_dropin.complex_buffer(rank, world_size, hsync.WeightedDDP, "cuda")
+
+
+def test_a_complex_buffer_travels_over_nccl():
+    # NCCL has no complex type: the buffer travels as its real pairs.
+    results = run_ranks(complex_buffer_on_gpu, 2, env=SOCKET_ENV, timeout=240)
+    for result in results:
+        for key in ("wrapped", "after", "grads"):
+            torch.testing.assert_close(result[key], results[0][key], rtol=0, atol=0)
