@@ -326,6 +326,8 @@ class Balancer:
                                "backward (call it once per batch its sampler yielded, in order)")
         micro = self._pending.popleft()
         weight = 0.0 if micro.filler else (micro.examples if weight is None else weight)
+        if micro.filler and metrics:
+            metrics = dict.fromkeys(metrics, 0.0)  # its example counts once, on the rank that owns it
         self._step_units += micro.units
         if not micro.last:
             with self.model.no_sync():

@@ -367,6 +367,27 @@ def micro_batches_of_an_epoch(rank, world_size):
     return batches, first_step
 
 
+def epoch_with_a_filler(rank, world_size):
+    """17 examples by 16: the epoch's last step has one example, and the other rank runs a filler."""
+    import hsync
+
+    model = hsync.WeightedDDP(make_model(), metric_names=("examples",))
+    balancer = hsync.Balancer(model, 17, hsync.BalanceConfig(global_batch_size=16, seed=5))
+    data = Numbers(17)
+    steps = []
+    for indices in balancer:
+        x, y = stacked(data, indices)
+        stats = balancer.backward(nn.functional.mse_loss(model(x), y), metrics={"examples": len(indices)})
+        if stats is not None:
+            steps.append((stats.weight, stats.metrics["examples"]))
+    return steps
+
+
+def test_a_filler_micro_batch_adds_nothing_to_the_step():
+    # Its example is the other rank's: neither its weight nor the loop's own metrics may count it again.
+    assert run_ranks(epoch_with_a_filler, 2, timeout=60) == [[(16, 16), (1, 1)]] * 2
+
+
 def test_micro_batches_keep_to_their_cap():
     for rank, (batches, first_step) in enumerate(run_ranks(micro_batches_of_an_epoch, 2, timeout=60)):
         for costs in batches:  # longest first, as a fixed split's share is ordered too
