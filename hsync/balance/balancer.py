@@ -371,8 +371,15 @@ class Balancer:
         self._step_in_epoch += 1
         if self._step_in_epoch >= self.steps_per_epoch:
             self.epoch, self._step_in_epoch = self.epoch + 1, 0
-        if self.config.rank_batch_sizes is None and self.world_size > 1 and self._decision_due(step):
+        # An epoch's short last step would judge plans on its few examples: a full one decides.
+        full = len(costs) == min(self.config.global_batch_size, len(self._costs))
+        if self._decides and full and self._decision_due(step):
             self._decide(step, costs, int(split_through) + 1)
+
+    @property
+    def _decides(self) -> bool:
+        """Whether the plan is measured and decided (not a fixed split, not one rank)."""
+        return self.config.rank_batch_sizes is None and self.world_size > 1
 
     def _decision_due(self, step: int) -> bool:
         first = self._first_step + self.config.warmup_steps + 3 * self.config.probe_steps
@@ -416,7 +423,9 @@ class Balancer:
 
     def _models_for(self, step: int) -> list[RankCost]:
         """The cost models that split `step`: the adopted ones, or before them the warm-up's equal split
-        and the probe splits. They depend on nothing that could differ between ranks or in time."""
+        and the probe splits. The shares depend on nothing that could differ between ranks or in time.
+        Where no decision ever comes (a fixed split, one rank), each rank's micro-batches follow its
+        memory as last measured, which nothing else would bring in; the shares do not depend on it."""
         index = self._adopted_index(step)
         if index >= 0:
             return self._adopted[index][1]
@@ -427,7 +436,7 @@ class Balancer:
             phase = 2 * math.pi * ((probing // self.config.probe_steps) % 3) / 3
             weights = [1 + _PROBE_DELTA * math.cos(2 * math.pi * r / self.world_size + phase)
                        for r in range(self.world_size)]
-        return [RankCost(c.fixed_s, c.per_unit_s, self._micro_cap(r, measured=False))
+        return [RankCost(c.fixed_s, c.per_unit_s, self._micro_cap(r, measured=not self._decides))
                 for r, c in enumerate(proportional_costs(weights))]
 
     @property

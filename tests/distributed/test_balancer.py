@@ -302,7 +302,7 @@ class SimulatedMemory:
         return int(peak)
 
 
-def memory_bounded(rank, world_size, units_that_fit: list[float]):
+def memory_bounded(rank, world_size, units_that_fit: list[float], fixed: bool = False):
     """Rank 0 three times as fast as rank 1 (the optimum of 64 examples: 48 + 16), each rank's memory
     holding `units_that_fit` examples in one micro-batch at BalanceConfig's memory_fraction of 0.9. The
     balancer learns from the measured peaks what fits, as on a GPU: (plans, micro-batches per step, and
@@ -310,7 +310,8 @@ def memory_bounded(rank, world_size, units_that_fit: list[float]):
     import hsync
 
     model = hsync.WeightedDDP(make_model())
-    balancer = hsync.Balancer(model, 64 * 8, hsync.BalanceConfig(global_batch_size=64, replan_every=10))
+    balancer = hsync.Balancer(model, 64 * 8, hsync.BalanceConfig(global_batch_size=64, replan_every=10,
+                                                                 rank_batch_sizes=[48, 16] if fixed else None))
     KnownCosts([0.01, 0.01], [0.01, 0.03], 0.02).install(balancer)
     base, per_unit = 1e6, 1e4
     memory = SimulatedMemory((base + units_that_fit[rank] * per_unit) / 0.9, base, per_unit)
@@ -335,14 +336,15 @@ def memory_bounded(rank, world_size, units_that_fit: list[float]):
     return plans, micro_counts, largest
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["measured-split", "fixed-split"])
 @pytest.mark.parametrize(("fits", "micro_batches", "largest"), [
     (40.0, 2, 40),  # memory for less than its share: the share runs as 40 + 8 (or 39 + 9: rounding)
     (60.0, 1, 48),  # for more than an equal share: the whole share at once, once measured
 ], ids=["small-memory", "large-memory"])
-def test_a_fast_rank_gets_its_share_in_micro_batches_its_memory_holds(fits, micro_batches, largest):
+def test_a_fast_rank_gets_its_share_in_micro_batches_its_memory_holds(fits, micro_batches, largest, fixed):
     # Before any measurement a micro-batch holds at most an equal share (32): the probe splits' shares of
-    # 48 run as 32 + 16, and their peaks give each rank's fit of memory against units.
-    results = run_ranks(memory_bounded, 2, [fits, 1000.0], timeout=240)
+    # 48 (or a fixed split's) run as 32 + 16, and their peaks give each rank's fit of memory against units.
+    results = run_ranks(memory_bounded, 2, [fits, 1000.0], fixed, timeout=240)
     (plans, counts, biggest), (_, slow_counts, _) = results
     assert len(plans) == 64 and all(p == [48, 16] for p in plans[22:]), plans
     assert counts[22:] == [micro_batches] * 42 and largest - 1 <= biggest <= largest, (counts, biggest)
