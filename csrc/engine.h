@@ -48,7 +48,8 @@
 // launched yet then carry a raised non-finite flag, so every rank's step reads as not finite and
 // is skipped everywhere, as after an overflow, instead of peers stepping on it unawares. (If
 // every bucket had already gone, the reduced gradient is whole.) A micro-step under no_sync that
-// fails marks its window's loss as not finite instead (hsync/ddp.py): same outcome, a step later.
+// fails marks its window's loss as not finite instead (hsync/ddp.py): the same outcome, at the
+// window's synchronising backward.
 //
 // Note [Gradients as bucket views]
 // With grads_as_views, each parameter's .grad *is* its slot in the bucket (as DDP's

@@ -247,9 +247,10 @@ class WeightedDDP(DistributedDataParallel):
         self._last_step_done = None  # when this rank's last weighted step completed, see _StepClock
         self._peer_wait_s = 0.0  # host seconds waited for peers since then, outside the engine's steps
         self._before_sync: Callable[[], None] | None = None  # runs when a weighted step's local work is done
+        self._weighted_steps_done = 0  # completed on every rank, even where backward raised: _last_step_stats
         device = next(p.device for p in _reduced_parameters(module) if p.requires_grad)
         self.device_ids, self.output_device = _check_device_ids(device_ids, output_device, device)
-        # As DDP's: with device_ids, host inputs are copied to the device on a side stream.
+        # As DDP's (PYTORCH_DDP_USE_SIDE_STREAM): with device_ids, inputs on another GPU are copied on a side stream.
         self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
         self._build_engine(process_group or dist.group.WORLD)
         if init_sync:
@@ -644,6 +645,7 @@ class WeightedDDP(DistributedDataParallel):
             local_done = _StepClock.mark(self.device)
             waited = engine.peer_wait_seconds() + self._peer_wait_s
             engine.finalize_if_pending()
+            self._weighted_steps_done += 1
         previous, self._last_step_done = self._last_step_done, _StepClock.mark(self.device)
         self._peer_wait_s = 0.0
         host = engine.step_scalars()
@@ -651,6 +653,12 @@ class WeightedDDP(DistributedDataParallel):
             raise ValueError(_bad_input_message(host, window.problem, self.rank))
         busy = None if previous is None else functools.partial(_StepClock.seconds, previous, local_done, waited)
         return StepStats(host, engine.last_grad_nonfinite(), self.metric_names, engine.check, busy)
+
+    def _last_step_stats(self) -> StepStats:
+        """The last completed weighted step's StepStats (without busy_seconds), for a caller whose backward
+        raised after the step's collectives ran: hsync.Balancer then counts the step as its peers do."""
+        engine = self._ensure_engine()
+        return StepStats(engine.step_scalars(), engine.last_grad_nonfinite(), self.metric_names, engine.check, None)
 
     def _new_window(self) -> _Window:
         def zeros(*shape: int) -> torch.Tensor:

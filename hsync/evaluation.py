@@ -72,12 +72,12 @@ def sum_over_ranks(values: Mapping[str, float | torch.Tensor],
     header = torch.tensor([len(names), -len(names), checksum, -checksum, rank + 1 if problem else 0],
                           dtype=torch.float64, device=device)
     dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group)
-    count_max, count_min, sum_max, sum_min, refused = header.tolist()
+    count_max, neg_count_min, sum_max, neg_sum_min, refused = header.tolist()
     if refused:
         culprit = int(refused) - 1  # the highest rank that refused; its own message says what it passed
         raise ValueError(f"hsync.sum_over_ranks: rank {culprit} passed a value that is not one number"
                          + (f": {problem}" if culprit == rank else ""))
-    if count_max != -count_min or sum_max != -sum_min:
+    if count_max != -neg_count_min or sum_max != -neg_sum_min:
         raise ValueError(f"hsync.sum_over_ranks: ranks passed different metric names (this rank: {names})")
     if not names:
         return {}

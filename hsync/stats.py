@@ -65,7 +65,8 @@ class StepStats:
     @property
     def loss(self) -> float:
         """The global weighted-mean loss: sum of n * loss over ranks and micro-steps, divided by weight. Of
-        the loss given to backward: with a GradScaler's scaler.scale(loss), divide by scaler.get_scale()."""
+        the loss given to backward: with a GradScaler's scaler.scale(loss), divide by the scale it used
+        (scaler.get_scale() before scaler.update())."""
         return self._reduced[LOSS_SUM] / self.weight if self.weight > 0 else float("nan")
 
     @property

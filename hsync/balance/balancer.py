@@ -213,6 +213,7 @@ class Balancer:
         self._split_steps: dict[int, tuple[list[int], list[float]]] = {}
         self._step_units = 0.0      # this rank's units of work in the current step
         self._previous: tuple[StepStats, float] | None = None  # the last step's stats and this rank's units
+        self._measured_step_full = True  # whether the last step held a whole global batch
         self._time_fits = [_Fit() for _ in range(self.world_size)]
         self._memory_fit = _Fit()   # this rank's peak memory per micro-batch
         self._capacities = [0.0] * self.world_size
@@ -306,14 +307,20 @@ class Balancer:
         fixed = self.config.rank_batch_sizes
         if fixed is None:
             return split_step(costs, ranks)
-        # Runs of the step's examples longest first, as split_step's: micro_batches() cuts them by the
-        # longest of each, and similar lengths pad little.
-        order = longest_first(costs)
         sizes = split_proportionally(len(costs), fixed)
         bounds = [sum(sizes[:r]) for r in range(self.world_size + 1)]
-        return [order[bounds[r]:bounds[r + 1]] for r in range(self.world_size)]
+        # Runs of the step's shuffled order, so that a share's tokens follow its examples; each ordered
+        # longest first, as micro_batches() cuts them by the longest of each.
+        return [[bounds[r] + p for p in longest_first(costs[bounds[r]:bounds[r + 1]])]
+                for r in range(self.world_size)]
 
     # -- the training loop's side ------------------------------------------------------------------
+
+    @property
+    def filler(self) -> bool:
+        """Whether the micro-batch awaiting its backward is a filler: a rank without an example in an epoch's
+        last step runs another rank's with weight 0. A loop's own counts (metrics) should skip it."""
+        return bool(self._pending) and self._pending[0].filler
 
     def backward(self, loss: torch.Tensor, weight: float | torch.Tensor | None = None,
                  metrics: Mapping[str, float | torch.Tensor] | None = None) -> StepStats | None:
@@ -326,8 +333,6 @@ class Balancer:
                                "backward (call it once per batch its sampler yielded, in order)")
         micro = self._pending.popleft()
         weight = 0.0 if micro.filler else (micro.examples if weight is None else weight)
-        if micro.filler and metrics:
-            metrics = dict.fromkeys(metrics, 0.0)  # its example counts once, on the rank that owns it
         self._step_units += micro.units
         if not micro.last:
             with self.model.no_sync():
@@ -340,7 +345,15 @@ class Balancer:
             ours[self._names["units"][self.rank]] = self._previous[1]
         ours[self._names["capacity"][self.rank]] = self._capacity()
         ours[self._names["split_through"][self.rank]] = self._split_through + 1  # 0: nothing split
-        stats = self.model.backward(loss, weight, ours)
+        steps_before = self.model._weighted_steps_done
+        try:
+            stats = self.model.backward(loss, weight, ours)
+        except BaseException:
+            if self.model._weighted_steps_done > steps_before:
+                # The step ran on every rank (a backward that raised still completes it): counted here as
+                # by the peers, or this rank would number, and so split, its later steps differently.
+                self._step_done(micro.step, self.model._last_step_stats())
+            raise
         self._measure_memory(micro.units)
         self.slowdown.step_done()
         self._step_done(micro.step, stats)
@@ -360,7 +373,7 @@ class Balancer:
                 if busy[r] > 0 and units > 0:
                     self._time_fits[r].add(units, busy[r])
             index = self._adopted_index(measured_step)
-            if index >= 0 and all(b > 0 for b in busy):
+            if index >= 0 and all(b > 0 for b in busy) and self._measured_step_full:
                 self._measured[index].append(max(busy))  # the step took as long as its slowest rank
         self._capacities = [values[self._names["capacity"][r]] for r in range(self.world_size)]
         split_through = max(values[self._names["split_through"][r]] for r in range(self.world_size)) - 1
@@ -371,8 +384,10 @@ class Balancer:
         self._step_in_epoch += 1
         if self._step_in_epoch >= self.steps_per_epoch:
             self.epoch, self._step_in_epoch = self.epoch + 1, 0
-        # An epoch's short last step would judge plans on its few examples: a full one decides.
+        # An epoch's short last step would judge plans on its few examples: full ones decide, and only
+        # their times, reported a step later, compare plans (its own still fit the cost models).
         full = len(costs) == min(self.config.global_batch_size, len(self._costs))
+        self._measured_step_full = full
         if self._decides and full and self._decision_due(step):
             self._decide(step, costs, int(split_through) + 1)
 
@@ -499,10 +514,11 @@ class Balancer:
                 "global_batch_size": self.config.global_batch_size, "num_examples": len(self._costs)}
 
     def load_state_dict(self, state: Mapping) -> None:
+        kept = {**state, "shuffle": state.get("shuffle", self.config.shuffle)}  # older checkpoints lack it
         for key, ours in (("num_examples", len(self._costs)), ("global_batch_size", self.config.global_batch_size),
                           ("seed", self.config.seed), ("shuffle", self.config.shuffle)):
-            if state.get(key, ours) != ours:  # (checkpoints before "shuffle" was kept: not checked)
-                raise ValueError(f"hsync.Balancer: the checkpoint has {key} {state[key]}, this run {ours}: "
+            if kept[key] != ours:
+                raise ValueError(f"hsync.Balancer: the checkpoint has {key} {kept[key]}, this run {ours}: "
                                  "it was written for other data or another batch")
         self.epoch, self._step_in_epoch = state["epoch"], state["step_in_epoch"]
         self.global_step = self._first_step = state["global_step"]

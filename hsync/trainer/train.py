@@ -180,7 +180,10 @@ def train_micro_step(model: nn.Module, balancer: hsync.Balancer, batch: dict[str
     nsp = nn.functional.cross_entropy(nsp_logits, batch["next_sentence_label"], reduction="sum")
     weight = masked.sum()
     metrics = {"tokens": batch["attention_mask"].sum(), "examples": len(nsp_logits), "mlm": mlm.detach(),
-               "nsp": nsp.detach(), StopRequest.METRIC: stop_requested}
+               "nsp": nsp.detach()}
+    if balancer.filler:  # its example is another rank's, counted there
+        metrics = dict.fromkeys(metrics, 0.0)
+    metrics[StopRequest.METRIC] = stop_requested
     return balancer.backward((mlm + nsp_weight * nsp) / weight, weight=weight, metrics=metrics)
 
 
@@ -199,7 +202,7 @@ def pretraining_logits(model: nn.Module,
 def evaluate(net: nn.Module, examples: data.PretrainingExamples, vocab: Vocabulary, seed: int,
              batch_size: int) -> dict[str, float]:
     """Masked-LM and next-sentence loss and accuracy on held-out examples, exact over every rank: each
-    rank evaluates its shard, and the sums travel in one reduction. The masks are drawn for epoch 0 at
+    rank evaluates its shard, and only the sums are collective. The masks are drawn for epoch 0 at
     every evaluation, so evaluations compare."""
     device = next(net.parameters()).device
     sums = dict.fromkeys(("mlm_loss", "mlm_right", "mlm_count", "nsp_loss", "nsp_right", "nsp_count"), 0.0)

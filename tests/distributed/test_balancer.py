@@ -379,15 +379,61 @@ def epoch_with_a_filler(rank, world_size):
     steps = []
     for indices in balancer:
         x, y = stacked(data, indices)
-        stats = balancer.backward(nn.functional.mse_loss(model(x), y), metrics={"examples": len(indices)})
+        examples = 0 if balancer.filler else len(indices)
+        stats = balancer.backward(nn.functional.mse_loss(model(x), y), metrics={"examples": examples})
         if stats is not None:
             steps.append((stats.weight, stats.metrics["examples"]))
     return steps
 
 
 def test_a_filler_micro_batch_adds_nothing_to_the_step():
-    # Its example is the other rank's: neither its weight nor the loop's own metrics may count it again.
+    # Its example is the other rank's: its weight is 0, and Balancer.filler tells the loop to skip its counts.
     assert run_ranks(epoch_with_a_filler, 2, timeout=60) == [[(16, 16), (1, 1)]] * 2
+
+
+def a_backward_fails(rank, world_size):
+    """Rank 1's backward raises on its last micro-batch of step 1 (out of memory, say); the loop goes on."""
+    import hsync
+
+    model = hsync.WeightedDDP(make_model())
+    balancer = hsync.Balancer(model, 40, hsync.BalanceConfig(global_batch_size=16, micro_batch_limit=5, seed=2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = Numbers(40)
+    epochs, finite = [], []
+
+    def fail(grad):
+        raise RuntimeError("simulated failure")
+
+    for epoch in range(balancer.epoch, 3):
+        balancer.set_epoch(epoch)
+        seen = []
+        for indices in balancer:
+            seen += indices
+            x, y = stacked(data, indices)
+            loss = nn.functional.mse_loss(model(x), y)
+            if rank == 1 and balancer.global_step == 1 and balancer._pending[0].last:
+                loss.register_hook(fail)
+            try:
+                stats = balancer.backward(loss)
+            except RuntimeError as error:
+                assert "simulated failure" in str(error)
+                finite.append(None)
+                optimizer.zero_grad()
+                continue
+            if stats is not None:
+                finite.append(stats.finite)
+                if stats.finite:
+                    optimizer.step()
+                optimizer.zero_grad()
+        epochs.append(gather_indices(seen))
+    return epochs, finite, balancer.global_step
+
+
+def test_a_backward_that_fails_on_one_rank_leaves_the_balancer_in_step():
+    (epochs, finite, steps), (epochs_1, finite_1, steps_1) = run_ranks(a_backward_fails, 2, timeout=120)
+    assert steps == steps_1 == 9, "three steps an epoch on both ranks"
+    assert epochs == epochs_1 == [list(range(40))] * 3, "every example once per epoch, the failed step's too"
+    assert finite == [True, False] + [True] * 7 and finite_1 == [True, None] + [True] * 7
 
 
 def test_micro_batches_keep_to_their_cap():

@@ -99,7 +99,7 @@ def complex_buffer(rank, world_size, wrap, device: str = "cpu"):
     model = wrap(Rotary(rank).to(device))
     received = model.module.freqs_cis.clone()
     for step in range(2):
-        model.module.freqs_cis.mul_(1j)  # changed locally: rank 0's comes back at the next forward
+        model.module.freqs_cis.mul_(1j ** (rank + 1))  # changed on each rank its own way: rank 0's comes back
         model.zero_grad()
         model(torch.randn(3, 4, dtype=torch.float64, device=device) + rank + step).square().sum().backward()
     return {"wrapped": received.cpu(), "after": model.module.freqs_cis.cpu(), "grads": grads_of(model.module.cpu())}
