@@ -45,6 +45,16 @@ def should_resume(save_dir: str, asked: bool) -> bool:
     return decision[0]
 
 
+def earlier_run(save_dir: str, resume: bool) -> str | None:
+    """Why a fresh run may not start in `save_dir`: an earlier run's checkpoints there would be pruned
+    in favour of this run's, or resumed instead of them (rank 0 looks, before any work)."""
+    found = latest(Path(save_dir)) if save_dir and not resume and not _restart_count() else None
+    if found is None:
+        return None
+    return f"{save_dir} holds an earlier run's checkpoints (up to {found.name}); pass --resume to go on, or " \
+           "choose another --save-dir"
+
+
 def _restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -83,11 +93,11 @@ def load(save_dir: Path, expected: dict[str, Any]) -> dict[str, Any]:
             raise FileNotFoundError(f"no checkpoint in {save_dir}")
         state = torch.load(path, map_location="cpu", weights_only=False)
         for key, value in expected.items():
-            if state["meta"].get(key) != value:
+            if state["meta"].get(key, value) != value:  # (a key added since the checkpoint was written: not checked)
                 raise ValueError(f"{path} was written with {key}={state['meta'].get(key)!r}, this run has "
                                  f"{key}={value!r}; start a new --save-dir or match the run")
-    except (OSError, ValueError, RuntimeError, KeyError) as error:
-        problem = str(error)
+    except Exception as error:  # a damaged file can fail in any way (EOFError, UnpicklingError, ...)
+        problem = str(error) if isinstance(error, (OSError, ValueError)) else f"{path}: {type(error).__name__}: {error}"
     fail_together(problem, "cannot --resume")
     rank, world, written_by = dist.get_rank(), dist.get_world_size(), len(state["rng"])
     if written_by == world:

@@ -77,13 +77,13 @@ def check_device(choice: str) -> None:
     """Refuses a --device this process cannot use (before any work, on every rank)."""
     if choice not in DEVICES:
         raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {choice!r}")
-    if choice == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda, but torch sees no GPU here (torch.cuda.is_available() is False)")
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"--device cuda: local rank {local_rank} has no GPU of its own "
-                             f"({torch.cuda.device_count()} visible); start fewer processes per node")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no GPU here (torch.cuda.is_available() is False)")
+    # Every rank of the node refuses (torchrun's LOCAL_WORLD_SIZE): one with a GPU would wait for the others.
+    local_ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)) + 1)
+    if choice != "cpu" and torch.cuda.is_available() and local_ranks > torch.cuda.device_count():
+        raise ValueError(f"--device {choice}: {local_ranks} processes on this node, {torch.cuda.device_count()} "
+                         "GPUs visible; start one process per GPU (or --device cpu)")
 
 
 def device_flag(text: str) -> str:

@@ -134,8 +134,13 @@ class TrainConfig:
                 raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(self, flag)}")
         for flag in ("warmup_steps", "save_every", "stop_at", "eval_every", "weight_decay", "collective_timeout"):
             value = getattr(self, flag)
-            if value is not None and not value >= 0:
-                raise ValueError(f"--{flag.replace('_', '-')} cannot be negative, got {value}")
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"--{flag.replace('_', '-')} must be a finite number, not negative, got {value}")
+        if self.collective_timeout and not _MIN_TIMEOUT_S <= self.collective_timeout <= _MAX_TIMEOUT_S:
+            raise ValueError(f"--collective-timeout must be 0 (none) or between {_MIN_TIMEOUT_S} and "
+                             f"{_MAX_TIMEOUT_S:.0f} seconds, got {self.collective_timeout}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"--seed must be between 0 and 2**32 - 1, got {self.seed}")
         if self.warmup_steps is not None and self.warmup_steps > self.max_steps:
             raise ValueError(f"--warmup-steps {self.warmup_steps} is longer than the run "
                              f"(--max-steps {self.max_steps})")
@@ -159,9 +164,10 @@ class TrainConfig:
             filled.rank_plan(world_size)
         elif filled.rank_batch_sizes:
             raise ValueError("--rank-batch-sizes is only used with --balance manual")
-        if min(parse_rank_values(filled.simulate_slowdown, world_size, "--simulate-slowdown", 1.0)) < 1:
-            raise ValueError(f"--simulate-slowdown factors must be at least 1 (a slower rank), got "
-                             f"{filled.simulate_slowdown!r}")
+        factors = parse_rank_values(filled.simulate_slowdown, world_size, "--simulate-slowdown", 1.0)
+        if not all(1 <= f <= _MAX_SLOWDOWN for f in factors):
+            raise ValueError(f"--simulate-slowdown factors must be between 1 (a slower rank) and {_MAX_SLOWDOWN}, "
+                             f"got {filled.simulate_slowdown!r}")
         if not 0 <= filled.dropout < 1:
             raise ValueError(f"--dropout must be in [0, 1), got {filled.dropout}")
         if not 0 <= filled.valid_fraction <= 0.5:
@@ -189,6 +195,9 @@ class TrainConfig:
         return plan
 
 
+_MIN_TIMEOUT_S, _MAX_TIMEOUT_S = 0.001, 30 * 86400.0  # --collective-timeout: what a timedelta and gloo take
+_MAX_SLOWDOWN = 100.0  # --simulate-slowdown: a rank 100 times slower is far beyond any mixed cluster
+
 CHOICES = {"preset": tuple(PRESETS), "balance": ("auto", "equal", "manual"), "device": DEVICES,
            "comm_dtype": ("fp32", "bf16", "fp16")}
 
@@ -196,6 +205,7 @@ CHOICES = {"preset": tuple(PRESETS), "balance": ("auto", "equal", "manual"), "de
 def parse_rank_values(text: str, world_size: int, what: str, default: float) -> list[float]:
     """'1=2.0,3=1.5' as a list of one value per rank (the others get `default`)."""
     values = [default] * world_size
+    given: set[int] = set()
     for item in filter(None, (part.strip() for part in text.split(","))):
         rank, sep, value = item.partition("=")
         try:
@@ -204,6 +214,9 @@ def parse_rank_values(text: str, world_size: int, what: str, default: float) -> 
             number = math.nan
         if not sep or not rank.strip().isdigit() or int(rank) >= world_size or not math.isfinite(number):
             raise ValueError(f"{what}: '{item}' is not RANK=VALUE with a rank below {world_size}")
+        if int(rank) in given:
+            raise ValueError(f"{what}: rank {int(rank)} is given twice")
+        given.add(int(rank))
         values[int(rank)] = number
     return values
 

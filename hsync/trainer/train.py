@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     device = init_distributed(cfg.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     fail_together(unwritable_outputs(cfg) if rank == 0 else None, "cannot write the run's outputs")
+    fail_together(checkpoint.earlier_run(cfg.save_dir, cfg.resume) if rank == 0 else None, "cannot start")
     slowdown = parse_rank_values(cfg.simulate_slowdown, world, "--simulate-slowdown", 1.0)[rank]
     corpus = prepare_data(cfg, preset)
     examples, vocab = corpus.train, corpus.vocab
@@ -65,11 +66,19 @@ def main(argv: list[str] | None = None) -> None:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
     balancer = hsync.Balancer(model, len(examples), balancing(cfg, world, slowdown))
     # What makes the updates: not the world size, nor how each rank's share is cut into micro-batches.
+    # The optimizer's settings too: its saved state would silently override other flags.
     meta = {"preset": asdict(preset), "examples": len(examples), "seed": cfg.seed,
-            "vocab_sha256": vocab.digest,
-            "global_batch_size": cfg.global_batch_size}
+            "vocab_sha256": vocab.digest, "global_batch_size": cfg.global_batch_size,
+            "lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    last_step = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
     if checkpoint.should_resume(cfg.save_dir, cfg.resume):
         state = checkpoint.load(Path(cfg.save_dir), meta)
+        if state["step"] > last_step or (cfg.stop_at and state["step"] >= cfg.stop_at):
+            # The same on every rank, which all read the same checkpoint.
+            raise SystemExit(f"hsync: cannot --resume: the checkpoint is at step {state['step']}, not before "
+                             f"--stop-at {cfg.stop_at}" if cfg.stop_at else
+                             f"hsync: cannot --resume: the checkpoint is at step {state['step']}, after --max-steps "
+                             f"{cfg.max_steps}")
         net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
@@ -77,7 +86,6 @@ def main(argv: list[str] | None = None) -> None:
     log = Logger(cfg, rank, world)
     plans = PlanReport(balancer, rank)
 
-    last_step = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
     eval_batch = -(-cfg.global_batch_size // world)
     stop, stopping = StopRequest(), False
     started = time.perf_counter()
@@ -414,8 +422,13 @@ def save_final_model(net: nn.Module, vocab: Vocabulary, preset: ModelPreset, fin
             tokenizer = BertTokenizerFast.from_pretrained(staging, do_lower_case=True,
                                                           model_max_length=preset.max_seq_len)
             tokenizer.save_pretrained(staging)
-            shutil.rmtree(final, ignore_errors=True)
+            # Never a moment without a complete model: the old one goes only once the new one is in place.
+            retired = final.with_name(final.name + ".old")
+            shutil.rmtree(retired, ignore_errors=True)
+            if final.exists():
+                final.replace(retired)
             staging.replace(final)
+            shutil.rmtree(retired, ignore_errors=True)
         except OSError as error:
             problem = f"{type(error).__name__}: {error}"
     fail_together(problem, f"cannot save the model to {final}")

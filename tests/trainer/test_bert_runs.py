@@ -131,6 +131,13 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path
     other_model = python(tmp_path, "--corpus", str(SLICE), "--max-steps", "8", "--save-dir", str(split), "--resume",
                          "--preset", "base", "--global-batch-size", "32")
     assert other_model.returncode != 0 and "was written with preset=" in other_model.stderr
+    # So are flags its optimizer state would silently override, an end already passed, and a fresh run
+    # whose pruning would delete the checkpoint (or whose --resume would later pick it up).
+    for flags, message in ((("--resume", "--lr", "1e-4"), "was written with lr=0.002, this run has lr=0.0001"),
+                           (("--resume", "--stop-at", "2"), "the checkpoint is at step 3, not before --stop-at 2"),
+                           ((), "holds an earlier run's checkpoints (up to step-00000003.pt); pass --resume")):
+        error_lines(python(tmp_path, "--corpus", str(SLICE), "--max-steps", "8", "--save-dir", str(split), *flags),
+                    message)
     assert [p.name for p in split.iterdir()] == [written.name]
     assert hashlib.sha256(written.read_bytes()).hexdigest() == digest
 
@@ -240,6 +247,12 @@ def test_bad_input_is_one_line_on_every_rank_before_any_work(tmp_path):
     corpus = ("--corpus", str(one_sentence))
     error_lines(torchrun(tmp_path, *corpus), "holds 1 document(s): too few to hold 2 out")
     error_lines(python(tmp_path, *corpus, "--valid-fraction", "0"), "gave no training example")
+
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "step-00000004.pt").write_bytes(b"")  # an interrupted copy of a run's folder, say
+    error_lines(python(tmp_path, "--corpus", str(SLICE), "--save-dir", str(damaged), "--resume"),
+                "step-00000004.pt: EOFError")
 
     a_file = tmp_path / "a-file"
     a_file.write_text("")
