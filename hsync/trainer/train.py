@@ -422,7 +422,7 @@ def save_final_model(net: nn.Module, vocab: Vocabulary, preset: ModelPreset, fin
             tokenizer = BertTokenizerFast.from_pretrained(staging, do_lower_case=True,
                                                           model_max_length=preset.max_seq_len)
             tokenizer.save_pretrained(staging)
-            # Never a moment without a complete model: the old one goes only once the new one is in place.
+            # The old model is set aside, not deleted, until the new one is in place: a crash leaves one.
             retired = final.with_name(final.name + ".old")
             shutil.rmtree(retired, ignore_errors=True)
             if final.exists():
