@@ -445,7 +445,7 @@ class Balancer:
         if index >= 0:
             return self._adopted[index][1]
         probing = step - self._first_step - self.config.warmup_steps
-        if self.world_size == 1 or probing < 0 or self.config.rank_batch_sizes is not None:
+        if not self._decides or probing < 0:
             weights = [1.0] * self.world_size
         else:
             phase = 2 * math.pi * ((probing // self.config.probe_steps) % 3) / 3

@@ -70,14 +70,14 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"preset": asdict(preset), "examples": len(examples), "seed": cfg.seed,
             "vocab_sha256": vocab.digest, "global_batch_size": cfg.global_batch_size,
             "lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    last_step = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
     if checkpoint.should_resume(cfg.save_dir, cfg.resume):
         state = checkpoint.load(Path(cfg.save_dir), meta)
-        if state["step"] > last_step or (cfg.stop_at and state["step"] >= cfg.stop_at):
-            # The same on every rank, which all read the same checkpoint.
+        # The same on every rank, which all read the same checkpoint.
+        if cfg.stop_at and state["step"] >= cfg.stop_at:
             raise SystemExit(f"hsync: cannot --resume: the checkpoint is at step {state['step']}, not before "
-                             f"--stop-at {cfg.stop_at}" if cfg.stop_at else
-                             f"hsync: cannot --resume: the checkpoint is at step {state['step']}, after --max-steps "
+                             f"--stop-at {cfg.stop_at}")
+        if state["step"] > cfg.max_steps:
+            raise SystemExit(f"hsync: cannot --resume: the checkpoint is at step {state['step']}, after --max-steps "
                              f"{cfg.max_steps}")
         net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     log = Logger(cfg, rank, world)
     plans = PlanReport(balancer, rank)
 
+    last_step = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
     eval_batch = -(-cfg.global_batch_size // world)
     stop, stopping = StopRequest(), False
     started = time.perf_counter()
