@@ -119,18 +119,24 @@ class Survivor:
 
 
 def run_ranks_with_victim(fn: Callable[..., Any], world_size: int, victim: int, *args: Any, timeout: float = 60.0,
-                          backend: str = "gloo", env: dict[str, str] | None = None) -> dict[int, Survivor]:
+                          backend: str = "gloo", env: dict[str, str] | None = None,
+                          until_exit: bool = True) -> dict[int, Survivor]:
     """Runs fn on every rank while the `victim` rank kills or stops itself; reports on the others.
 
-    Waits until every other rank's process has exited (or `timeout`), then kills whatever is left,
-    the victim included, so nothing outlives the test."""
+    Waits until every other rank's process has exited (with until_exit False: has exited or reported
+    how fn ended), or `timeout`, then kills whatever is left, the victim included, so nothing outlives
+    the test."""
     procs, results = _start(fn, world_size, args, backend, env)
     started = time.monotonic()
     exited: dict[int, float] = {}
     errors: dict[int, str | None] = {}
     others = [r for r in range(world_size) if r != victim]
+
+    def done(r: int) -> bool:
+        return r in exited or (not until_exit and r in errors)
+
     try:
-        while time.monotonic() - started < timeout and not all(r in exited for r in others):
+        while time.monotonic() - started < timeout and not all(done(r) for r in others):
             for r in others:
                 if r not in exited and not procs[r].is_alive():
                     exited[r] = time.monotonic() - started

@@ -89,9 +89,10 @@ def test_frozen_peer_fails_every_survivor_at_the_deadline():
 @pytest.mark.parametrize("history", ["", "subgroup", "replacement"])
 def test_a_rank_that_gives_up_tells_its_peers(history):
     # Rank 0 gives up on the frozen rank after 2 s; rank 1 would wait 60 s, but reads rank 0's post,
-    # under the same key though rank 1 built, or remembers, one wrapper fewer.
+    # under the same key though rank 1 built, or remembers, one wrapper fewer. (Its exit then waits
+    # for gloo's own 60 s deadline, which frees gloo's thread: the test ends when both have reported.)
     survivors = run_ranks_with_victim(train_until_victim_strikes, 3, VICTIM, "stop", {0: 2.0, 1: 60.0}, "cpu",
-                                      history, timeout=20)
+                                      history, timeout=20, until_exit=False)
     first, told = survivors[0].error, survivors[1].error
     assert first is not None and "did not complete within the 2.00 s deadline" in first, first
     assert told is not None and "hsync: rank 1 (gloo): stopped waiting for all-reduce #" in told, told
