@@ -83,10 +83,11 @@ def save(save_dir: Path, step: int, state: dict[str, Any]) -> Path | None:
     return path
 
 
-def load(save_dir: Path, expected: dict[str, Any]) -> dict[str, Any]:
+def load(save_dir: Path, expected: dict[str, Any], may_change: dict[str, Any]) -> dict[str, Any]:
     """The latest checkpoint; collective: every rank stops with the same error if any rank cannot
-    read it or it was written for another run (model, data, vocabulary, batch). It may have been
-    written by another number of ranks: the run goes on with the same global batches."""
+    read it or it was written for another run (`expected`: model, data, vocabulary, batch). It may
+    have been written by another number of ranks: the run goes on with the same global batches.
+    Settings in `may_change` (a longer run, say) are taken as given, and rank 0 says which changed."""
     path, state, problem = latest(save_dir), None, None
     try:
         if path is None:
@@ -109,4 +110,8 @@ def load(save_dir: Path, expected: dict[str, Any]) -> dict[str, Any]:
         restart = f"restart {_restart_count()}: " if _restart_count() else ""
         ranks = f", written by {written_by} ranks, now {world}" if written_by != world else ""
         print(f"hsync: {restart}resuming from step {state['step']} ({path}{ranks})", flush=True)
+        changed = [f"--{key.replace('_', '-')} {state['meta'][key]!r} -> {value!r}" for key, value in may_change.items()
+                   if state["meta"].get(key, value) != value]
+        if changed:
+            print(f"hsync: changed since the checkpoint, and taken as given: {', '.join(changed)}", flush=True)
     return state

@@ -70,8 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"preset": asdict(preset), "examples": len(examples), "seed": cfg.seed,
             "vocab_sha256": vocab.digest, "global_batch_size": cfg.global_batch_size,
             "lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    # What a resumed run may change (extend the run, say), with a word.
+    may_change = {"max_steps": cfg.max_steps, "warmup_steps": cfg.warmup_steps, "dropout": cfg.dropout,
+                  "comm_dtype": cfg.comm_dtype}
     if checkpoint.should_resume(cfg.save_dir, cfg.resume):
-        state = checkpoint.load(Path(cfg.save_dir), meta)
+        state = checkpoint.load(Path(cfg.save_dir), meta, may_change)
         # The same on every rank, which all read the same checkpoint.
         if cfg.stop_at and state["step"] >= cfg.stop_at:
             raise SystemExit(f"hsync: cannot --resume: the checkpoint is at step {state['step']}, not before "
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
             if cfg.save_dir and (stopping or (cfg.save_every and step % cfg.save_every == 0) or step == last_step):
                 saved = checkpoint.save(Path(cfg.save_dir), step, {
                     "model": net.state_dict(), "optimizer": optimizer.state_dict(),
-                    "schedule": schedule.state_dict(), "balancer": balancer.state_dict(), "meta": meta})
+                    "schedule": schedule.state_dict(), "balancer": balancer.state_dict(),
+                    "meta": meta | may_change})
             started = time.perf_counter()
             if stopping:
                 report(rank, stop.summary(step, saved))

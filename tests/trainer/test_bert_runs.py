@@ -154,6 +154,7 @@ def test_a_run_goes_on_at_other_world_sizes_with_the_updates_of_an_uninterrupted
     ok(torchrun(tmp_path, *common, *elastic, "--stop-at", "3"))
     one = ok(python(tmp_path, "--corpus", str(SLICE), *common, *elastic, "--resume", "--stop-at", "6"))
     assert "resuming from step 3" in one.stdout and "written by 2 ranks, now 1" in one.stdout, one.stdout
+    assert "changed since the checkpoint" not in one.stdout, one.stdout
     three = ok(torchrun(tmp_path, *common, *elastic, "--resume", nproc=3))
     assert "resuming from step 6" in three.stdout and "written by 1 ranks, now 3" in three.stdout, three.stdout
     straight, elastic_run = model_state(tmp_path / "straight"), model_state(tmp_path / "elastic")
@@ -201,6 +202,8 @@ def test_ctrl_c_stops_every_rank_after_the_step_with_a_checkpoint_to_resume_from
     resumed = ok(python(tmp_path, "--corpus", str(SLICE), "--max-steps", str(step + 1), "--save-dir", str(save),
                         "--resume"))
     assert f"resuming from step {step}" in resumed.stdout
+    # A shorter run than the interrupted one asked for, and its schedule with it: said, not refused.
+    assert f"changed since the checkpoint, and taken as given: --max-steps 1000 -> {step + 1}" in resumed.stdout
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path):
