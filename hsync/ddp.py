@@ -602,6 +602,13 @@ class WeightedDDP(DistributedDataParallel):
         A bad input on any rank raises ValueError on every rank at the synchronised step.
         """
         engine = self._ensure_engine()
+        if self.cross_rank_backward and not (isinstance(loss, torch.Tensor) and loss.requires_grad):
+            # Refused here, before any collective of this rank's: hsync's would meet the collectives of
+            # its peers' backward passes (SyncBatchNorm's), which this rank cannot run.
+            raise ValueError(f"hsync: rank {self.rank}'s loss ({_describe(loss)}) does not require a gradient "
+                             "(computed under no_grad, or detached?), but with cross_rank_backward every rank's "
+                             "backward takes part in collectives that its peers are waiting in: this rank cannot "
+                             "go on, and its peers fail when it exits or at their process group's timeout")
         if self._join_config.enable and self._join_announced != self.require_backward_grad_sync:
             raise RuntimeError("hsync: under join(), run each micro-step's forward in the same no_sync() "
                                "state as its backward: the joined ranks were told at the forward whether "

@@ -204,3 +204,27 @@ def test_bad_input_through_a_cross_rank_backward_is_refused_on_every_rank_withou
         assert "rank 1 passed a weight that is negative, NaN or infinite" in negative, negative
         assert "rank 2 passed" in not_a_number and "weight" in not_a_number, not_a_number
         assert "under Join: a joined rank cannot shadow forwards and backwards that are collectives" in join
+
+
+def a_loss_without_grad_on_rank_1(rank: int, world_size: int) -> str:
+    import hsync
+
+    model = hsync.WeightedDDP(make_model("sync-batch-norm"))
+    x, y = global_batch(0, [3, 3, 3])[2][rank]
+    with torch.no_grad() if rank == 1 else contextlib.nullcontext():
+        loss = sum_of_squares(model(x), y) / 3
+    with pytest.raises((ValueError, RuntimeError)) as error:
+        model.backward(loss, weight=3)
+    return f"{error.type.__name__}: {error.value}"
+
+
+def test_a_loss_without_grad_through_a_cross_rank_backward_fails_every_rank():
+    # Rank 1 cannot run its part of SyncBatchNorm's backward. It raises before any collective of
+    # hsync's, which would meet its peers' SyncBatchNorm collectives (a gloo abort, or numbers mixed
+    # up); they fail once it exits, as DDP's peers do when its loss.backward() raises.
+    errors = run_ranks(a_loss_without_grad_on_rank_1, 3, timeout=60)
+    assert errors[1].startswith("ValueError: hsync: rank 1's loss (a torch.float64 tensor of shape ()) does not "
+                                "require a gradient"), errors[1]
+    for rank in (0, 2):
+        assert errors[rank].startswith(f"RuntimeError: hsync: rank {rank} (gloo):"), errors[rank]
+        assert "A peer probably exited" in errors[rank], errors[rank]
