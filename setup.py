@@ -5,7 +5,8 @@ The CUDA kernels and the NCCL communicator build whenever a CUDA toolkit is foun
 
 Switches (environment variables):
   HSYNC_WITH_CUDA=0|1     force the CUDA+NCCL part off or on (default: on when nvcc is found)
-  CUDA_HOME               the CUDA toolkit root (default: derived from the real nvcc on PATH)
+  CUDA_HOME               the CUDA toolkit root (default: derived from the real nvcc on PATH, or
+                          in /usr/local/cuda/bin)
   TORCH_CUDA_ARCH_LIST    GPU architectures to compile for (default: kDefaultCudaArchs below)
   HSYNC_DEBUG=1           build with -O0 -g
 """
@@ -25,12 +26,14 @@ kDefaultCudaArchs = "8.0;8.6;8.9;9.0+PTX"
 
 
 def find_cuda_home() -> str | None:
-    """The toolkit root, from CUDA_HOME or from the real compiler behind nvcc (it may be a wrapper)."""
+    """The toolkit root, from CUDA_HOME or from the real compiler behind nvcc (it may be a wrapper), on
+    PATH or, as torch looks for it, in /usr/local/cuda."""
     if os.environ.get("CUDA_HOME"):
         return os.environ["CUDA_HOME"]
-    if shutil.which("nvcc") is None:
+    nvcc = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
+    if nvcc is None:
         return None
-    dry = subprocess.run(["nvcc", "-dryrun", "-c", "-x", "cu", "/dev/null"], capture_output=True, text=True)
+    dry = subprocess.run([nvcc, "-dryrun", "-c", "-x", "cu", "/dev/null"], capture_output=True, text=True)
     match = re.search(r"^#\$ TOP=(.+)$", dry.stdout + dry.stderr, re.MULTILINE)
     return match.group(1).strip() if match else None
 

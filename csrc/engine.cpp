@@ -223,6 +223,8 @@ at::Tensor Engine::step_scalars() {
   HSYNC_CHECK(step_scalars_.defined(), "no weighted step has run yet");
   resolve_pack_scale();
   if (!device_.is_cuda()) return step_scalars_;
+  // Only a weighted step resolves its total (and copies it to the host); a plain step under Join does not.
+  HSYNC_CHECK(step_scalars_copied_.has_value(), "no weighted step has run yet");
   step_scalars_copied_->synchronize();
   comm_->check();  // a failure after the copy was queued: the values may be garbage (Note [NCCL failures])
   return step_scalars_host_;

@@ -16,7 +16,7 @@ mkdir -p "$out"
 report="$out/report.md"
 started=$SECONDS
 budget=${GPU_CHECK_SECONDS:-570}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1  # no network to ask
 
 # section NAME LIMIT_S COMMAND...: runs COMMAND for at most LIMIT_S (less if the budget is nearly
 # spent), its output tee'd to OUT_DIR/NAME.log, and adds its status and last lines to the report.
@@ -55,7 +55,8 @@ versions() {
 
 # -v names each test as it starts, so the log of a section cut short shows which test hung;
 # pytest-timeout, where installed, ends a hung test before the section's limit ends everything.
-pytest_args=(-v -p no:cacheprovider -rs)
+# -rfEs lists failures, errors and skips by name at the end, where the report's tail shows them.
+pytest_args=(-v -p no:cacheprovider -rfEs --durations=5)
 python3 -c "import pytest_timeout" 2>/dev/null && pytest_args+=(--timeout 150)
 
 printf '# GPU check, %s\n' "$(date -u '+%Y-%m-%d %H:%M UTC')" > "$report"

@@ -60,6 +60,9 @@ def _start(fn: Callable, world_size: int, args: tuple, backend: str, env: dict[s
     return procs, results
 
 
+_FAILED_RUN_GRACE_S = 5.0
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
               timeout: float = 90.0, env: dict[str, str] | None = None) -> list[Any]:
     """Calls fn(rank, world_size, *args) on each rank; returns the results in rank order.
@@ -69,6 +72,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     procs, results = _start(fn, world_size, args, backend, env)
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
+    finished = False
     try:
         while len(values) < world_size:
             try:
@@ -79,9 +83,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
             if not ok:
                 raise RankError(rank, payload)
             values[rank] = pickle.loads(payload)
+        finished = True
     finally:
+        # After a failure (a rank's error, pytest-timeout's interrupt) the others are likely waiting in a
+        # collective that will not complete: a few seconds' grace, not the rest of the deadline.
+        stop_by = deadline if finished else min(deadline, time.monotonic() + _FAILED_RUN_GRACE_S)
         for p in procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            p.join(timeout=max(0.1, stop_by - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -155,6 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     import torch.multiprocessing as mp
 
     worlds = sorted({args.world_size} | {job.world for job in planned if job.world})
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.device == "cuda" and worlds[-1] > gpus:
+        wide = [f"{job.name} ({job.world})" for job in planned if (job.world or args.world_size) > gpus]
+        parser.error(f"--device cuda: each rank needs a GPU of its own ({gpus} visible), but these rows "
+                     f"need more ranks: {', '.join(wide)}; lower --world-size or choose rows with --only")
     output: dict = {"env": None, "results": []}
     with tempfile.TemporaryDirectory() as tmp:
         for world in worlds:

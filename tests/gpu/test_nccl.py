@@ -33,7 +33,7 @@ def on_gpu(rank: int, world_size: int, steps, branch_ranks, grads: str):
 @pytest.mark.parametrize(("world_size", "grads"), [(2, "copied"), (3, "copied"), (2, "views"), (2, "views-zeroed")])
 def test_nccl_ranks_on_one_gpu_match_one_process(world_size, grads):
     steps = [[[3, 7, 2][:world_size]], [[0, 5, 1][:world_size]], [[2, 3, 4][:world_size], [4, 1, 1][:world_size]]]
-    results = run_ranks(on_gpu, world_size, steps, {1}, grads, env=SOCKET_ENV, timeout=240)
+    results = run_ranks(on_gpu, world_size, steps, {1}, grads, env=SOCKET_ENV, timeout=120)
     ref_params, ref_grads, ref_losses = reference_training(steps, {1})
     for rank, (params, grads, stats, _) in enumerate(results):
         assert stats[0][2] and stats[-1][2]
@@ -50,7 +50,7 @@ def comm_dtype_on_gpu(rank: int, world_size: int, low: torch.dtype, views: bool)
 
 @pytest.mark.parametrize(("low", "views"), [(torch.bfloat16, False), (torch.float16, True)], ids=str)
 def test_nccl_carries_16_bit_buckets_within_their_rounding(low, views):
-    check_within_rounding(run_ranks(comm_dtype_on_gpu, 3, low, views, env=SOCKET_ENV, timeout=240), low)
+    check_within_rounding(run_ranks(comm_dtype_on_gpu, 3, low, views, env=SOCKET_ENV, timeout=120), low)
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
@@ -70,7 +70,7 @@ def test_nccl_survivors_of_a_lost_peer_abort_and_raise(how):
 def test_weighted_steps_through_torchs_sync_batch_norm_match_one_process():
     # torch's SyncBatchNorm over gloo (CUDA tensors), hsync's gradients over NCCL.
     results = run_ranks(test_cross_rank_backward.weighted_steps, 3, "sync-batch-norm", "cuda", env=SOCKET_ENV,
-                        timeout=240)
+                        timeout=120)
     test_cross_rank_backward.check_against_one_process(results, "sync-batch-norm")
 
 
@@ -96,7 +96,7 @@ def packed_sequence_steps(rank: int, world_size: int) -> list[float]:
 def test_a_packed_sequence_moves_to_the_device_as_with_ddp():
     # With device_ids, inputs move as DDP's forward moves them: a PackedSequence's batch sizes stay on
     # the host, where torch requires them.
-    for differences in run_ranks(packed_sequence_steps, 2, env=SOCKET_ENV, timeout=240):
+    for differences in run_ranks(packed_sequence_steps, 2, env=SOCKET_ENV, timeout=120):
         assert max(differences) < 1e-5, differences
 
 
@@ -109,7 +109,7 @@ def complex_buffer_on_gpu(rank: int, world_size: int) -> dict:
 
 def test_a_complex_buffer_travels_over_nccl():
     # NCCL has no complex type: the buffer travels as its real pairs.
-    results = run_ranks(complex_buffer_on_gpu, 2, env=SOCKET_ENV, timeout=240)
+    results = run_ranks(complex_buffer_on_gpu, 2, env=SOCKET_ENV, timeout=120)
     for result in results:
         for key in ("wrapped", "after", "grads"):
             torch.testing.assert_close(result[key], results[0][key], rtol=0, atol=0)

@@ -65,3 +65,14 @@ def test_a_results_page_gives_its_command_as_a_shell_must_read_it():
                               plot=None)
     page = markdown({"env": env, "results": []}, args)
     assert "--only '^bert-mini$' comm-path`" in page, page
+
+
+def test_cuda_rows_that_need_more_ranks_than_gpus_are_refused_in_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--device", "cuda", "--world-size", "1", "--only", "^bert-base$", "mixed-speeds-2x"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.endswith("--device cuda: each rank needs a GPU of its own (1 visible), but these rows need "
+                          "more ranks: mixed-speeds-2x (2); lower --world-size or choose rows with --only"), error
