@@ -67,8 +67,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
               timeout: float = 90.0, env: dict[str, str] | None = None) -> list[Any]:
     """Calls fn(rank, world_size, *args) on each rank; returns the results in rank order.
 
-    `env` is set in each rank before anything else (the ranks inherit the environment of the server
-    they fork from, not the caller's); "{rank}" in a value becomes the rank."""
+    `env` is set in each rank before fn runs and before its process group starts (the ranks inherit the
+    environment of the server they fork from, not the caller's), but after fn's module is imported to
+    unpickle fn, which may already have started CUDA: fit for NCCL's variables, too late for
+    CUDA_VISIBLE_DEVICES. "{rank}" in a value becomes the rank."""
     procs, results = _start(fn, world_size, args, backend, env)
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
