@@ -84,6 +84,7 @@ PYBIND11_MODULE(_C, m) {
       .def("step_scalars", &Engine::step_scalars, release_gil())
       .def("finalize_if_pending", &Engine::finalize_if_pending, release_gil())
       .def("mark_step_failed", &Engine::mark_step_failed, release_gil())
+      .def("abandon_step", &Engine::abandon_step, py::arg("why"), release_gil())
       .def("expect_gradients", &Engine::expect_gradients, py::arg("expected"))
       .def("begin_backward", &Engine::begin_backward, release_gil())
       .def("set_join_plain_step", &Engine::set_join_plain_step, py::arg("scalars"),

@@ -327,6 +327,11 @@ void Engine::mark_step_failed() {
   for (size_t b = next_bucket_; b < buckets_.size(); ++b) buckets_[b].nonfinite_flag.fill_(1);
 }
 
+void Engine::abandon_step(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  comm_->give_up(why);
+}
+
 void Engine::finalize() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!in_step_) return;

@@ -50,6 +50,12 @@
 // every bucket had already gone, the reduced gradient is whole.) A micro-step under no_sync that
 // fails marks its window's loss as not finite instead (hsync/ddp.py): the same outcome, at the
 // window's synchronising backward.
+// Not so when backward passes exchange gradients between ranks (cross_rank_backward: a
+// SyncBatchNorm): the peers may be waiting in the backward's own collectives, which this rank will
+// not run, and the step's collectives would meet those (on the CPU, in the same process group: a
+// gloo abort, or sums of the wrong tensors). The rank then gives up instead (abandon_step): it
+// posts its failure, so peers waiting in hsync's collectives stop at once and those in the
+// backward's fail when it exits, and its communicator refuses any further collective.
 //
 // Note [Gradients as bucket views]
 // With grads_as_views, each parameter's .grad *is* its slot in the bucket (as DDP's
@@ -146,6 +152,8 @@ class Engine {
 
   // This rank's backward raised midway: Note [A backward that fails].
   void mark_step_failed();
+  // The same, with cross_rank_backward: gives up the communicator, posting `why` to the peers.
+  void abandon_step(const std::string& why);
 
   // Whether gradient hooks feed a synchronised step: Note [Which backward synchronises].
   void expect_gradients(bool expected) { expect_gradients_.store(expected); }

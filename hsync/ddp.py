@@ -623,8 +623,11 @@ class WeightedDDP(DistributedDataParallel):
             self.require_forward_param_sync = False
             try:
                 self._backprop_micro_step(loss, w, window.ref)
-            except BaseException:
-                window.local[LOSS_NONFINITE] += 1  # Note [A backward that fails] in csrc/engine.h
+            except BaseException as error:
+                # Note [A backward that fails] in csrc/engine.h
+                if self.cross_rank_backward:
+                    engine.abandon_step(_backward_failure(error))
+                window.local[LOSS_NONFINITE] += 1
                 raise
             return None
 
@@ -641,18 +644,15 @@ class WeightedDDP(DistributedDataParallel):
         engine.begin_weighted_step(scalars, window.ref)
         try:
             self._backprop_micro_step(loss, w, window.ref)
-        except BaseException:
-            engine.mark_step_failed()  # Note [A backward that fails] in csrc/engine.h
+        except BaseException as error:
+            # Note [A backward that fails] in csrc/engine.h
+            if self.cross_rank_backward:
+                engine.abandon_step(_backward_failure(error))
+                raise
+            engine.mark_step_failed()
+            self._complete_step(engine)  # its peers are waiting in the step's collectives
             raise
-        finally:
-            # Also after a failed backward (out of memory, say): this rank still completes the
-            # step's collectives, so its peers are not left waiting.
-            if self._before_sync is not None:
-                self._before_sync()
-            local_done = _StepClock.mark(self.device)
-            waited = engine.peer_wait_seconds() + self._peer_wait_s
-            engine.finalize_if_pending()
-            self._weighted_steps_done += 1
+        local_done, waited = self._complete_step(engine)
         previous, self._last_step_done = self._last_step_done, _StepClock.mark(self.device)
         self._peer_wait_s = 0.0
         host = engine.step_scalars()
@@ -660,6 +660,17 @@ class WeightedDDP(DistributedDataParallel):
             raise ValueError(_bad_input_message(host, window.problem, self.rank))
         busy = None if previous is None else functools.partial(_StepClock.seconds, previous, local_done, waited)
         return StepStats(host, engine.last_grad_nonfinite(), self.metric_names, engine.check, busy)
+
+    def _complete_step(self, engine) -> tuple[float | torch.cuda.Event, float]:
+        """Runs the weighted step's remaining collectives; returns when this rank's own work ended
+        and the host seconds it spent waiting for peers."""
+        if self._before_sync is not None:
+            self._before_sync()
+        local_done = _StepClock.mark(self.device)
+        waited = engine.peer_wait_seconds() + self._peer_wait_s
+        engine.finalize_if_pending()
+        self._weighted_steps_done += 1
+        return local_done, waited
 
     def _last_step_stats(self) -> StepStats:
         """The last completed weighted step's StepStats (without busy_seconds), for a caller whose backward
@@ -893,6 +904,12 @@ def _describe(value) -> str:
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     text = repr(value)
     return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
+
+
+def _backward_failure(error: BaseException) -> str:
+    return (f"backward raised {type(error).__name__}: {error}. With cross_rank_backward its peers may be waiting "
+            "in collectives of the backward pass, so the step cannot complete; rebuild the wrapper (or restart) "
+            "to go on")
 
 
 def _bad_input_message(host: torch.Tensor, own_problem: str | None, rank: int) -> str:

@@ -48,6 +48,14 @@ void Communicator::broadcast(const at::Tensor& tensor, int root, Purpose purpose
   issue(tensor, root, purpose, -1);
 }
 
+void Communicator::give_up(const std::string& why) {
+  try {
+    monitor_->fail(why);
+  } catch (const c10::Error&) {
+    // fail() throws what it recorded; the caller raises its own error.
+  }
+}
+
 void Communicator::synchronize() {
   if (next_seq_ == 0) {
     monitor_->check();

@@ -62,6 +62,10 @@ class Communicator {
   // Throws if a collective of this communicator failed here or on a peer.
   void check() const { monitor_->check(); }
 
+  // Records `why` (a failure outside this communicator) as this rank's, posts it to the peers and
+  // refuses further collectives, as after a failed one; does not throw.
+  void give_up(const std::string& why);
+
  protected:
   // Issues `collective` on `tensor`.
   virtual void launch(const at::Tensor& tensor, const Collective& collective) = 0;

@@ -3,6 +3,7 @@ built on differentiable collectives): weighted steps stay exact against a single
 normalises over the concatenated global batch."""
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -225,6 +226,42 @@ def test_a_loss_without_grad_through_a_cross_rank_backward_fails_every_rank():
     errors = run_ranks(a_loss_without_grad_on_rank_1, 3, timeout=60)
     assert errors[1].startswith("ValueError: hsync: rank 1's loss (a torch.float64 tensor of shape ()) does not "
                                 "require a gradient"), errors[1]
+    for rank in (0, 2):  # in SyncBatchNorm's backward: gloo's connection to rank 1 ends when rank 1 exits
+        assert errors[rank].startswith("RuntimeError: ") and "by peer" in errors[rank], errors[rank]
+
+
+def a_backward_that_raises_on_rank_1(rank: int, world_size: int, layer: int) -> tuple[str, float]:
+    import hsync
+
+    model = hsync.WeightedDDP(make_model("sync-batch-norm"))
+    if rank == 1:
+        def out_of_memory(grad: torch.Tensor) -> None:
+            raise RuntimeError("out of memory (simulated)")
+
+        model.module[layer].weight.register_hook(out_of_memory)
+    x, y = global_batch(0, [3, 3, 3])[2][rank]
+    loss = sum_of_squares(model(x), y) / 3
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as error:
+        model.backward(loss, weight=3)
+    noticed_after = time.monotonic() - started
+    if rank == 1 and layer == 0:
+        time.sleep(6)  # alive: its peers can learn only from its post
+    return str(error.value), noticed_after
+
+
+@pytest.mark.parametrize("layer", [0, 3], ids=["after-the-norms-collectives", "before-them"])
+def test_a_backward_that_raises_through_a_cross_rank_backward_ends_the_step_on_every_rank(layer):
+    # Rank 1 runs none of the step's collectives: they could meet its peers' SyncBatchNorm
+    # collectives (before the norm's backward: a gloo abort, and a hang). It gives up and posts why.
+    results = run_ranks(a_backward_that_raises_on_rank_1, 3, layer, timeout=60)
+    assert results[1][0] == "out of memory (simulated)", results[1]
     for rank in (0, 2):
-        assert errors[rank].startswith(f"RuntimeError: hsync: rank {rank} (gloo):"), errors[rank]
-        assert "A peer probably exited" in errors[rank], errors[rank]
+        error, noticed_after = results[rank]
+        if layer == 0:  # waiting in hsync's collectives: told by the post
+            assert f"hsync: rank {rank} (gloo): stopped waiting for" in error, error
+            assert ("a peer failed first. hsync: rank 1 (gloo): backward raised RuntimeError: out of memory "
+                    "(simulated). With cross_rank_backward") in error, error
+        else:  # waiting in SyncBatchNorm's backward: gloo's connection to rank 1 ends when rank 1 exits
+            assert "by peer" in error, error  # "Connection closed by peer", or "reset by peer"
+        assert noticed_after < 5.0, error
