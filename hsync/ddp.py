@@ -659,7 +659,7 @@ class WeightedDDP(DistributedDataParallel):
         if host[BAD_RANKS] > 0:
             raise ValueError(_bad_input_message(host, window.problem, self.rank))
         busy = None if previous is None else functools.partial(_StepClock.seconds, previous, local_done, waited)
-        return StepStats(host, engine.last_grad_nonfinite(), self.metric_names, engine.check, busy)
+        return self._step_stats(host, busy)
 
     def _complete_step(self, engine) -> tuple[float | torch.cuda.Event, float]:
         """Runs the weighted step's remaining collectives; returns when this rank's own work ended
@@ -675,8 +675,12 @@ class WeightedDDP(DistributedDataParallel):
     def _last_step_stats(self) -> StepStats:
         """The last completed weighted step's StepStats (without busy_seconds), for a caller whose backward
         raised after the step's collectives ran: hsync.Balancer then counts the step as its peers do."""
-        engine = self._ensure_engine()
-        return StepStats(engine.step_scalars(), engine.last_grad_nonfinite(), self.metric_names, engine.check, None)
+        return self._step_stats(self._ensure_engine().step_scalars(), None)
+
+    def _step_stats(self, host: torch.Tensor, busy: Callable[[], float] | None) -> StepStats:
+        """The StepStats of the step whose reduced scalars are `host`."""
+        engine = self._engine
+        return StepStats(host, engine.last_grad_nonfinite(), self.metric_names, engine.check, busy)
 
     def _new_window(self) -> _Window:
         def zeros(*shape: int) -> torch.Tensor:
