@@ -260,7 +260,10 @@ void Engine::start_plain_step(int task) {
 }
 
 void Engine::on_gradient_ready(size_t index) {
-  if (!expect_gradients_.load()) return;  // Note [Which backward synchronises]
+  if (!expect_gradients_.load()) {  // Note [Which backward synchronises]
+    refuse_a_late_gradient(index);
+    return;
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   const int task = torch::autograd::get_current_graph_task_id();
   if (!in_step_) start_plain_step(task);
@@ -282,6 +285,19 @@ void Engine::on_gradient_ready(size_t index) {
     skip_unused(index);  // Note [Which backward synchronises]
   }
   launch_complete_buckets();
+}
+
+void Engine::refuse_a_late_gradient(size_t index) {
+  const int ended_task = nested_step_task_.load();
+  if (ended_task < 0) return;
+  const int task = torch::autograd::get_current_graph_task_id();
+  // Graph tasks are numbered as they start, so one older than the step's, still running after the
+  // step ended, is a backward the step's task was nested in: Note [Nested backwards].
+  HSYNC_CHECK(task < 0 || task >= ended_task, "the gradient of '", names_[index],
+              "' arrived after its step's reduction had ended: a nested backward (reentrant activation "
+              "checkpointing) began the step and ended it, because the wrapper found no tensor in its "
+              "forward's output. Return tensors, or lists, tuples, dicts or dataclasses of them, "
+              "from the wrapped module");
 }
 
 void Engine::skip_unused(size_t index) {
@@ -366,6 +382,8 @@ void Engine::finalize() {
     rebuild_from_ready_order();
     if (grads_as_views_) move_grads_into_slots();
   }
+  // A plain step begun by a gradient hook ends with the hook's graph task, which may be nested.
+  nested_step_task_.store(plain_step_ && !any_task_ ? step_task_id_ : -1);
   in_step_ = false;
   plain_step_ = false;
   expect_gradients_.store(false);

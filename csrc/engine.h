@@ -85,7 +85,11 @@
 // that task, while hooks of any task feed it. A weighted step ends when its caller's backward
 // returns, so nested tasks may feed it too. Only a plain step begun by a gradient hook (the
 // wrapper saw no output tensor) keeps to the hook's own graph task; a hook of another task then
-// means an earlier backward never finished.
+// means an earlier backward never finished. If that task was nested, hooks of the outer one fire
+// after the step ended: they are refused (a task older than the step's still running encloses
+// it), not left local. A second nested task inside the same outer one is newer than the step's and
+// cannot be told from a later backward through the bare module; its gradients stay local. The
+// wrapper looks for output tensors where DDP does, so only an output of another type meets this.
 //
 // Note [Join]
 // Under torch's Join context a rank whose data ran out shadows every synchronised step of the
@@ -193,6 +197,7 @@ class Engine {
   void start_plain_step(int task);
   void start_weighted_step(const at::Tensor& scalars, const at::Tensor& ref_weight, bool scale_by_world_size);
   void skip_unused(size_t index);          // Note [Step lifecycle]
+  void refuse_a_late_gradient(size_t index);  // Note [Nested backwards]
   void resolve_pack_scale();               // caller holds mutex_
   void pack(size_t index, const at::Tensor& grad);
   void launch_complete_buckets();
@@ -230,6 +235,7 @@ class Engine {
   bool plain_step_ = false;                // begun by backward itself: finalize runs as an autograd callback
   int step_task_id_ = -1;                  // the autograd graph task that began a plain step
   bool any_task_ = false;                  // hooks of nested graph tasks feed it: Note [Nested backwards]
+  std::atomic<int> nested_step_task_{-1};  // the last step's task, if a gradient hook began it
   size_t next_bucket_ = 0;                  // next bucket to launch, Note [Step lifecycle]
   std::vector<bool> ready_;
   std::vector<int64_t> ready_order_;        // recorded until the buckets are rebuilt

@@ -10,6 +10,7 @@ import collections
 import contextlib
 import datetime
 import functools
+import inspect
 import math
 import numbers
 import os
@@ -17,7 +18,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import NoReturn
 
 import torch
@@ -57,6 +58,9 @@ _BUILTIN_HOOKS = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_ho
 # reaching for state a WeightedDDP does not have; absent, `hasattr` tells the truth and a call names the
 # attribute. Every other name of DDP's class is hsync's own or inherited on purpose: see
 # test_every_attribute_of_ddps_class_is_hsyncs_own_inherited_on_purpose_or_absent.
+# torch releases after 2.11 deprecate broadcast_buffers in favour of forward_sync_buffers, and warn.
+DDP_DEPRECATES_BROADCAST_BUFFERS = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+
 _DDP_MACHINERY = (
     "_assign_modules_buffers", "_build_debug_param_to_name_mapping", "_build_params_for_reducer",
     "_check_and_sync_module_buffers", "_check_comm_hook", "_check_default_group",
@@ -197,6 +201,11 @@ class WeightedDDP(DistributedDataParallel):
         if check_reduction:
             warnings.warn("The `check_reduction` argument is deprecated (as in DDP) and has no effect.",
                           FutureWarning, stacklevel=2)
+        if broadcast_buffers is not None and DDP_DEPRECATES_BROADCAST_BUFFERS:
+            warnings.warn("`broadcast_buffers` is deprecated (as in this torch's DDP); use `forward_sync_buffers`, "
+                          "which still broadcasts rank 0's buffers at wrap time where `broadcast_buffers=False` "
+                          "does not" + (", and is ignored when both are given" if forward_sync_buffers is not None
+                                        else ""), FutureWarning, stacklevel=2)
         if not isinstance(dim, int):
             raise TypeError(f"hsync.WeightedDDP: dim must be an int, got {_describe(dim)}")
         if not dist.is_initialized():
@@ -252,6 +261,16 @@ class WeightedDDP(DistributedDataParallel):
         self.device_ids, self.output_device = _check_device_ids(device_ids, output_device, device)
         # As DDP's (PYTORCH_DDP_USE_SIDE_STREAM): with device_ids, inputs on another GPU are copied on a side stream.
         self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
+        # DDP's public attributes, as DDP sets them, for code that reads them (torch's _sync_module_states
+        # takes broadcast_bucket_size and parameters_to_ignore from a DDP, say).
+        if device_mesh is not None:
+            self.device_mesh = device_mesh
+        self.device_type = device.type
+        self.is_multi_device_module = False  # refused otherwise, by _model_signature
+        self.mixed_precision = None  # refused otherwise, above
+        self.broadcast_bucket_size = 250 * _MIB
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params  # accepted; changes nothing
+        self.batched_grad_copy = batched_grad_copy  # accepted; changes nothing
         self._build_engine(process_group or dist.group.WORLD)
         if init_sync:
             # Like DDP: every rank starts from rank 0's parameters (and buffers, unless broadcast_buffers=False).
@@ -322,6 +341,11 @@ class WeightedDDP(DistributedDataParallel):
     def process_group(self) -> dist.ProcessGroup | None:
         """The group gradients are reduced over (None once it was destroyed)."""
         return self._group() if self._group is not None else None
+
+    @property
+    def parameters_to_ignore(self) -> set[str]:
+        """As DDP's: the names of parameters and buffers neither reduced nor broadcast."""
+        return _ignored_names(self.module)
 
     @property
     def cross_rank_backward(self) -> bool:
@@ -834,6 +858,7 @@ def _on_backward_start(output, callback: Callable[[], None]) -> None:
 
 
 def _tensors_in(value) -> Iterator[torch.Tensor]:
+    """The tensors of a forward's output, where DDP's _find_tensors looks for them."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, list | tuple):
@@ -842,6 +867,9 @@ def _tensors_in(value) -> Iterator[torch.Tensor]:
     elif isinstance(value, Mapping):  # dicts, and transformers' ModelOutput
         for item in value.values():
             yield from _tensors_in(item)
+    elif is_dataclass(value) and not isinstance(value, type):
+        for field in fields(value):
+            yield from _tensors_in(getattr(value, field.name))
 
 
 def _ignored_names(module: nn.Module) -> set[str]:

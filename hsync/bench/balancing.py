@@ -15,6 +15,7 @@ import hsync
 from hsync.balance import SimulatedSlowdown
 from hsync.bench.result import NAN, Result, slowest_rank_quantiles
 from hsync.bench.workloads import bert_workload, masked_batch
+from hsync.ddp import DDP_DEPRECATES_BROADCAST_BUFFERS
 
 
 def mixed_speeds(name: str, device: torch.device, slowdowns: list[float], rounds: int, steps: int,
@@ -70,11 +71,13 @@ def _mixed_speeds(name: str, device: torch.device, slowdowns: list[float], round
     pool = masked_batch(torch.Generator().manual_seed(0), 8 * global_batch, seq, 8000, device)  # alike everywhere
 
     # BERT's buffers are constants: broadcasting them would only add a meeting point to each step.
-    # (broadcast_buffers, not forward_sync_buffers: torch 2.11's DDP has only the former.)
+    # Turned off by the name this torch's DDP takes: torch 2.11's has only broadcast_buffers, later
+    # ones deprecate it.
+    no_buffer_sync = {"forward_sync_buffers" if DDP_DEPRECATES_BROADCAST_BUFFERS else "broadcast_buffers": False}
     torch.manual_seed(0)
-    ours = hsync.WeightedDDP(workload.make_model(), broadcast_buffers=False)
+    ours = hsync.WeightedDDP(workload.make_model(), **no_buffer_sync)
     torch.manual_seed(0)
-    theirs = DistributedDataParallel(workload.make_model(), broadcast_buffers=False)
+    theirs = DistributedDataParallel(workload.make_model(), **no_buffer_sync)
     balancer = hsync.Balancer(ours, len(pool[0]), hsync.BalanceConfig(
         global_batch_size=global_batch, replan_every=10, simulate_slowdown=slowdowns[rank]))
     ddp_slowdown = SimulatedSlowdown(slowdowns[rank], device)

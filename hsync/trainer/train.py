@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(cfg.seed)
     timeout = datetime.timedelta(seconds=cfg.collective_timeout) if cfg.collective_timeout else None
-    wrapper = hsync.WeightedDDP(build_model(preset, vocab, cfg.dropout).to(device), broadcast_buffers=False,
+    wrapper = hsync.WeightedDDP(build_model(preset, vocab, cfg.dropout).to(device), forward_sync_buffers=False,
                                 gradient_as_bucket_view=cfg.bucket_views,
                                 metric_names=("tokens", "examples", "mlm", "nsp", StopRequest.METRIC),
                                 timeout=timeout, comm_dtype=COMM_DTYPES[cfg.comm_dtype])

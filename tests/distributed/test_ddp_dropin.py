@@ -8,12 +8,15 @@ import copy
 import inspect
 import io
 import pickle
+import warnings
+from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from tests.distributed.workloads import Stack, compiled_backward_nodes, global_batch, make_net, mse
 from tests.spawn import run_ranks, run_ranks_expecting_errors
@@ -214,6 +217,66 @@ def test_a_backward_that_skipped_the_wrappers_forward_stays_local():
     assert_same(results)
 
 
+@dataclass
+class Prediction:
+    value: torch.Tensor
+
+
+class Opaque:
+    """An output type that neither DDP nor hsync looks into."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class CheckpointedHead(nn.Module):
+    """Its last layer checkpointed with use_reentrant=True: backward begins in a nested graph task,
+    and the first layer's gradient arrives afterwards, in the outer one."""
+
+    def __init__(self, output_type: type) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 6, dtype=torch.float64)
+        self.last = nn.Linear(6, 1, dtype=torch.float64)
+        self.output_type = output_type
+
+    def forward(self, x):
+        return self.output_type(checkpoint(self.last, torch.tanh(self.first(x)), use_reentrant=True))
+
+
+def reentrant_checkpoint_output(rank, world_size, wrap, output_type: type):
+    model = wrap(CheckpointedHead(output_type))
+    out = []
+    for step in range(2):
+        _, _, slices = global_batch(step, [3, 5])
+        x, y = slices[rank]
+        model.zero_grad()
+        mse(model(x).value.squeeze(-1), y).backward()
+        out.append(grads_of(model.module))
+    return out
+
+
+def test_a_dataclass_output_through_a_reentrant_checkpoint_reduces_every_gradient():
+    # hsync looks for the output's tensors where DDP does; before it looked into dataclasses, the step
+    # ended with the nested backward and the first layer's gradient stayed this rank's own.
+    results = run_ranks(side_by_side, 2, reentrant_checkpoint_output, Prediction)
+    assert_same(results)
+    assert torch.equal(results[0]["hsync"][0]["first.weight"], results[1]["hsync"][0]["first.weight"])
+
+
+def opaque_output_through_reentrant_checkpoint(rank, world_size):
+    import hsync
+
+    reentrant_checkpoint_output(rank, world_size, hsync.WeightedDDP, Opaque)
+
+
+def test_an_output_hsync_cannot_look_into_through_a_reentrant_checkpoint_is_refused_on_every_rank():
+    # The step began in the nested backward and ended with it: the outer backward's gradients would
+    # have stayed local, silently (DDP, which waits for every parameter, trains here).
+    for text in run_ranks_expecting_errors(opaque_output_through_reentrant_checkpoint, 2):
+        assert "the gradient of 'first." in text and "arrived after its step's reduction had ended" in text, text
+        assert "dataclasses" in text, text
+
+
 def accumulation_by_flag(rank, world_size, wrap):
     # nanoGPT's loop: rather than no_sync(), it sets the flag that no_sync() toggles, per micro-step.
     model = wrap(make_net(seed=0), find_unused_parameters=True)
@@ -410,6 +473,38 @@ def test_every_attribute_of_ddps_class_is_hsyncs_own_inherited_on_purpose_or_abs
             getattr(hsync.WeightedDDP, name)
 
 
+# DDP's public instance attributes that a WeightedDDP leaves out: its machinery (as above), the
+# buffer lists its buffer hooks use (not offered), and per-bucket caps (bucket_cap_mb_list, refused).
+ABSENT_INSTANCE_ATTRIBUTES = {"reducer", "logger", "modules_buffers", "named_module_buffers",
+                              "bucket_bytes_cap_default", "bucket_bytes_cap_list"}
+
+
+def public_instance_attributes(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import hsync
+
+    net = make_net(seed=0)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, ["never_used.bias"])
+    arguments = dict(device_mesh=init_device_mesh("cpu", (world_size,)), bucket_cap_mb=5,
+                     skip_all_reduce_unused_params=True)
+    ddp, ours = DistributedDataParallel(net, **arguments), hsync.WeightedDDP(net, **arguments)
+    names = sorted(name for name in vars(ddp) if not name.startswith("_") and name not in ("module", "training"))
+    return {"compared": names,
+            "differ": {name: (getattr(ours, name, "absent"), getattr(ddp, name)) for name in names
+                       if name not in ABSENT_INSTANCE_ATTRIBUTES
+                       and not (hasattr(ours, name) and getattr(ours, name) == getattr(ddp, name))},
+            "present though left out": [name for name in ABSENT_INSTANCE_ATTRIBUTES if hasattr(ours, name)]}
+
+
+def test_ddps_public_instance_attributes_read_as_on_a_ddp():
+    # Code reads them off a DDP: torch's _sync_module_states takes broadcast_bucket_size and
+    # parameters_to_ignore, its device-mesh tests device_mesh. A name a new torch adds shows up here.
+    for result in run_ranks(public_instance_attributes, 2):
+        assert "device_mesh" in result["compared"] and "parameters_to_ignore" in result["compared"], result
+        assert not result["differ"] and not result["present though left out"], result
+
+
 def outcome(function, *args) -> object:
     """What the call returns, or the error it raises (type and message)."""
     try:
@@ -585,16 +680,32 @@ def constructor_arguments(rank, world_size):
                 errors[label, name] = None
             except Exception as error:  # noqa: BLE001 - the error is the result
                 errors[label, name] = (type(error).__name__, str(error))
+    deprecated = {"broadcast_buffers": {"broadcast_buffers": False},
+                  "both buffer flags": {"broadcast_buffers": True, "forward_sync_buffers": False},
+                  "check_reduction": {"check_reduction": True}}
+    warned = {}
+    for label, kwargs in deprecated.items():
+        for name, wrap in (("ddp", DistributedDataParallel), ("hsync", hsync.WeightedDDP)):
+            if "forward_sync_buffers" in kwargs and "forward_sync_buffers" not in ddp_params:
+                continue  # torch 2.11's DDP has no forward_sync_buffers
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                wrap(make_net(seed=0), **kwargs)
+            warned[label, name] = [str(w.message) for w in caught if w.category is FutureWarning]
     with pytest.raises(TypeError, match="broadcast_buffers must be a bool"):
         model.broadcast_buffers = "yes"
     # A DDP method hsync does not offer is refused, not inherited as a silent no-op.
     with pytest.raises(RuntimeError, match="no buffer communication hooks"):
         model._register_buffer_comm_hook(None, lambda state, buffers: [])
-    return errors
+    return {"errors": errors, "warned": warned}
 
 
 def test_ddps_constructor_arguments_are_accepted_honoured_or_refused():
-    errors = run_ranks(constructor_arguments, 2)[0]
+    result = run_ranks(constructor_arguments, 2)[0]
+    errors, warned = result["errors"], result["warned"]
+    for (label, name), messages in warned.items():
+        # Deprecations as this torch's DDP has them: one FutureWarning each, none where DDP has none.
+        assert len(messages) == len(warned[label, "ddp"]) <= 1, (label, name, messages, warned[label, "ddp"])
     ours = {label: error for (label, name), error in errors.items() if name == "hsync"}
     for label, error in ours.items():
         assert error is not None, f"hsync accepted {label}"

@@ -17,6 +17,7 @@ import copy
 import datetime
 import io
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -208,6 +209,50 @@ def checkpointing(rank, world_size, wrap, twice: bool, unused: bool, reentrant: 
                 assert a.grad is None
             else:
                 torch.testing.assert_close(a.grad, b.grad)
+    return [p.grad.clone() for p in model.module.parameters() if p.grad is not None]
+
+
+@dataclass
+class CustomOutput:
+    o1: torch.Tensor | None
+    o2: dict
+
+
+class DataclassOutputModule(nn.Module):
+    def __init__(self, skip_o1: bool) -> None:
+        super().__init__()
+        self.seq1 = nn.Sequential(*[nn.Linear(10, 10) for _ in range(3)])
+        self.relu = nn.ReLU()
+        self.seq2 = nn.Sequential(*[nn.Linear(10, 10) for _ in range(3)])
+        self.skip_o1 = skip_o1
+
+    def forward(self, x):
+        o1 = None if self.skip_o1 else self.relu(self.seq1(x))
+        return CustomOutput(o1=o1, o2={"a": self.seq2(x), "b": self.relu(self.seq2(x))})
+
+
+def dataclass_output(rank, world_size, wrap, skip_o1: bool):
+    """test_dataclass_output / test_dataclass_output_unused_param: a module returning a dataclass of
+    tensors (o1 None: seq1 unused) gives the gradients of local training on the whole batch (two
+    iterations here, one upstream)."""
+
+    def loss(out):
+        total = out.o2["a"] + out.o2["b"] + (0 if skip_o1 else out.o1)
+        return F.mse_loss(total, torch.ones_like(out.o2["a"]))
+
+    torch.manual_seed(0)
+    local = DataclassOutputModule(skip_o1)
+    model = wrap(copy.deepcopy(local), find_unused_parameters=True)
+    for _ in range(2):
+        for m in (model, local):
+            m.zero_grad(set_to_none=True)
+        loss(model(torch.ones(4, 10) * rank)).backward()
+        loss(local(torch.cat([torch.ones(4, 10) * r for r in range(world_size)]))).backward()
+        for a, b in zip(model.module.parameters(), local.parameters(), strict=True):
+            if b.grad is None:
+                assert a.grad is None
+            else:
+                assert a.grad is not None and a.grad.allclose(b.grad)
     return [p.grad.clone() for p in model.module.parameters() if p.grad is not None]
 
 
@@ -442,6 +487,42 @@ def broadcast_buffer(rank, world_size, wrap):
     return model.module.counter
 
 
+def device_mesh_initialization(rank, world_size, wrap):
+    """test_ddp_device_mesh_initialization: a 1-D mesh's group is used and kept as device_mesh; a group
+    and a mesh together, or a 2-D mesh, are refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = wrap(Net(), device_mesh=mesh)
+    assert model.device_mesh == mesh
+    with pytest.raises(RuntimeError, match="Cannot specify both process_group and device_mesh arguments."):
+        wrap(Net(), process_group=dist.group.WORLD, device_mesh=mesh)
+    with pytest.raises(RuntimeError, match="Only 1D device mesh is supported,"):
+        wrap(Net(), device_mesh=init_device_mesh("cpu", (2, world_size // 2)))
+    return 0
+
+
+def sync_module_states(rank, world_size, wrap):
+    """test_ddp_sync_module_states: a module swapped in after wrapping, different on each rank, is made
+    rank 1's by torch's _sync_module_states with the wrapper's bucket size and ignored names."""
+    from torch.distributed.utils import _sync_module_states
+
+    torch.manual_seed(rank)
+    model = wrap(nn.Linear(2, 2, bias=False), bucket_cap_mb=1)
+    new_model = nn.Linear(2, 2, bias=False)
+    model.module = copy.deepcopy(new_model)
+    _sync_module_states(module=model.module, process_group=model.process_group,
+                        broadcast_bucket_size=model.broadcast_bucket_size, src=1,
+                        params_and_buffers_to_ignore=model.parameters_to_ignore)
+    gathered = [torch.empty(2, 2) for _ in range(world_size)]
+    dist.all_gather(gathered, model.module.weight.detach())
+    for other in gathered:
+        torch.testing.assert_close(other, gathered[1])
+    if rank == 1:
+        torch.testing.assert_close(model.module.weight, new_model.weight)
+    return gathered[0]
+
+
 def inference(rank, world_size, wrap):
     """test_ddp_inference: eval() under no_grad gives the local model's output."""
     torch.manual_seed(0)
@@ -631,6 +712,11 @@ def test_ddp_checkpointing(twice, unused, reentrant):
     run_both(checkpointing, twice, unused, reentrant)
 
 
+@pytest.mark.parametrize("skip_o1", [False, True], ids=["dataclass_output", "dataclass_output_unused_param"])
+def test_dataclass_output(skip_o1):
+    run_both(dataclass_output, skip_o1)
+
+
 def test_requires_grad():
     run_both(requires_grad)
 
@@ -675,6 +761,14 @@ def test_ddp_ignore_params_arg():
 
 def test_ddp_broadcast_buffer():
     run_both(broadcast_buffer)
+
+
+def test_ddp_device_mesh_initialization():
+    run_both(device_mesh_initialization)
+
+
+def test_ddp_sync_module_states():
+    run_both(sync_module_states)
 
 
 def test_ddp_inference():
