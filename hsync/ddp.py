@@ -54,13 +54,13 @@ _WRAPPER_CODE_COMM_DTYPES = {default_hooks.bf16_compress_wrapper(default_hooks.a
                              default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook).__code__: torch.float16}
 _BUILTIN_HOOKS = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
                   dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+# torch releases after 2.11 deprecate broadcast_buffers in favour of forward_sync_buffers, and warn.
+DDP_DEPRECATES_BROADCAST_BUFFERS = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+
 # DDP's reducer, logger, and forward and buffer plumbing, which hsync replaces. Inherited, each would fail
 # reaching for state a WeightedDDP does not have; absent, `hasattr` tells the truth and a call names the
 # attribute. Every other name of DDP's class is hsync's own or inherited on purpose: see
 # test_every_attribute_of_ddps_class_is_hsyncs_own_inherited_on_purpose_or_absent.
-# torch releases after 2.11 deprecate broadcast_buffers in favour of forward_sync_buffers, and warn.
-DDP_DEPRECATES_BROADCAST_BUFFERS = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-
 _DDP_MACHINERY = (
     "_assign_modules_buffers", "_build_debug_param_to_name_mapping", "_build_params_for_reducer",
     "_check_and_sync_module_buffers", "_check_comm_hook", "_check_default_group",
@@ -202,10 +202,11 @@ class WeightedDDP(DistributedDataParallel):
             warnings.warn("The `check_reduction` argument is deprecated (as in DDP) and has no effect.",
                           FutureWarning, stacklevel=2)
         if broadcast_buffers is not None and DDP_DEPRECATES_BROADCAST_BUFFERS:
-            warnings.warn("`broadcast_buffers` is deprecated (as in this torch's DDP); use `forward_sync_buffers`, "
-                          "which still broadcasts rank 0's buffers at wrap time where `broadcast_buffers=False` "
-                          "does not" + (", and is ignored when both are given" if forward_sync_buffers is not None
-                                        else ""), FutureWarning, stacklevel=2)
+            warnings.warn("`broadcast_buffers` is deprecated (as in this torch's DDP) and ignored when "
+                          "`forward_sync_buffers` is given" if forward_sync_buffers is not None else
+                          "`broadcast_buffers` is deprecated (as in this torch's DDP); use `forward_sync_buffers`, "
+                          "which, unlike `broadcast_buffers=False`, still broadcasts rank 0's buffers at wrap time",
+                          FutureWarning, stacklevel=2)
         if not isinstance(dim, int):
             raise TypeError(f"hsync.WeightedDDP: dim must be an int, got {_describe(dim)}")
         if not dist.is_initialized():
