@@ -523,6 +523,91 @@ def sync_module_states(rank, world_size, wrap):
     return gathered[0]
 
 
+class UnusedParamTwoLinLayerNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(10, 10, bias=False)
+        self.b = nn.Linear(10, 10, bias=False)
+        self.c = nn.Linear(5, 5, bias=False)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+class DictOutputModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = UnusedParamTwoLinLayerNet()
+
+    def forward(self, x):
+        predictions = self.module(x)
+        return {"predictions": predictions, "loss": (predictions[0] + predictions[1]).sum()}
+
+
+def output_unused_in_loss(rank, world_size, wrap, module_type: type, gradient_as_bucket_view: bool):
+    """test_output_unused_in_loss_tuple_module / _dict_module (_test_output_unused_in_loss): an output
+    the loss ignores leaves its layer without a gradient; with no zero_grad between iterations, a
+    gradient from the iterations that used it stays as it was while it goes unused."""
+    torch.manual_seed(0)
+    local = module_type()
+    model = wrap(copy.deepcopy(local), find_unused_parameters=True, gradient_as_bucket_view=gradient_as_bucket_view)
+    x = torch.randn(10, 10)  # the same on every rank, as upstream: the mean is the local gradient
+
+    def outputs(m):
+        out = m(x)
+        return out["predictions"] if module_type is DictOutputModule else out
+
+    def a_grad(m):
+        inner = m.module if m is model else m
+        return (inner.module if module_type is DictOutputModule else inner).a.weight.grad
+
+    outputs(model)[1].sum().backward()
+    assert a_grad(model) is None
+    model.zero_grad()
+    saved = None
+    for i in range(6):
+        a, b = outputs(local)
+        a_d, b_d = outputs(model)
+        ((a @ b).sum() if i < 2 else b.sum()).backward()
+        ((a_d @ b_d).sum() if i < 2 else b_d.sum()).backward()
+        if i == 1:
+            saved = a_grad(model).clone()
+        elif i >= 2:
+            torch.testing.assert_close(a_grad(model), saved, rtol=0, atol=0)
+        for theirs, ours in zip(local.parameters(), model.module.parameters(), strict=True):
+            assert (theirs.grad is None) == (ours.grad is None)
+            if theirs.grad is not None:
+                torch.testing.assert_close(ours.grad, theirs.grad)
+    return [p.grad.clone() for p in model.module.parameters() if p.grad is not None]
+
+
+def stateless_api(rank, world_size, wrap):
+    """test_stateless_api_with_ddp: torch.func.functional_call through the wrapper runs on the tensors
+    given, leaves the module's own untouched, and gives gradients to those tensors only."""
+
+    class MockModule(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1 = nn.Linear(1, 1)
+            self.register_buffer("buffer", torch.ones(1))
+
+        def forward(self, x):
+            return self.l1(x) + self.buffer
+
+    model = wrap(MockModule())
+    x = torch.rand((1, 1))
+    weight, bias = torch.tensor([[1.0]], requires_grad=True), torch.tensor([0.0], requires_grad=True)
+    prev_weight, prev_buffer = model.module.l1.weight.clone(), model.module.buffer.clone()
+    out = torch.func.functional_call(
+        model, {"module.l1.weight": weight, "module.l1.bias": bias, "module.buffer": torch.tensor([0.0])}, x)
+    assert torch.equal(out, x)
+    assert torch.equal(model.module.l1.weight, prev_weight) and torch.equal(model.module.buffer, prev_buffer)
+    out.backward()
+    assert weight.grad is not None and bias.grad is not None
+    assert model.module.l1.weight.grad is None and model.module.l1.bias.grad is None
+    return [weight.grad, bias.grad]
+
+
 def inference(rank, world_size, wrap):
     """test_ddp_inference: eval() under no_grad gives the local model's output."""
     torch.manual_seed(0)
@@ -769,6 +854,17 @@ def test_ddp_device_mesh_initialization():
 
 def test_ddp_sync_module_states():
     run_both(sync_module_states)
+
+
+@pytest.mark.parametrize("module_type", [UnusedParamTwoLinLayerNet, DictOutputModule],
+                         ids=["tuple_module", "dict_module"])
+@pytest.mark.parametrize("view", [False, True], ids=["copied", "grad_is_view"])
+def test_output_unused_in_loss(module_type, view):
+    run_both(output_unused_in_loss, module_type, view)
+
+
+def test_stateless_api_with_ddp():
+    run_both(stateless_api)
 
 
 def test_ddp_inference():
