@@ -94,5 +94,12 @@ PYBIND11_MODULE(_C, m) {
       .def("last_grad_nonfinite", &Engine::last_grad_nonfinite)
       .def("check", &Engine::check)
       .def("bucket_params", &Engine::bucket_params)
-      .def("peer_wait_seconds", &Engine::peer_wait_seconds);
+      .def("start_busy_interval", [](Engine& e) { e.clock().start(); })
+      .def("end_busy_interval", [](Engine& e) { return e.clock().stop(); })
+      .def("begin_peer_wait", [](Engine& e) { e.clock().begin_wait(); })
+      .def("end_peer_wait", [](Engine& e) { e.clock().end_wait(); });
+
+  py::class_<hsync::BusyInterval>(m, "BusyInterval", "A rank's own work in a step (Note [Busy time]).")
+      .def("seconds", &hsync::BusyInterval::seconds, release_gil(),
+           "Its seconds less its waits for peers; on a GPU this waits for the device to reach its end.");
 }

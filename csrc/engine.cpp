@@ -6,7 +6,6 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <algorithm>
-#include <chrono>
 #include <map>
 
 #include "checks.h"
@@ -36,7 +35,8 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<std::string> names,
       bucket_bytes_cap_(bucket_bytes_cap),
       first_bucket_bytes_cap_(first_bucket_bytes_cap),
       grads_as_views_(grads_as_views),
-      comm_dtype_(comm_dtype) {
+      comm_dtype_(comm_dtype),
+      clock_(device_) {
   HSYNC_CHECK(!params_.empty(), "the model has no parameters that require a gradient");
   HSYNC_CHECK(names_.size() == params_.size(), "got ", names_.size(), " names for ",
               params_.size(), " parameters");
@@ -145,7 +145,6 @@ void Engine::start_step() {
   step_task_id_ = -1;
   any_task_ = false;
   next_bucket_ = 0;
-  peer_wait_seconds_ = 0.0;
   normalise_at_write_back_ = false;
   std::fill(ready_.begin(), ready_.end(), false);
   for (Bucket& bucket : buckets_) {
@@ -199,9 +198,10 @@ void Engine::start_weighted_step(const at::Tensor& scalars, const at::Tensor& re
 
 void Engine::resolve_pack_scale() {
   if (pack_scale_resolved_) return;
-  const auto waiting_since = std::chrono::steady_clock::now();
-  comm_->synchronize_through(step_scalars_seq_);
-  peer_wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting_since).count();
+  {
+    const PeerWait wait(clock_);  // for the slowest rank's forward: Note [Busy time]
+    comm_->synchronize_through(step_scalars_seq_);
+  }
   const at::Tensor total = step_scalars_.select(0, 0);
   if (normalise_at_write_back_) {
     const double n = *total.const_data_ptr<double>();  // on the host: Note [Deferred normalisation]
@@ -468,36 +468,36 @@ void Engine::rebuild_from_ready_order() {
 }
 
 void Engine::broadcast_coalesced(const std::vector<at::Tensor>& tensors, int root) {
-  std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
+  // A broadcast copies bytes, whatever they mean: every tensor travels in one flat byte buffer, so
+  // one collective carries them all, including dtypes NCCL has no type for (int16, uint16/32/64,
+  // float8, complex).
+  std::vector<at::Tensor> parts;
   for (const at::Tensor& t : tensors) {
     HSYNC_CHECK(t.device() == device_, "broadcast: tensor on ", t.device(), ", expected ", device_);
-    // A complex buffer (rotary embeddings' freqs_cis) travels as its real pairs, as torch's own
-    // broadcast sends it: NCCL has no complex type. Its values land through the view.
-    const at::Tensor wire = t.is_complex() ? at::view_as_real(t) : t;
-    by_dtype[wire.scalar_type()].push_back(wire);
+    if (t.numel() > 0) parts.push_back(t.contiguous().view({-1}).view(at::kByte));
   }
+  if (parts.empty()) return;
   const at::NoGradGuard no_grad;
-  std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> flats;
-  for (auto& [dtype, group] : by_dtype) {
-    std::vector<at::Tensor> flat_parts;
-    for (const at::Tensor& t : group) flat_parts.push_back(t.reshape({-1}));
-    at::Tensor flat = at::cat(flat_parts);
+  const at::Tensor flat = at::cat(parts);
+  {
+    const PeerWait wait(clock_);  // for `root`: Note [Busy time]
     comm_->broadcast(flat, root, Purpose::kBroadcast);
-    flats.emplace_back(std::move(flat), std::move(group));
+    comm_->synchronize();
   }
-  comm_->synchronize();
-  for (auto& [flat, group] : flats) {
-    int64_t offset = 0;
-    for (const at::Tensor& t : group) {
-      // New values, not a new version: a buffer saved for backward by an earlier forward (BatchNorm's
-      // running statistics, two forwards before one backward) must not fail autograd's version
-      // check, as DDP's buffer broadcast does not.
-      auto version = torch::autograd::impl::version_counter(t);  // shares the counter
-      const auto saved_version = version.current_version();
-      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-      version.set_version(saved_version);
-      offset += t.numel();
-    }
+  int64_t offset = 0;
+  for (const at::Tensor& t : tensors) {
+    if (t.numel() == 0) continue;
+    const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+    // New values, not a new version: a buffer saved for backward by an earlier forward (BatchNorm's
+    // running statistics, two forwards before one backward) must not fail autograd's version
+    // check, as DDP's buffer broadcast does not.
+    auto version = torch::autograd::impl::version_counter(t);  // shares the counter
+    const auto saved_version = version.current_version();
+    at::Tensor landing = t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous);
+    landing.view({-1}).view(at::kByte).copy_(flat.narrow(0, offset, bytes));
+    if (!landing.is_same(t)) t.copy_(landing);
+    version.set_version(saved_version);
+    offset += bytes;
   }
 }
 

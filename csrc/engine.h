@@ -112,6 +112,7 @@
 #include <vector>
 
 #include "bucket.h"
+#include "busy_clock.h"
 #include "comm/communicator.h"
 
 namespace hsync {
@@ -178,10 +179,8 @@ class Engine {
 
   std::vector<std::vector<int64_t>> bucket_params() const;
 
-  // Host seconds the current step has waited so far for its total weight from the peers (a
-  // gradient's pack scale, Note [Weighted reduction]): not this rank's own work. On GPU the wait is
-  // the device's, so this stays near zero there.
-  double peer_wait_seconds() const { return peer_wait_seconds_; }
+  // Times this rank's own work, without its waits for peers: Note [Busy time].
+  BusyClock& clock() { return clock_; }
 
   // Throws if a collective failed here or on a peer. On GPU a bucket's failure is known only once
   // the host has waited for the step (StepStats.finite does): call this after such a wait.
@@ -242,7 +241,6 @@ class Engine {
   bool rebuilt_ = false;
   at::Tensor pack_scale_;                   // 0-dim float64 on device_
   bool pack_scale_resolved_ = true;         // false from begin_weighted_step until N is known
-  double peer_wait_seconds_ = 0.0;          // host time resolve_pack_scale waited in this step
   bool normalise_at_write_back_ = false;    // this step's, Note [Deferred normalisation]
   double write_back_scale_ = 1.0;           // 1 / N once resolved, when normalising at write-back
   at::Tensor tails_on_host_;                // this step's reduced bucket tails, copied once (GPU)
@@ -254,6 +252,7 @@ class Engine {
   at::Tensor ref_weight_;
   at::Tensor plain_scale_;                  // 1 / world_size
   at::Tensor last_grad_nonfinite_;
+  BusyClock clock_;
 };
 
 }  // namespace hsync

@@ -9,12 +9,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
-import functools
 import inspect
 import math
 import numbers
 import os
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -254,8 +252,6 @@ class WeightedDDP(DistributedDataParallel):
         self._divide_by_initial_world_size = True
         self._window: _Window | None = None
         self._engine = None
-        self._last_step_done = None  # when this rank's last weighted step completed, see _StepClock
-        self._peer_wait_s = 0.0  # host seconds waited for peers since then, outside the engine's steps
         self._before_sync: Callable[[], None] | None = None  # runs when a weighted step's local work is done
         self._weighted_steps_done = 0  # completed on every rank, even where backward raised: _last_step_stats
         device = next(p.device for p in _reduced_parameters(module) if p.requires_grad)
@@ -331,7 +327,7 @@ class WeightedDDP(DistributedDataParallel):
                                "pickle model.module instead")
         state = self.__dict__.copy()
         state.update(_engine=None, _group=None, _window=None, _plain_steps_join=None, require_forward_param_sync=False,
-                     _last_step_done=None, _before_sync=None)
+                     _before_sync=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -476,9 +472,7 @@ class WeightedDDP(DistributedDataParallel):
         if buffers_due:
             buffers = self._synced_buffers()
             if buffers:
-                started = time.perf_counter()
                 engine.broadcast_coalesced(buffers, root)
-                self._peer_wait_s += time.perf_counter() - started  # mostly waiting for rank `root`
         self.require_forward_param_sync = synced
         return inputs, kwargs, synced
 
@@ -586,8 +580,13 @@ class WeightedDDP(DistributedDataParallel):
         if not joined:
             info[0], info[1], info[2 + self.rank] = float(synced), float(buffers_due), 1.0
         reduced = torch.tensor(info, dtype=torch.float64, device=self.device)
-        dist.all_reduce(reduced, group=self.process_group)
-        values = reduced.tolist()
+        engine = self._ensure_engine()
+        engine.begin_peer_wait()  # Note [Busy time] in csrc/busy_clock.h
+        try:
+            dist.all_reduce(reduced, group=self.process_group)
+            values = reduced.tolist()
+        finally:
+            engine.end_peer_wait()
         active = [r for r in range(self.world_size) if values[2 + r] > 0]
         return values[0] > 0, values[1] > 0, active[0] if active else 0
 
@@ -677,25 +676,23 @@ class WeightedDDP(DistributedDataParallel):
             engine.mark_step_failed()
             self._complete_step(engine)  # its peers are waiting in the step's collectives
             raise
-        local_done, waited = self._complete_step(engine)
-        previous, self._last_step_done = self._last_step_done, _StepClock.mark(self.device)
-        self._peer_wait_s = 0.0
+        busy = self._complete_step(engine)
+        engine.start_busy_interval()  # the next step's own work starts where this step ends
         host = engine.step_scalars()
         if host[BAD_RANKS] > 0:
             raise ValueError(_bad_input_message(host, window.problem, self.rank))
-        busy = None if previous is None else functools.partial(_StepClock.seconds, previous, local_done, waited)
-        return self._step_stats(host, busy)
+        return self._step_stats(host, None if busy is None else busy.seconds)
 
-    def _complete_step(self, engine) -> tuple[float | torch.cuda.Event, float]:
-        """Runs the weighted step's remaining collectives; returns when this rank's own work ended
-        and the host seconds it spent waiting for peers."""
+    def _complete_step(self, engine) -> _C.BusyInterval | None:
+        """Runs the weighted step's remaining collectives; returns this rank's own work since the last
+        step ended, without its waits for peers (none after a step that failed): Note [Busy time] in
+        csrc/busy_clock.h."""
         if self._before_sync is not None:
             self._before_sync()
-        local_done = _StepClock.mark(self.device)
-        waited = engine.peer_wait_seconds() + self._peer_wait_s
+        busy = engine.end_busy_interval()
         engine.finalize_if_pending()
         self._weighted_steps_done += 1
-        return local_done, waited
+        return busy
 
     def _last_step_stats(self) -> StepStats:
         """The last completed weighted step's StepStats (without busy_seconds), for a caller whose backward
@@ -800,28 +797,6 @@ class _Absent:
 
 for _name in _DDP_MACHINERY:
     setattr(WeightedDDP, _name, _Absent(_name))
-
-
-class _StepClock:
-    """Instants of a step on the timeline where its work happens: the host's clock on the CPU, CUDA
-    events on a GPU (whose work is asynchronous: the host's clock tells when work was queued)."""
-
-    @staticmethod
-    def mark(device: torch.device) -> float | torch.cuda.Event:
-        if device.type != "cuda":
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(device))  # the model's device, whichever is current
-        return event
-
-    @staticmethod
-    def seconds(start: float | torch.cuda.Event, end: float | torch.cuda.Event, waited: float = 0.0) -> float:
-        """Seconds from start to end, less `waited` (host seconds spent waiting for peers in between);
-        on a GPU this waits for the work before `end`."""
-        if isinstance(end, float):
-            return end - start - waited
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 - waited
 
 
 class _JoinHook(JoinHook):

@@ -52,9 +52,10 @@ class StepStats:
         """This rank's own time for the step: from the end of its previous weighted step to the end of
         its backward in this one, less the time it waited for its peers meanwhile (for rank 0's
         buffers in a forward, for the step's total weight). It counts the data, forward, backward and
-        optimizer work between the two, on the device's timeline (CUDA events on a GPU, where a wait
-        for the total is the device's and is counted: reading it waits for this rank's backward).
-        None for a rank's first weighted step."""
+        optimizer work between the two, on the timeline where that work runs: the host's clock on the
+        CPU, CUDA events on a GPU, where waits for peers are the stream's and are bracketed by events
+        too (Note [Busy time] in csrc/busy_clock.h); reading it there waits for this rank's backward.
+        None for a rank's first weighted step, and after a step whose backward raised."""
         return None if self._busy is None else self._busy()
 
     @property

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds hsync against the oldest torch it supports, 2.11: what the GPU machines carry, with no
-# network to fetch another (C++17, NCCL 2.28, which has no ncclCommRevoke). The build, CUDA and
+# network to fetch another (C++17, NCCL 2.28.9). The build, CUDA and
 # NCCL parts included, runs in a virtual environment of its own on a copy of the sources; then the
 # CPU side of the code the GPU check runs is tested there. A newer API, C++ or Python, fails here
 # rather than on a GPU machine.

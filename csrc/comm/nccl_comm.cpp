@@ -29,21 +29,15 @@ std::string nccl_version() {
          std::to_string(version % 100);
 }
 
-StreamEvent::StreamEvent(int device_index) {
-  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
-  HSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
-}
-
-StreamEvent::~StreamEvent() {
-  if (event_ != nullptr) cudaEventDestroy(event_);  // destructors must not throw
-}
-
-void StreamEvent::order(cudaStream_t signaller, cudaStream_t waiter) {
-  HSYNC_CUDA_CHECK(cudaEventRecord(event_, signaller));
-  HSYNC_CUDA_CHECK(cudaStreamWaitEvent(waiter, event_, 0));
-}
-
 namespace {
+
+// cudaErrorNotReady from a query is an answer, not a failure, but the runtime keeps it as the
+// thread's last error, where a later, unrelated launch check would report it: cleared, as torch's
+// CUDAStream::query does.
+cudaError_t answered(cudaError_t state) {
+  if (state == cudaErrorNotReady) (void)cudaGetLastError();
+  return state;
+}
 
 ncclDataType_t nccl_dtype(at::ScalarType type) {
   switch (type) {
@@ -61,15 +55,48 @@ ncclDataType_t nccl_dtype(at::ScalarType type) {
   return ncclFloat32;  // unreachable
 }
 
+cudaStream_t new_stream(int device_index) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+  int least = 0;
+  int greatest = 0;
+  HSYNC_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  cudaStream_t stream = nullptr;
+  // High priority, as torch's pool would give: the buckets' reductions go before compute kernels.
+  HSYNC_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, greatest));
+  return stream;
+}
 
 }  // namespace
+
+OwnStream::OwnStream(int device_index)
+    : stream_(c10::cuda::getStreamFromExternal(new_stream(device_index),
+                                               static_cast<c10::DeviceIndex>(device_index))) {}
+
+OwnStream::~OwnStream() {
+  // Returns at once; CUDA frees the stream once the work queued on it is done.
+  if (stream_.stream() != nullptr) cudaStreamDestroy(stream_.stream());  // destructors must not throw
+}
+
+StreamEvent::StreamEvent(int device_index) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+  HSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+}
+
+StreamEvent::~StreamEvent() {
+  if (event_ != nullptr) cudaEventDestroy(event_);  // destructors must not throw
+}
+
+void StreamEvent::order(cudaStream_t signaller, cudaStream_t waiter) {
+  HSYNC_CUDA_CHECK(cudaEventRecord(event_, signaller));
+  HSYNC_CUDA_CHECK(cudaStreamWaitEvent(waiter, event_, 0));
+}
 
 NcclComm::NcclComm(const std::string& unique_id, int rank, int world_size, int device_index,
                    const FaultOptions& options)
     : Communicator(rank, world_size, "nccl", options),
       device_index_(device_index),
       setup_allowance_(std::max<std::chrono::milliseconds>(options.timeout, kSetupAllowance)),
-      stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_index)),
+      stream_(device_index),
       enter_event_(device_index) {
   comm_ = create(unique_id);
   monitor().set_hooks([this] { return poll(); }, [this] { abort(); });
@@ -155,7 +182,7 @@ void NcclComm::tear_down_within_limit(ncclComm_t comm, bool destroy) const {
 NcclComm::~NcclComm() {
   monitor().clear_hooks();
   // The process is exiting and CUDA is already gone: the operating system reclaims everything.
-  if (cudaStreamQuery(stream_.stream()) == cudaErrorCudartUnloading) return;
+  if (answered(cudaStreamQuery(stream_.stream())) == cudaErrorCudartUnloading) return;
   // Destructors must not throw: errors here only choose between destroy and abort.
   if (!aborted_ && !monitor().failed() && drain()) {
     tear_down_within_limit(comm_, /*destroy=*/true);
@@ -172,7 +199,7 @@ NcclComm::~NcclComm() {
 bool NcclComm::drain() {
   const auto deadline = Clock::now() + kTeardownLimit;
   while (Clock::now() < deadline) {
-    const cudaError_t state = cudaStreamQuery(stream_.stream());
+    const cudaError_t state = answered(cudaStreamQuery(stream_.stream()));
     if (state == cudaSuccess) return true;
     ncclResult_t async = ncclSuccess;
     if (state != cudaErrorNotReady || ncclCommGetAsyncError(comm_, &async) != ncclSuccess || async != ncclSuccess) {
@@ -189,7 +216,7 @@ void NcclComm::enter(const at::Tensor& tensor) {
               tensor.device());
   const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device_index_).stream();
   enter_event_.order(caller, stream_.stream());
-  c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), stream_);
+  c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), stream_.get());
 }
 
 cudaEvent_t NcclComm::take_event() {
@@ -268,7 +295,7 @@ std::optional<std::string> NcclComm::poll() {
     const std::lock_guard<std::mutex> lock(mutex_);
     while (!in_flight_.empty() && in_flight_.front().done != nullptr) {
       const InFlight& front = in_flight_.front();
-      const cudaError_t state = cudaEventQuery(front.done);
+      const cudaError_t state = answered(cudaEventQuery(front.done));
       if (state == cudaErrorNotReady || state == cudaErrorCudartUnloading) break;  // the latter: exiting
       if (state != cudaSuccess) return front.collective.describe() + " failed: CUDA " + cudaGetErrorString(state);
       completed_sizes_.emplace(front.collective.numel, static_cast<int>(front.collective.dtype));
@@ -312,10 +339,21 @@ void NcclComm::abort() {
     in_call = calls_in_progress_ > 0;
   }
   if (in_call) {
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
+#if HSYNC_NCCL_HAS_REVOKE
     // A call blocked (connecting to a dead peer, say) is ended by revoking, which does not free
     // the communicator under it; the abort then waits, within the limit, until it has returned.
-    ncclCommRevoke(comm_, NCCL_REVOKE_DEFAULT);
+    const bool revoked = run_bounded(
+        [comm = comm_, device = device_index_] {
+          cudaSetDevice(device);
+          ncclCommRevoke(comm, NCCL_REVOKE_DEFAULT);
+        },
+        kTeardownLimit);
+    if (!revoked) {
+      // Aborting now would free the communicator under the revoke: both are left to the process's end.
+      std::fprintf(stderr, "hsync: rank %d (nccl): revoking the NCCL communicator took over %s; left to finish "
+                   "on its own thread, not aborted\n", rank(), seconds(kTeardownLimit).c_str());
+      return;
+    }
     const auto wait_limit = std::chrono::milliseconds(kTeardownLimit);
 #else
     // Older NCCL has no revoke. A call that is only queueing work returns within microseconds:

@@ -6,7 +6,8 @@
 // no rendezvous or wire protocol of its own.
 //
 // Note [Stream ordering]
-// Collectives run on the communicator's stream. all_reduce_sum first makes that stream wait for
+// Collectives run on the communicator's stream, one of hsync's own (not from torch's pool, which
+// hands the same streams to other users: a drain would then wait on their work too). all_reduce_sum first makes that stream wait for
 // the caller's current stream (where the bucket was packed); synchronize_through(seq) makes the
 // caller's stream wait for the event recorded after collective `seq`. The host never waits for the
 // device here (it may wait for NCCL to connect: Note [NCCL setup allowance]).
@@ -15,6 +16,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
+
+// NCCL's features by the version that brought them, in one place.
+// ncclCommRevoke: ends a communicator's calls in progress without freeing it (NCCL 2.28.7).
+#define HSYNC_NCCL_HAS_REVOKE (NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 7))
 
 #include <atomic>
 #include <chrono>
@@ -33,6 +38,21 @@ namespace hsync {
 
 std::string nccl_unique_id();
 std::string nccl_version();
+
+// A stream of hsync's own on one device, destroyed with its owner.
+class OwnStream {
+ public:
+  explicit OwnStream(int device_index);
+  ~OwnStream();
+  OwnStream(const OwnStream&) = delete;
+  OwnStream& operator=(const OwnStream&) = delete;
+
+  const c10::cuda::CUDAStream& get() const { return stream_; }
+  cudaStream_t stream() const { return stream_.stream(); }
+
+ private:
+  c10::cuda::CUDAStream stream_;
+};
 
 // An event for ordering streams on one device, destroyed with its owner.
 class StreamEvent {
@@ -57,12 +77,14 @@ class StreamEvent {
 // an error, a passed deadline or a peer's posted failure it posts this rank's failure, then aborts
 // the communicator. The abort ends kernels that wait on dead peers, and a host call blocked while
 // connecting to one, so no lock of ours is held across an NCCL call; a gate lets no call start
-// after the abort began. With NCCL >= 2.29 a blocked call is first ended by ncclCommRevoke and
+// after the abort began. With NCCL >= 2.28.7 a blocked call is first ended by ncclCommRevoke and
 // the abort waits for it to return; older NCCL gives a call in progress kEnqueueGrace to return,
-// then frees the communicator under one still blocked (torch's watchdog runs the same risk). An
-// abort can hang (NVIDIA/nccl#829), so it runs on a thread of its own under kTeardownLimit; past
-// that it is left to finish there. The error is raised on the host at the next call into the
-// communicator and when the engine reads the step scalars.
+// then frees the communicator under one still blocked (torch's watchdog runs the same risk). A
+// revoke (which on a blocking communicator synchronises streams inline) and an abort can each
+// hang (NVIDIA/nccl#829), so each runs on a thread of its own under kTeardownLimit; past that it
+// is left to finish there, and a communicator whose revoke hung is not aborted under it. The
+// error is raised on the host at the next call into the communicator and when the engine reads
+// the step scalars.
 //
 // Note [NCCL setup allowance]
 // Creating the communicator, and each collective of a size not yet completed (NCCL connects to
@@ -110,7 +132,7 @@ class NcclComm final : public Communicator {
 
   int device_index_;
   std::chrono::milliseconds setup_allowance_;
-  c10::cuda::CUDAStream stream_;
+  OwnStream stream_;
   StreamEvent enter_event_;
   ncclComm_t comm_ = nullptr;
   // The gate between NCCL calls and the abort: no call starts once aborted_ is set, and the

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from tests.distributed import test_cross_rank_backward, test_ddp_dropin
+from tests.distributed import test_buffers, test_busy_time, test_cross_rank_backward, test_ddp_dropin
 from tests.distributed.test_comm_dtype import check_within_rounding, weighted_steps
 from tests.distributed.test_faults import DEADLINE_S, VICTIM, noticed_after, train_until_victim_strikes
 from tests.distributed.workloads import reference_training, train_weighted
@@ -108,8 +108,21 @@ def complex_buffer_on_gpu(rank: int, world_size: int) -> dict:
 
 
 def test_a_complex_buffer_travels_over_nccl():
-    # NCCL has no complex type: the buffer travels as its real pairs.
+    # NCCL has no complex type: the buffer travels as its bytes.
     results = run_ranks(complex_buffer_on_gpu, 2, env=SOCKET_ENV, timeout=120)
     for result in results:
         for key in ("wrapped", "after", "grads"):
             torch.testing.assert_close(result[key], results[0][key], rtol=0, atol=0)
+
+
+def test_buffers_of_every_dtype_travel_over_nccl():
+    results = run_ranks(test_buffers.buffers_of_every_dtype, 2, "cuda", env=SOCKET_ENV, timeout=120)
+    test_buffers.check_rank_zeros_bytes_everywhere(results)
+
+
+@pytest.mark.parametrize("case", list(test_busy_time.CASES))
+def test_nccl_a_fast_rank_does_not_count_its_waits_for_a_slow_one(case):
+    # On a GPU the fast rank's waits are its stream's, bracketed by events (Note [Busy time]).
+    slow_rank, sleep_at, views = test_busy_time.CASES[case]
+    results = run_ranks(test_busy_time.busy_times, 2, "cuda", slow_rank, sleep_at, views, env=SOCKET_ENV, timeout=120)
+    test_busy_time.check_busy_times(results, slow_rank)

@@ -1,0 +1,69 @@
+"""StepStats.busy_seconds counts a rank's own work, not its waits for a slower peer (Note [Busy time])."""
+
+import statistics
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from tests.spawn import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+SLEEP_S = 0.4
+STEPS = 6
+
+# (the slow rank, where it sleeps, gradients as bucket views): where the fast rank waits for it.
+CASES = {
+    # for rank 0's buffers, in its forward's broadcast
+    "buffers-from-a-slow-root": (0, "before-forward", False),
+    # for the step's total weight, at its first gradient (on the CPU only with bucket views)
+    "total-weight-after-a-slow-forward": (1, "before-backward", True),
+    # on the CPU, nowhere before its backward ends; on a GPU, for the total weight
+    "a-slow-rank-before-its-forward": (1, "before-forward", False),
+}
+
+
+def busy_times(rank: int, world_size: int, device: str, slow_rank: int, sleep_at: str, views: bool):
+    import hsync
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    # BatchNorm's running statistics are buffers, broadcast from rank 0 before every forward.
+    net = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.Tanh(), nn.Linear(64, 1)).to(device)
+    model = hsync.WeightedDDP(net, gradient_as_bucket_view=views)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 16, device=device), torch.randn(32, 1, device=device)
+    busy = []
+    for _ in range(STEPS):
+        if rank == slow_rank and sleep_at == "before-forward":
+            time.sleep(SLEEP_S)
+        loss = nn.functional.mse_loss(model(x), y)
+        if rank == slow_rank and sleep_at == "before-backward":
+            time.sleep(SLEEP_S)
+        stats = model.backward(loss, weight=len(x))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=not views)
+        busy.append(stats.busy_seconds)
+    return busy
+
+
+def check_busy_times(results: list[list[float | None]], slow_rank: int) -> None:
+    for rank, busy in enumerate(results):
+        assert busy[0] is None, "a rank's first weighted step has no previous step to count from"
+        measured = busy[1:]
+        if rank == slow_rank:
+            # Its sleep is its own time: it lies between its previous step's end and its backward.
+            assert min(measured) >= 0.95 * SLEEP_S, f"the slow rank's busy times {measured}"
+        else:
+            # Its own work takes milliseconds; the peer's sleep, had it been counted, SLEEP_S.
+            assert statistics.median(measured) < SLEEP_S / 2, (
+                f"the fast rank's busy times {measured} count its waits for the slow rank ({SLEEP_S} s)")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_fast_rank_does_not_count_its_waits_for_a_slow_one(case):
+    slow_rank, sleep_at, views = CASES[case]
+    check_busy_times(run_ranks(busy_times, 2, "cpu", slow_rank, sleep_at, views), slow_rank)
