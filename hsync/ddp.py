@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import datetime
 import inspect
 import math
@@ -678,6 +679,9 @@ class WeightedDDP(DistributedDataParallel):
             raise
         busy = self._complete_step(engine)
         engine.start_busy_interval()  # the next step's own work starts where this step ends
+        # The next forward starts a step, whose buffers come with it, also after a window whose forwards
+        # all ran under no_sync (a backward of a constant loss synchronised it): its peers broadcast them.
+        self.require_forward_param_sync = True
         host = engine.step_scalars()
         if host[BAD_RANKS] > 0:
             raise ValueError(_bad_input_message(host, window.problem, self.rank))
@@ -698,6 +702,16 @@ class WeightedDDP(DistributedDataParallel):
         """The last completed weighted step's StepStats (without busy_seconds), for a caller whose backward
         raised after the step's collectives ran: hsync.Balancer then counts the step as its peers do."""
         return self._step_stats(self._ensure_engine().step_scalars(), None)
+
+    def _window_backup(self) -> Callable[[], None]:
+        """Restores the accumulation window as it is now: what a micro-step that failed added to it (its weight,
+        its loss, the failure's non-finite mark) undone, for hsync.Balancer, which runs it again in parts."""
+        saved = copy.deepcopy(self._window)
+
+        def restore() -> None:
+            self._window = saved
+
+        return restore
 
     def _step_stats(self, host: torch.Tensor, busy: Callable[[], float] | None) -> StepStats:
         """The StepStats of the step whose reduced scalars are `host`."""

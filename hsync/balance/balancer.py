@@ -28,6 +28,17 @@ is adopted only if it predicts a step at least min_gain shorter than the plan in
 equal hardware does not move the plan. Predictions can be wrong where ranks share a machine
 (their speeds then depend on each other), so a plan that measured slower than the one it
 replaced is undone, and the next one must promise twice the gain.
+
+Note [Out of memory]
+On a GPU a micro-batch larger than any this rank has run (the probe splits', a new plan's) may not fit.
+forward_backward(batch, loss_of) runs such a micro-batch with a way back: the parameters' gradients
+are copied to host memory first, and, like every micro-batch it runs, it runs under no_sync, so that
+a failure leaves no collective half done. If it runs out of memory, in its forward or midway through
+its backward, the gradients and the accumulation window's scalars are restored, and the batch runs
+again in halves (quarters if a half does not fit, ...): every example once, and the same gradient as in
+one piece. The step is then reduced without another backward (WeightedDDP.backward of a constant loss
+of weight 0 reduces what the window accumulated). From then on the rank's capacity, which every rank
+reads in the step's scalars and plans with, is at most half the size that failed.
 """
 
 from __future__ import annotations
@@ -37,8 +48,9 @@ import hashlib
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -53,6 +65,7 @@ from hsync.balance.planner import (
     split_step,
     step_time,
 )
+from hsync.balance.retry import GradientBackup, halves, rows_of
 from hsync.balance.simulate import SimulatedSlowdown
 from hsync.ddp import WeightedDDP, gather_objects
 from hsync.stats import StepStats
@@ -89,7 +102,8 @@ class BalanceConfig:
     min_gain: float = 0.04
     """A new plan is taken only if it predicts steps at least this much shorter (a fraction)."""
     memory_fraction: float = 0.9
-    """Of a GPU's memory, what a micro-batch may fill at its peak."""
+    """Of the GPU memory this rank's allocator holds and can still take (what the CUDA context, NCCL and
+    other processes left), what a micro-batch's allocations may reach at their peak."""
     seed: int = 0
     """Seeds the order of examples: epoch e is a permutation drawn from (seed, e)."""
     shuffle: bool = True
@@ -216,6 +230,8 @@ class Balancer:
         self._measured_step_full = True  # whether the last step held a whole global batch
         self._time_fits = [_Fit() for _ in range(self.world_size)]
         self._memory_fit = _Fit()   # this rank's peak memory per micro-batch
+        self._largest_run = 0.0     # units of the largest micro-batch this rank has run: Note [Out of memory]
+        self._memory_ceiling = math.inf  # half the smallest micro-batch that ran out of memory
         self._capacities = [0.0] * self.world_size
         self.last_plan: list[int] = []
         """Examples of each rank in the last completed step."""
@@ -328,17 +344,55 @@ class Balancer:
         except on this rank's last micro-batch of the step, where it synchronises, feeds the
         measurements back and returns the step's StepStats (None before). `weight` defaults to the
         micro-batch's number of examples; pass tokens when the loss is a mean over tokens."""
+        micro = self._take_micro_batch()
+        weight = self._weight(micro, weight, micro.examples)
+        if not micro.last:
+            self._accumulate(loss, weight, metrics, micro.units)
+            return None
+        return self._synchronise(micro, loss, weight, metrics, measured_units=micro.units)
+
+    def forward_backward(self, batch: Any, loss_of: Callable[[Any], Any]) -> StepStats | None:
+        """backward() with the micro-batch's forward: `loss_of(batch)` runs the model and returns the loss, or
+        (loss, weight, metrics) as backward() takes them. On a GPU a micro-batch larger than any this rank
+        has run, if it runs out of memory, is undone and runs again in halves of `batch` (cut along the
+        first dimension of its tensors), every example once, with the same gradients as in one piece; this
+        rank's micro-batches keep below that size from then on, in every rank's plans (Note [Out of
+        memory]). Returns what backward() returns."""
+        micro = self._peek_micro_batch()
+        if not self._may_run_out(micro.units):
+            return self.backward(*_loss_weight_metrics(loss_of(batch)))
+        self._take_micro_batch()
+        self._run_in_parts(micro, batch, loss_of)
+        if not micro.last:
+            return None
+        # What the parts accumulated, reduced by a backward of nothing.
+        nothing = torch.zeros((), dtype=torch.float64, device=self.model.device)
+        return self._synchronise(micro, nothing, 0.0, None, measured_units=None)
+
+    def _peek_micro_batch(self) -> _MicroBatch:
         if not self._pending:
             raise RuntimeError("hsync.Balancer.backward: no micro-batch of this balancer is waiting for its "
                                "backward (call it once per batch its sampler yielded, in order)")
-        micro = self._pending.popleft()
-        weight = 0.0 if micro.filler else (micro.examples if weight is None else weight)
+        return self._pending[0]
+
+    def _take_micro_batch(self) -> _MicroBatch:
+        micro = self._peek_micro_batch()
+        self._pending.popleft()
         self._step_units += micro.units
-        if not micro.last:
-            with self.model.no_sync():
-                self.model.backward(loss, weight, metrics)
-            self._measure_memory(micro.units)
-            return None
+        return micro
+
+    @staticmethod
+    def _weight(micro: _MicroBatch, weight: float | torch.Tensor | None, examples: int) -> float | torch.Tensor:
+        return 0.0 if micro.filler else (examples if weight is None else weight)
+
+    def _accumulate(self, loss: torch.Tensor, weight, metrics, units: float) -> None:
+        with self.model.no_sync():
+            self.model.backward(loss, weight, metrics)
+        self._measure_memory(units)
+
+    def _synchronise(self, micro: _MicroBatch, loss: torch.Tensor, weight, metrics,
+                     measured_units: float | None) -> StepStats:
+        """The step's synchronised backward, with this rank's measurements in its scalars."""
         ours = dict(metrics or {})
         if self._previous is not None and (busy := self._busy_seconds(self._previous[0])) is not None:
             ours[self._names["busy"][self.rank]] = busy
@@ -354,10 +408,41 @@ class Balancer:
                 # by the peers, or this rank would number, and so split, its later steps differently.
                 self._step_done(micro.step, self.model._last_step_stats())
             raise
-        self._measure_memory(micro.units)
+        if measured_units is not None:
+            self._measure_memory(measured_units)
         self.slowdown.step_done()
         self._step_done(micro.step, stats)
         return stats
+
+    def _may_run_out(self, units: float) -> bool:
+        """Whether a micro-batch of `units` is run with a way back (Note [Out of memory]): on a GPU, larger
+        than any this rank has run. Not with cross_rank_backward, whose ranks must run the same forwards."""
+        return self._memory is not None and not self.model.cross_rank_backward and units > self._largest_run
+
+    def _run_in_parts(self, micro: _MicroBatch, batch: Any, loss_of: Callable[[Any], Any]) -> None:
+        """Runs `batch` under no_sync, again in halves of what runs out of memory: Note [Out of memory]."""
+        parts = [(batch, micro.units)]
+        while parts:
+            part, units = parts.pop(0)
+            backup = (GradientBackup(self.model.module), self.model._window_backup()) if (
+                self._may_run_out(units)) else None
+            try:
+                loss, weight, metrics = _loss_weight_metrics(loss_of(part))
+                self._accumulate(loss, self._weight(micro, weight, rows_of(part)), metrics, units)
+                continue
+            except torch.OutOfMemoryError:
+                if backup is None or rows_of(part) < 2:
+                    raise
+            # Out of the except clause: its traceback no longer holds the failed part's activations.
+            loss = None
+            gradients, restore_window = backup
+            gradients.restore()
+            restore_window()
+            self._memory.take_peak_bytes()  # the failed attempt's peak is no measurement
+            self._memory_ceiling = min(self._memory_ceiling, units / 2)
+            first, second = halves(part)
+            rows = rows_of(part)
+            parts[:0] = [(first, units * rows_of(first) / rows), (second, units * rows_of(second) / rows)]
 
     def _busy_seconds(self, stats: StepStats) -> float | None:
         """This rank's time for the step (tests replace it with a known cost model)."""
@@ -493,15 +578,20 @@ class Balancer:
         # (and the optimizer step before it, when it is a step's first). The engine's buckets are
         # resident throughout, so they are part of the fitted base.
         self._memory_fit.add(units, float(self._memory.take_peak_bytes()))
+        self._largest_run = max(self._largest_run, units)
 
     def _capacity(self) -> float:
-        """This rank's largest micro-batch in units by its measured peak memory (0: not known)."""
-        line = self._memory_fit.line() if self._memory is not None else None
-        if line is None:
+        """This rank's largest micro-batch in units by its measured peak memory, and at most half of one that
+        ran out of memory (0: not known)."""
+        if self._memory is None:
             return 0.0
-        base, per_unit = line
-        room = self.config.memory_fraction * self._memory.total_bytes() - base
-        return max(1.0, min(room / per_unit, _CAPACITY_GROWTH * self._memory_fit.largest_units()))
+        capacity = self._memory_ceiling
+        line = self._memory_fit.line()
+        if line is not None:
+            base, per_unit = line
+            room = self._memory.budget_bytes(self.config.memory_fraction) - base
+            capacity = min(capacity, room / per_unit, _CAPACITY_GROWTH * self._memory_fit.largest_units())
+        return 0.0 if math.isinf(capacity) else max(1.0, capacity)
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -575,3 +665,13 @@ class Balancer:
 def _digest(costs: list[float]) -> str:
     """A fingerprint of the example costs: ranks given the same lengths in another order differ."""
     return hashlib.blake2b(array.array("d", costs).tobytes(), digest_size=8).hexdigest()
+
+
+def _loss_weight_metrics(result) -> tuple[torch.Tensor, float | torch.Tensor | None, Mapping | None]:
+    """What a forward_backward loss_of returned, as backward()'s arguments."""
+    if isinstance(result, tuple):
+        if len(result) != 3:
+            raise TypeError(f"hsync.Balancer.forward_backward: loss_of must return a loss or (loss, weight, "
+                            f"metrics), got a tuple of {len(result)}")
+        return result
+    return result, None, None

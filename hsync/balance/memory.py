@@ -6,17 +6,29 @@ import torch
 
 
 class DeviceMemory:
-    """A GPU's memory: its size, and the peak allocated between two readings (the caching allocator's
-    own count, so reading it costs no synchronisation)."""
+    """A GPU's memory: the peak of allocations between two readings, and what allocations may reach."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-
-    def total_bytes(self) -> int:
-        return torch.cuda.get_device_properties(self.device).total_memory
+        self._most_allocated = 0  # over every reading so far
+        self._most_reserved = 0
 
     def take_peak_bytes(self) -> int:
-        """The most bytes allocated at once since the last call, which starts the next count."""
-        peak = torch.cuda.max_memory_allocated(self.device)
+        """The most bytes allocated at once since the last call, which starts the next count (the caching
+        allocator's own counts: reading them costs no synchronisation)."""
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        self._most_allocated = max(self._most_allocated, allocated)
+        self._most_reserved = max(self._most_reserved, torch.cuda.max_memory_reserved(self.device))
         torch.cuda.reset_peak_memory_stats(self.device)
-        return peak
+        return allocated
+
+    def budget_bytes(self, fraction: float) -> float:
+        """The most bytes allocations may reach at once: `fraction` of what the caching allocator holds and can
+        still take from the device, less the allocator's own overhead. The device's free memory leaves out
+        what the allocator does not count (the CUDA context, NCCL's buffers, library workspaces, other
+        processes); the overhead is the most it has reserved over the most that was allocated (segments
+        held for fragments and streams)."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        usable = torch.cuda.memory_reserved(self.device) + free
+        overhead = self._most_reserved / self._most_allocated if self._most_allocated else 1.0
+        return fraction * usable / overhead

@@ -118,6 +118,9 @@ class TrainConfig:
     """Seed of initialisation, data order, masking and the validation documents."""
     device: str = "auto"
     """cpu, cuda or auto (cuda when available)."""
+    data_workers: int | None = None
+    """Processes per rank that collate batches beside the training loop; 0: in the loop (default: 2 on a
+    GPU; 0 on the CPU, where they would take cores from the ranks)."""
 
     def resolved(self, world_size: int = 1) -> tuple[TrainConfig, ModelPreset]:
         """The config with preset defaults filled in, and the preset; a ValueError names the first bad value.
@@ -139,6 +142,8 @@ class TrainConfig:
         if self.collective_timeout and not _MIN_TIMEOUT_S <= self.collective_timeout <= _MAX_TIMEOUT_S:
             raise ValueError(f"--collective-timeout must be 0 (none) or between {_MIN_TIMEOUT_S} and "
                              f"{_MAX_TIMEOUT_S:.0f} seconds, got {self.collective_timeout}")
+        if self.data_workers is not None and not 0 <= self.data_workers <= _MAX_DATA_WORKERS:
+            raise ValueError(f"--data-workers must be between 0 and {_MAX_DATA_WORKERS}, got {self.data_workers}")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"--seed must be between 0 and 2**32 - 1, got {self.seed}")
         if self.warmup_steps is not None and self.warmup_steps > self.max_steps:
@@ -197,6 +202,7 @@ class TrainConfig:
 
 _MIN_TIMEOUT_S, _MAX_TIMEOUT_S = 0.001, 30 * 86400.0  # --collective-timeout: what a timedelta and gloo take
 _MAX_SLOWDOWN = 100.0  # --simulate-slowdown: a rank 100 times slower is far beyond any mixed cluster
+_MAX_DATA_WORKERS = 64  # --data-workers: more processes per rank than any machine has cores for
 
 CHOICES = {"preset": tuple(PRESETS), "balance": ("auto", "equal", "manual"), "device": DEVICES,
            "comm_dtype": ("fp32", "bf16", "fp16")}

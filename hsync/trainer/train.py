@@ -15,6 +15,7 @@ and over however many ranks (up to the order of floating-point sums).
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader
 
 import hsync
 from hsync import data
@@ -54,11 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     examples, vocab = corpus.train, corpus.vocab
 
     torch.manual_seed(cfg.seed)
-    timeout = datetime.timedelta(seconds=cfg.collective_timeout) if cfg.collective_timeout else None
-    wrapper = hsync.WeightedDDP(build_model(preset, vocab, cfg.dropout).to(device), forward_sync_buffers=False,
-                                gradient_as_bucket_view=cfg.bucket_views,
-                                metric_names=("tokens", "examples", "mlm", "nsp", StopRequest.METRIC),
-                                timeout=timeout, comm_dtype=COMM_DTYPES[cfg.comm_dtype])
+    wrapper = wrap_model(build_model(preset, vocab, cfg.dropout).to(device), cfg)
     net = wrapper.module
     model = torch.compile(wrapper) if cfg.compile else wrapper
     torch.manual_seed(cfg.seed + rank)  # rank 0's weights everywhere, but each rank its own dropout
@@ -91,12 +89,13 @@ def main(argv: list[str] | None = None) -> None:
 
     last_step = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
     eval_batch = -(-cfg.global_batch_size // world)
+    workers = cfg.data_workers if cfg.data_workers is not None else (2 if device.type == "cuda" else 0)
     stop, stopping = StopRequest(), False
     started = time.perf_counter()
     while balancer.global_step < last_step and not stopping:
-        for indices in balancer:  # this rank's micro-batches, step after step, to the epoch's end
-            batch = {k: v.to(device) for k, v in vocab.collate(examples, indices, cfg.seed, balancer.epoch).items()}
-            stats = train_micro_step(model, balancer, batch, corpus.nsp_weight, stop.requested)
+        # This rank's micro-batches, step after step, to the epoch's end.
+        for batch in training_batches(examples, vocab, balancer, cfg.seed, workers, device):
+            stats = train_micro_step(model, balancer, to_device(batch, device), corpus.nsp_weight, stop.requested)
             if stats is None:
                 continue  # more micro-batches of this step to come
             lr = optimizer.param_groups[0]["lr"]
@@ -184,32 +183,71 @@ def balancing(cfg: TrainConfig, world: int, slowdown: float) -> hsync.BalanceCon
                                replan_every=cfg.rebalance_every, seed=cfg.seed, simulate_slowdown=slowdown)
 
 
+def wrap_model(net: nn.Module, cfg: TrainConfig) -> hsync.WeightedDDP:
+    """The model in hsync's wrapper, as the flags set it, with the metrics train_micro_step reports."""
+    timeout = datetime.timedelta(seconds=cfg.collective_timeout) if cfg.collective_timeout else None
+    return hsync.WeightedDDP(net, forward_sync_buffers=False, gradient_as_bucket_view=cfg.bucket_views,
+                             metric_names=("tokens", "examples", "mlm", "nsp", StopRequest.METRIC),
+                             timeout=timeout, comm_dtype=COMM_DTYPES[cfg.comm_dtype])
+
+
+def training_batches(examples: data.PretrainingExamples, vocab: Vocabulary, balancer: hsync.Balancer, seed: int,
+                     workers: int, device: torch.device) -> DataLoader:
+    """This rank's micro-batches of the balancer's current epoch, collated by `workers` processes beside
+    the loop (0: in it), into pinned memory on a GPU so that they travel without a host sync."""
+    collate = functools.partial(vocab.collate, examples, seed=seed, epoch=balancer.epoch)
+    # A generator of its own: each loader draws its workers' seed from it, which from torch's global one
+    # would shift every later dropout mask (and a resumed run, whose loaders start elsewhere, would differ).
+    return DataLoader(range(len(examples)), batch_sampler=balancer, collate_fn=collate, num_workers=workers,
+                      pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed))
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch on `device`; from pinned memory the copies are queued, and the host goes on."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
 def train_micro_step(model: nn.Module, balancer: hsync.Balancer, batch: dict[str, torch.Tensor],
                      nsp_weight: float, stop_requested: float) -> hsync.StepStats | None:
     """Forward, loss and backward of one micro-batch; the weight is its number of masked tokens (module
-    docstring). The sums of both losses ride in the step's scalars, for the log."""
-    mlm_logits, nsp_logits, masked = pretraining_logits(model, batch)
-    mlm = nn.functional.cross_entropy(mlm_logits, batch["labels"][masked], reduction="sum")
-    nsp = nn.functional.cross_entropy(nsp_logits, batch["next_sentence_label"], reduction="sum")
-    weight = masked.sum()
-    metrics = {"tokens": batch["attention_mask"].sum(), "examples": len(nsp_logits), "mlm": mlm.detach(),
-               "nsp": nsp.detach()}
-    if balancer.filler:  # its example is another rank's, counted there
-        metrics = dict.fromkeys(metrics, 0.0)
-    metrics[StopRequest.METRIC] = stop_requested
-    return balancer.backward((mlm + nsp_weight * nsp) / weight, weight=weight, metrics=metrics)
+    docstring). The sums of both losses ride in the step's scalars, for the log. Nothing here waits for
+    the device (no host sync): sizes that depend on the data (the masked tokens) stay on the device. A
+    micro-batch of a size not run before that runs out of GPU memory runs again in halves (Note [Out of
+    memory] in hsync/balance/balancer.py)."""
+
+    def loss_of(part: dict[str, torch.Tensor]):
+        mlm_logits, nsp_logits = pretraining_logits(model, part)
+        mlm, nsp = pretraining_losses(mlm_logits, nsp_logits, part)
+        weight = (part["labels"] != -100).sum()  # never 0: data.collate masks a token of every example
+        metrics = {"tokens": part["attention_mask"].sum(), "examples": len(nsp_logits), "mlm": mlm.detach(),
+                   "nsp": nsp.detach()}
+        if balancer.filler:  # its example is another rank's, counted there
+            metrics = dict.fromkeys(metrics, 0.0)
+        metrics[StopRequest.METRIC] = stop_requested
+        return (mlm + nsp_weight * nsp) / weight, weight, metrics
+
+    return balancer.forward_backward(batch, loss_of)
 
 
-def pretraining_logits(model: nn.Module,
-                       batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The masked-LM logits of the masked tokens and the next-sentence logits (float32, from bf16
-    autocast on a GPU), and the mask of the tokens to predict."""
+def pretraining_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The masked-LM logits of every position and the next-sentence logits, from bf16 autocast on a GPU.
+    The padding mask goes in as torch's attention kernel (sdpa) takes it, boolean and 4-D: given in 2-D,
+    transformers would check on the host whether it masks anything, a host sync per forward."""
     device = batch["input_ids"].device
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         out = model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
-                    attention_mask=batch["attention_mask"])
-    masked = batch["labels"] != -100
-    return out.prediction_logits[masked].float(), out.seq_relationship_logits.float(), masked
+                    attention_mask=batch["attention_mask"].bool()[:, None, None, :])
+    return out.prediction_logits, out.seq_relationship_logits
+
+
+def pretraining_losses(mlm_logits: torch.Tensor, nsp_logits: torch.Tensor,
+                       batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed masked-LM loss over the masked tokens (the others' labels are -100) and the summed
+    next-sentence loss, in float32."""
+    mlm = nn.functional.cross_entropy(mlm_logits.flatten(0, 1).float(), batch["labels"].flatten(),
+                                      ignore_index=-100, reduction="sum")
+    nsp = nn.functional.cross_entropy(nsp_logits.float(), batch["next_sentence_label"], reduction="sum")
+    return mlm, nsp
 
 
 def evaluate(net: nn.Module, examples: data.PretrainingExamples, vocab: Vocabulary, seed: int,
@@ -222,14 +260,15 @@ def evaluate(net: nn.Module, examples: data.PretrainingExamples, vocab: Vocabula
     net.eval()
     with torch.no_grad():
         for indices in hsync.ShardSampler(len(examples), batch_size):
-            batch = {k: v.to(device) for k, v in vocab.collate(examples, indices, seed, 0).items()}
-            mlm_logits, nsp_logits, masked = pretraining_logits(net, batch)
-            labels, nsp_labels = batch["labels"][masked], batch["next_sentence_label"]
+            batch = to_device(vocab.collate(examples, indices, seed, 0), device)
+            mlm_logits, nsp_logits = pretraining_logits(net, batch)
+            mlm_loss, nsp_loss = pretraining_losses(mlm_logits, nsp_logits, batch)
+            labels, nsp_labels = batch["labels"], batch["next_sentence_label"]
             for key, value in (
-                ("mlm_loss", nn.functional.cross_entropy(mlm_logits, labels, reduction="sum")),
-                ("mlm_right", (mlm_logits.argmax(-1) == labels).sum()),
-                ("mlm_count", len(labels)),
-                ("nsp_loss", nn.functional.cross_entropy(nsp_logits, nsp_labels, reduction="sum")),
+                ("mlm_loss", mlm_loss),
+                ("mlm_right", (mlm_logits.argmax(-1) == labels).sum()),  # never -100
+                ("mlm_count", (labels != -100).sum()),
+                ("nsp_loss", nsp_loss),
                 ("nsp_right", (nsp_logits.argmax(-1) == nsp_labels).sum()),
                 ("nsp_count", len(indices)),
             ):
@@ -447,7 +486,7 @@ def build_model(preset: ModelPreset, vocab: Vocabulary, dropout: float) -> nn.Mo
                         attention_probs_dropout_prob=dropout,
                         num_hidden_layers=preset.num_layers, num_attention_heads=preset.num_heads,
                         intermediate_size=preset.intermediate_size, max_position_embeddings=preset.max_seq_len,
-                        pad_token_id=vocab.pad)
+                        pad_token_id=vocab.pad, attn_implementation="sdpa")  # its mask: pretraining_logits
     return BertForPreTraining(config)
 
 

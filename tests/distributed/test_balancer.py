@@ -287,15 +287,17 @@ class SimulatedMemory:
     def __init__(self, total: float, base: float, per_unit: float) -> None:
         self.total, self.base, self.per_unit = total, base, per_unit
         self.peak = base
+        self.failures = 0
 
     def run(self, units: int) -> None:
         needed = self.base + units * self.per_unit
         if needed > self.total:
+            self.failures += 1
             raise torch.OutOfMemoryError(f"a micro-batch of {units} units needs {needed:.0f} of {self.total:.0f} bytes")
         self.peak = max(self.peak, needed)
 
-    def total_bytes(self) -> int:
-        return int(self.total)
+    def budget_bytes(self, fraction: float) -> float:
+        return fraction * self.total
 
     def take_peak_bytes(self) -> int:
         peak, self.peak = self.peak, self.base
@@ -349,6 +351,64 @@ def test_a_fast_rank_gets_its_share_in_micro_batches_its_memory_holds(fits, micr
     assert len(plans) == 64 and all(p == [48, 16] for p in plans[22:]), plans
     assert counts[22:] == [micro_batches] * 42 and largest - 1 <= biggest <= largest, (counts, biggest)
     assert slow_counts[22:] == [1] * 42, "the slow rank's 16 fit in one micro-batch"
+
+
+def runs_out_of_memory(rank, world_size, fits: list[float], where: str):
+    """A fixed split of 32 + 32 examples; rank r's device holds `fits[r]` units in one micro-batch, and one too
+    large runs out of memory in its forward, or in its backward once the output layer's gradients have
+    accumulated: (the parameters after three epochs, the micro-batch sizes of each step, the failures,
+    the capacities every rank plans with)."""
+    import hsync
+
+    model = hsync.WeightedDDP(make_model())
+    balancer = hsync.Balancer(model, 64 * 3, hsync.BalanceConfig(global_batch_size=64, rank_batch_sizes=[32, 32]))
+    base, per_unit = 1e6, 1e4
+    memory = SimulatedMemory(base + fits[rank] * per_unit, base, per_unit)
+    balancer._memory = memory
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = Numbers(64 * 3)
+    if where == "backward":
+        def fail_in_backward(module, inputs) -> None:
+            inputs[0].register_hook(lambda grad: memory.run(len(grad)))
+
+        model.module.out.register_forward_pre_hook(fail_in_backward)
+
+    def loss_of(batch):
+        x, y = batch
+        if where == "forward":
+            memory.run(len(x))
+        return nn.functional.mse_loss(model(x), y)
+
+    sizes, step_sizes = [], []
+    for epoch in range(3):
+        balancer.set_epoch(epoch)
+        for indices in balancer:
+            step_sizes.append(len(indices))
+            stats = balancer.forward_backward(stacked(data, indices), loss_of)
+            if stats is not None:
+                assert stats.finite and stats.weight == 64
+                optimizer.step()
+                optimizer.zero_grad()
+                sizes.append(step_sizes)
+                step_sizes = []
+    return [p.detach() for p in model.module.parameters()], sizes, memory.failures, balancer._capacities
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_micro_batch_that_runs_out_of_memory_runs_again_in_halves(where):
+    # Before measurements a micro-batch holds an equal share (32), too much for rank 0's 20: it fails once,
+    # runs as 16 + 16 with the gradients of one piece, and every later step cuts rank 0's share smaller
+    # still (its measured peaks leave room for 8 at BalanceConfig's memory_fraction of 0.9).
+    (params, sizes, failures, capacities), (_, sizes_1, failures_1, capacities_1) = run_ranks(
+        runs_out_of_memory, 2, [20.0, 1000.0], where, timeout=120)
+    reference = run_ranks(runs_out_of_memory, 2, [1000.0, 1000.0], where, timeout=120)[0][0]
+    for ours, theirs in zip(params, reference, strict=True):  # nothing lost, nothing twice
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
+    assert (failures, failures_1) == (1, 0)
+    assert sizes[0] == [32] and sizes_1 == [[32]] * 9, (sizes, sizes_1)
+    assert all(sum(step) == 32 and max(step) <= 16 for step in sizes[1:]), sizes
+    assert sizes[-1] == [8, 8, 8, 8], sizes
+    assert capacities == capacities_1, "every rank plans with the same caps"
 
 
 def micro_batches_of_an_epoch(rank, world_size):

@@ -57,6 +57,8 @@ def test_the_presets_warm_up_is_cut_to_a_tenth_of_a_short_run():
     (["--simulate-slowdown", "1=1e300"], "--simulate-slowdown factors must be between 1 (a slower rank) and 100"),
     (["--simulate-slowdown", "1=2,1=3"], "--simulate-slowdown: rank 1 is given twice"),
     (["--simulate-slowdown", "2=3"], "'2=3' is not RANK=VALUE with a rank below 2"),
+    (["--data-workers", "-1"], "--data-workers must be between 0 and 64, got -1"),
+    (["--data-workers", "1000"], "--data-workers must be between 0 and 64, got 1000"),
 ])
 def test_a_bad_flag_is_one_line_naming_it(argv, message, capsys):
     if "cuda" in argv and torch.cuda.is_available():

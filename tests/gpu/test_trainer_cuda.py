@@ -1,0 +1,50 @@
+"""The BERT trainer's micro-steps on a GPU wait for nothing on the device (skipped without a GPU)."""
+
+import pytest
+import torch
+
+from tests.gpu.test_nccl import SOCKET_ENV
+from tests.spawn import run_ranks
+from tests.trainer.test_bert_runs import SLICE
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def sync_free_micro_steps(rank: int, world_size: int, data_dir: str, steps: int) -> int:
+    import hsync
+    from hsync.trainer import train
+    from hsync.trainer.config import parse_args
+
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    cfg, preset = parse_args(["--preset", "tiny", "--corpus", str(SLICE), "--data-dir", data_dir, "--device", "cuda",
+                              "--global-batch-size", "24", "--update-freq", "2", "--valid-fraction", "0"],
+                             world_size=world_size)
+    corpus = train.prepare_data(cfg, preset)
+    model = train.wrap_model(train.build_model(preset, corpus.vocab, cfg.dropout).to(device), cfg)
+    balancer = hsync.Balancer(model, len(corpus.train), train.balancing(cfg, world_size, 1.0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    done = 0
+    for batch in train.training_batches(corpus.train, corpus.vocab, balancer, cfg.seed, 2, device):
+        # After the first step, whose end rebuilds the buckets in the gradients' order (one sync), any
+        # wait for the device raises: the data's copy, forward, loss, backward and the step's reduction.
+        torch.cuda.set_sync_debug_mode("error" if done else "default")
+        try:
+            stats = train.train_micro_step(model, balancer, train.to_device(batch, device), corpus.nsp_weight, 0.0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if stats is None:
+            continue
+        assert stats.finite  # the step's one wait, by design: whether every rank may step
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=not cfg.bucket_views)
+        done += 1
+        if done == steps:
+            break
+    return done
+
+
+def test_a_trainers_micro_steps_do_not_wait_for_the_device(tmp_path):
+    # Two ranks on one GPU, each its micro-batches in two micro-steps, collated by DataLoader workers.
+    env = {**SOCKET_ENV, "LOCAL_RANK": "{rank}"}
+    assert run_ranks(sync_free_micro_steps, 2, str(tmp_path), 4, env=env, timeout=120) == [4, 4]
