@@ -82,8 +82,8 @@ def sum_of_squares(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((pred - target) ** 2).sum()
 
 
-def weighted_steps(rank: int, world_size: int, norm: str, device: str = "cpu",
-                   views: bool = False) -> list[dict[str, torch.Tensor]]:
+def weighted_steps(rank: int, world_size: int, norm: str, device: str = "cpu", views: bool = False,
+                   bucket_cap_mb: float | None = None) -> list[dict[str, torch.Tensor]]:
     """With views (gradient_as_bucket_view), the CPU scales before the sum, as a GPU does (Note
     [Deferred normalisation] in csrc/engine.h)."""
     import hsync
@@ -91,7 +91,8 @@ def weighted_steps(rank: int, world_size: int, norm: str, device: str = "cpu",
     if device == "cuda":
         torch.cuda.set_device(0)
     flag = {} if norm == "sync-batch-norm" else {"cross_rank_backward": True}
-    model = hsync.WeightedDDP(make_model(norm, device), gradient_as_bucket_view=views, **flag)
+    model = hsync.WeightedDDP(make_model(norm, device), gradient_as_bucket_view=views, bucket_cap_mb=bucket_cap_mb,
+                              **flag)
     grads = []
     for step, micro_steps in enumerate(STEPS):
         for micro, sizes in enumerate(micro_steps):

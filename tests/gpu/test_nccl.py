@@ -2,8 +2,9 @@
 
 NCCL refuses two ranks of one communicator on the same GPU; giving each rank its own NCCL_HOSTID
 makes them look like separate hosts that talk over sockets. Good for correctness, not for timings.
-torch's process group is gloo: hsync needs only its store, and a torch NCCL group on ranks that
-share a GPU could fail the survivors' teardown when a peer dies.
+torch's process group is gloo (hsync needs only its store, and a torch NCCL group on ranks that
+share a GPU could fail the survivors' teardown when a peer dies), but in the test of the two side by
+side.
 """
 
 import copy
@@ -14,7 +15,7 @@ import torch
 from tests.distributed import test_buffers, test_busy_time, test_cross_rank_backward, test_ddp_dropin
 from tests.distributed.test_comm_dtype import check_within_rounding, weighted_steps
 from tests.distributed.test_faults import DEADLINE_S, VICTIM, noticed_after, train_until_victim_strikes
-from tests.distributed.workloads import reference_training, train_weighted
+from tests.distributed.workloads import TINY_BUCKET_MB, reference_training, train_weighted
 from tests.spawn import run_ranks, run_ranks_with_victim
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -71,6 +72,15 @@ def test_weighted_steps_through_torchs_sync_batch_norm_match_one_process():
     # torch's SyncBatchNorm over gloo (CUDA tensors), hsync's gradients over NCCL.
     results = run_ranks(test_cross_rank_backward.weighted_steps, 3, "sync-batch-norm", "cuda", env=SOCKET_ENV,
                         timeout=120)
+    test_cross_rank_backward.check_against_one_process(results, "sync-batch-norm")
+
+
+@pytest.mark.parametrize("views", [False, True], ids=["copied", "views"])
+def test_torchs_nccl_group_beside_hsyncs_communicator_on_one_gpu(views):
+    # Two NCCL communicators of each rank on one GPU at once: torch's, for SyncBatchNorm's all-reduces in
+    # forward and backward, and hsync's, with many small buckets in flight during that backward.
+    results = run_ranks(test_cross_rank_backward.weighted_steps, 3, "sync-batch-norm", "cuda", views, TINY_BUCKET_MB,
+                        backend="nccl", env=SOCKET_ENV, timeout=120)
     test_cross_rank_backward.check_against_one_process(results, "sync-batch-norm")
 
 
