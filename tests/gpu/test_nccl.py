@@ -16,6 +16,7 @@ from tests.distributed import test_buffers, test_busy_time, test_cross_rank_back
 from tests.distributed.test_comm_dtype import check_within_rounding, weighted_steps
 from tests.distributed.test_faults import DEADLINE_S, VICTIM, noticed_after, train_until_victim_strikes
 from tests.distributed.workloads import TINY_BUCKET_MB, reference_training, train_weighted
+from tests.gpu import note
 from tests.spawn import run_ranks, run_ranks_with_victim
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -135,4 +136,7 @@ def test_nccl_a_fast_rank_does_not_count_its_waits_for_a_slow_one(case):
     # On a GPU the fast rank's waits are its stream's, bracketed by events (Note [Busy time]).
     slow_rank, sleep_at, views = test_busy_time.CASES[case]
     results = run_ranks(test_busy_time.busy_times, 2, "cuda", slow_rank, sleep_at, views, env=SOCKET_ENV, timeout=120)
+    fast = results[1 - slow_rank][1:]
+    note(f"busy time, {case}: the fast rank's {[round(b * 1e3, 2) for b in fast]} ms, the slow rank sleeping "
+         f"{test_busy_time.SLEEP_S * 1e3:g} ms a step")
     test_busy_time.check_busy_times(results, slow_rank)
