@@ -181,9 +181,10 @@ class Balancer:
                     optimizer.zero_grad()
 
     Iterating yields this rank's micro-batches (lists of dataset indices), step after step; call
-    backward() once per micro-batch, in order, or forward_backward(batch, loss_of), which on a GPU runs a
-    micro-batch that does not fit again in parts (Note [Out of memory]). `examples` is the dataset's size, or one cost per
-    example (its length in tokens) to balance and weigh by tokens. See Note [Balancer].
+    backward() once per micro-batch, in order, or forward_backward(batch, loss_of), which on a GPU runs
+    a micro-batch that does not fit again in parts (Note [Out of memory]). `examples` is the dataset's
+    size, or one cost per example (its length in tokens) to balance and weigh by tokens. See Note
+    [Balancer].
     """
 
     def __init__(self, model: WeightedDDP, examples: int | Sequence[float], config: BalanceConfig) -> None:
