@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import random
 from pathlib import Path
 from typing import Any
@@ -55,12 +56,21 @@ def earlier_run(save_dir: str, resume: bool) -> str | None:
            "choose another --save-dir"
 
 
+def _pickled_objects(path: Path) -> list[str]:
+    """What in the file torch's weights-only loading refuses (empty if the file cannot even be read)."""
+    try:
+        return torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # noqa: BLE001 - a damaged file: its own error says more
+        return []
+
+
 def _restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def save(save_dir: Path, step: int, state: dict[str, Any]) -> Path | None:
-    """Writes `state` plus every rank's RNG state; collective (every rank calls it), rank 0 writes."""
+    """Writes `state` plus every rank's RNG state; collective (every rank calls it), rank 0 writes. `state`
+    holds tensors and plain values (numbers, strings, lists, tuples, dicts): load() refuses anything else."""
     rngs: list = [None] * dist.get_world_size()
     dist.all_gather_object(rngs, rng_state())
     path = save_dir / f"{PREFIX}{step:08d}{SUFFIX}"
@@ -92,13 +102,17 @@ def load(save_dir: Path, expected: dict[str, Any], may_change: dict[str, Any]) -
     try:
         if path is None:
             raise FileNotFoundError(f"no checkpoint in {save_dir}")
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        # Tensors and plain values only: a pickled object could run code on every rank as it loads.
+        state = torch.load(path, map_location="cpu", weights_only=True)
         for key, value in expected.items():
             if state["meta"].get(key, value) != value:  # (a key added since the checkpoint was written: not checked)
                 raise ValueError(f"{path} was written with {key}={state['meta'].get(key)!r}, this run has "
                                  f"{key}={value!r}; start a new --save-dir or match the run")
     except Exception as error:  # a damaged file can fail in any way (EOFError, UnpicklingError, ...)
         problem = str(error) if isinstance(error, (OSError, ValueError)) else f"{path}: {type(error).__name__}: {error}"
+        if isinstance(error, pickle.UnpicklingError) and (objects := _pickled_objects(path)):
+            problem = (f"{path} holds pickled objects ({', '.join(objects)}), which could run code as they load; "
+                       "hsync resumes from checkpoints of tensors and plain values only, as it writes them")
     fail_together(problem, "cannot --resume")
     rank, world, written_by = dist.get_rank(), dist.get_world_size(), len(state["rng"])
     if written_by == world:

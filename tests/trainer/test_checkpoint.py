@@ -42,7 +42,34 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_as_the_latest(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001.pt", "step-00000002.pt.tmp"]
     latest = checkpoint.latest(tmp_path)
     assert latest is not None and latest.name == "step-00000001.pt"
-    assert torch.equal(torch.load(latest, weights_only=False)["model"]["w"], torch.arange(1000.0))
+    assert torch.equal(torch.load(latest, weights_only=True)["model"]["w"], torch.arange(1000.0))
 
     files = run_ranks(save_once_more, 1, str(tmp_path), timeout=60)[0]
     assert files == ["step-00000001.pt", "step-00000003.pt"]
+
+
+class RunsCode:
+    """Creates a file when unpickled: what a checkpoint from elsewhere could do on every rank."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def resume_from(rank: int, world_size: int, save_dir: str) -> str:
+    from hsync.trainer import checkpoint
+
+    with pytest.raises(SystemExit) as stopped:
+        checkpoint.load(Path(save_dir), {}, {})
+    return str(stopped.value)
+
+
+def test_a_checkpoint_holding_pickled_objects_is_refused_unloaded(tmp_path):
+    marker = tmp_path / "code-ran"
+    torch.save({"model": {"w": torch.zeros(1)}, "meta": {}, "step": 1, "rng": [], "x": RunsCode(marker)},
+               tmp_path / "step-00000001.pt")
+    for message in run_ranks(resume_from, 2, str(tmp_path), timeout=60):
+        assert "holds pickled objects (" in message and "pathlib" in message, message
+    assert not marker.exists(), "the checkpoint's code ran"
