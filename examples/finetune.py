@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import hsync
-from hsync.trainer.cli import Parser, at_least, device_flag, init_distributed, positive_float
+from hsync.apps.cli import Parser, at_least, device_flag, init_distributed, positive_float
 
 POSITIVE = ["wonderful", "delightful", "superb", "excellent", "lovely", "fantastic", "pleasant", "brilliant",
             "charming", "marvellous", "splendid", "great"]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hsync
-from hsync.trainer.cli import Parser, at_least, device_flag, init_distributed
+from hsync.apps.cli import Parser, at_least, device_flag, init_distributed
 
 
 def main() -> None:

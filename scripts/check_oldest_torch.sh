@@ -49,7 +49,7 @@ MAX_JOBS=${MAX_JOBS:-2} "$venv/bin/pip" install -q --no-build-isolation --no-dep
 # buffer broadcast between two forwards; dynamo's nested graph breaks through DDP's forward).
 dropin=tests/distributed/test_ddp_dropin.py
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/unit tests/gpu tests/distributed/test_parity.py \
-  tests/distributed/test_comm_dtype.py tests/distributed/test_faults.py tests/distributed/test_bench_smoke.py \
-  tests/distributed/test_bench_compiled.py $dropin \
+  tests/distributed/test_comm_dtype.py tests/distributed/test_faults.py tests/bench/test_bench_smoke.py \
+  tests/bench/test_bench_compiled.py $dropin \
   --deselect $dropin::test_two_forwards_one_backward_with_batch_norm \
   --deselect "$dropin::test_a_compiled_wrapper_compiles_once_as_a_compiled_ddp_does[nested-graph-breaks]"

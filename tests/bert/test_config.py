@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hsync.trainer.config import parse_args
-from hsync.trainer.train import lr_factor
+from hsync.apps.bert.config import TrainConfig, field_docs, parse_args
+from hsync.apps.bert.train import lr_factor
 
 
 def test_every_flag_shows_its_default_and_choices(capsys):
@@ -16,6 +16,9 @@ def test_every_flag_shows_its_default_and_choices(capsys):
         assert flag in help_text
     assert "RANK=FACTOR" in help_text and "{tiny,base}" in help_text and "{auto,equal,manual}" in help_text
     assert "(default: 200)" in help_text and "(default: the preset's)" in help_text and "(default: tiny)" in help_text
+    unwrapped = "".join(help_text.split())  # argparse wraps lines at spaces and hyphens
+    for doc in field_docs(TrainConfig).values():  # each as written, "4%" included
+        assert "".join(doc.split()) in unwrapped, doc
     cfg, preset = parse_args(["--preset", "tiny", "--update-freq", "2", "--resume", "--save-dir", "x"])
     assert (cfg.update_freq, cfg.resume, cfg.save_dir) == (2, True, "x")
     assert cfg.global_batch_size == preset.global_batch_size

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hsync.trainer.consensus import fail_together
+from hsync.apps.bert.consensus import fail_together
 
 PREFIX, SUFFIX = "step-", ".pt"
 KEEP = 2  # the newest complete checkpoints kept on disk

@@ -1,0 +1,199 @@
+"""BERT pretraining (masked LM + next-sentence prediction) across mixed GPUs.
+
+    torchrun --nproc_per_node 4 examples/bert.py --preset tiny --max-steps 200
+    torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:PORT --nproc_per_node 4 examples/bert.py --preset base
+
+Each rank's micro-batch size follows its measured speed (--balance auto), and each rank's
+gradient is weighted by its number of masked tokens. The loss of a global batch is its summed
+masked-LM loss plus c times its summed next-sentence loss, over its masked tokens, with c the
+corpus's expected number of masked tokens per example: the masked-LM mean plus (nearly) the
+next-sentence mean, as BERT's loss, and a function of the global batch alone. Every update is
+therefore the one a single GPU would make on the whole global batch, however the batch is split
+and over however many ranks (up to the order of floating-point sums).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hsync
+from hsync.apps.bert import checkpoint
+from hsync.apps.bert.config import TrainConfig, parse_args, parse_rank_values
+from hsync.apps.bert.consensus import fail_together
+from hsync.apps.bert.data import prepare_data, to_device, training_batches
+from hsync.apps.bert.interrupt import StopRequest
+from hsync.apps.bert.model import (
+    build_model,
+    evaluate,
+    import_transformers,
+    pretraining_logits,
+    pretraining_losses,
+    save_final_model,
+    wrap_model,
+)
+from hsync.apps.bert.report import Logger, PlanReport
+from hsync.apps.cli import init_distributed, report, world_size_from_env
+from hsync.balance import split_proportionally
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, preset = parse_args(argv, description=__doc__, world_size=world_size_from_env())
+    import_transformers()
+    device = init_distributed(cfg.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fail_together(unwritable_outputs(cfg) if rank == 0 else None, "cannot write the run's outputs")
+    fail_together(checkpoint.earlier_run(cfg.save_dir, cfg.resume) if rank == 0 else None, "cannot start")
+    slowdown = parse_rank_values(cfg.simulate_slowdown, world, "--simulate-slowdown", 1.0)[rank]
+    corpus = prepare_data(cfg, preset)
+    examples, vocab = corpus.train, corpus.vocab
+
+    torch.manual_seed(cfg.seed)
+    wrapper = wrap_model(build_model(preset, vocab, cfg.dropout).to(device), cfg)
+    net = wrapper.module
+    model = torch.compile(wrapper) if cfg.compile else wrapper
+    torch.manual_seed(cfg.seed + rank)  # rank 0's weights everywhere, but each rank its own dropout
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
+    balancer = hsync.Balancer(model, len(examples), balancing(cfg, world, slowdown))
+    # What makes the updates: not the world size, nor how each rank's share is cut into micro-batches.
+    # The optimizer's settings too: its saved state would silently override other flags.
+    meta = {"preset": asdict(preset), "examples": len(examples), "seed": cfg.seed,
+            "vocab_sha256": vocab.digest, "global_batch_size": cfg.global_batch_size,
+            "lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    # What a resumed run may change (extend the run, say), with a word.
+    may_change = {"max_steps": cfg.max_steps, "warmup_steps": cfg.warmup_steps, "dropout": cfg.dropout,
+                  "comm_dtype": cfg.comm_dtype}
+    if checkpoint.should_resume(cfg.save_dir, cfg.resume):
+        state = checkpoint.load(Path(cfg.save_dir), meta, may_change)
+        # The same on every rank, which all read the same checkpoint.
+        if cfg.stop_at and state["step"] >= cfg.stop_at:
+            raise SystemExit(f"hsync: cannot --resume: the checkpoint is at step {state['step']}, not before "
+                             f"--stop-at {cfg.stop_at}")
+        if state["step"] > cfg.max_steps:
+            raise SystemExit(f"hsync: cannot --resume: the checkpoint is at step {state['step']}, after --max-steps "
+                             f"{cfg.max_steps}")
+        net.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        balancer.load_state_dict(state["balancer"])
+    log = Logger(cfg, rank, world)
+    plans = PlanReport(balancer, rank)
+
+    last_step = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
+    eval_batch = -(-cfg.global_batch_size // world)
+    workers = cfg.data_workers if cfg.data_workers is not None else (2 if device.type == "cuda" else 0)
+    stop, stopping = StopRequest(), False
+    started = time.perf_counter()
+    while balancer.global_step < last_step and not stopping:
+        # This rank's micro-batches, step after step, to the epoch's end.
+        for batch in training_batches(examples, vocab, balancer, cfg.seed, workers, device):
+            stats = train_micro_step(model, balancer, to_device(batch, device), corpus.nsp_weight, stop.requested)
+            if stats is None:
+                continue  # more micro-batches of this step to come
+            lr = optimizer.param_groups[0]["lr"]
+            if stats.finite:
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                schedule.step()
+            optimizer.zero_grad(set_to_none=not cfg.bucket_views)  # bucket views stay where they are
+            step = balancer.global_step
+            # The same on every rank. A signal in the last step changes nothing: the run is complete.
+            stopping = stats.metrics[StopRequest.METRIC] > 0 and step < last_step
+            log.step(step, stats, balancer.last_plan, time.perf_counter() - started, lr)
+            plans.update(step)
+            if corpus.valid is not None and not stopping and (
+                    (cfg.eval_every and step % cfg.eval_every == 0) or step == last_step):
+                log.evaluation(step, evaluate(net, corpus.valid, vocab, cfg.seed, eval_batch))
+            saved = None
+            if cfg.save_dir and (stopping or (cfg.save_every and step % cfg.save_every == 0) or step == last_step):
+                saved = checkpoint.save(Path(cfg.save_dir), step, {
+                    "model": net.state_dict(), "optimizer": optimizer.state_dict(),
+                    "schedule": schedule.state_dict(), "balancer": balancer.state_dict(),
+                    "meta": meta | may_change})
+            started = time.perf_counter()
+            if stopping:
+                report(rank, stop.summary(step, saved))
+                break
+            if step == last_step:
+                break
+    if balancer.global_step == cfg.max_steps and not stopping:
+        final = save_final_model(net, vocab, preset, Path(cfg.save_dir) / "final") if cfg.save_dir else None
+        report(rank, log.summary(final))
+    log.close()
+    dist.destroy_process_group()
+    if stopping:
+        sys.exit(stop.exit_code)
+
+
+def unwritable_outputs(cfg: TrainConfig) -> str | None:
+    """Why --save-dir or --log-file cannot be written (rank 0 writes them), found before any work."""
+    try:
+        if cfg.save_dir:
+            save_dir = Path(cfg.save_dir)
+            save_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=save_dir):
+                pass
+        if cfg.log_file:
+            with open(cfg.log_file, "a"):
+                pass
+    except OSError as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def lr_factor(step: int, warmup_steps: int, max_steps: int) -> float:
+    """Linear warm-up to the peak, then linear decay to zero at max_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    return max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps))
+
+
+def balancing(cfg: TrainConfig, world: int, slowdown: float) -> hsync.BalanceConfig:
+    """The balancer's settings from the flags. --update-freq F runs an equal share in F micro-batches, so
+    a rank given more examples runs more of them; a manual plan gives each rank's micro-batch."""
+    micro_batch = cfg.global_batch_size // cfg.update_freq
+    limit, fixed = None, None
+    if cfg.update_freq > 1:
+        limit = -(-micro_batch // world)
+    if cfg.balance == "equal":
+        fixed = split_proportionally(cfg.global_batch_size, [1] * world)
+    elif cfg.balance == "manual":
+        plan = cfg.rank_plan(world)
+        fixed, limit = [n * cfg.update_freq for n in plan], [max(1, n) for n in plan]
+    return hsync.BalanceConfig(global_batch_size=cfg.global_batch_size, rank_batch_sizes=fixed,
+                               micro_batch_limit=limit, probe_steps=cfg.probe_steps,
+                               replan_every=cfg.rebalance_every, seed=cfg.seed, simulate_slowdown=slowdown)
+
+
+def train_micro_step(model: nn.Module, balancer: hsync.Balancer, batch: dict[str, torch.Tensor],
+                     nsp_weight: float, stop_requested: float) -> hsync.StepStats | None:
+    """Forward, loss and backward of one micro-batch; the weight is its number of masked tokens (module
+    docstring). The sums of both losses ride in the step's scalars, for the log. Nothing here waits for
+    the device (no host sync): sizes that depend on the data (the masked tokens) stay on the device. A
+    micro-batch of a size not run before that runs out of GPU memory runs again in halves (Note [Out of
+    memory] in hsync/balance/balancer.py)."""
+
+    def loss_of(part: dict[str, torch.Tensor]):
+        mlm_logits, nsp_logits = pretraining_logits(model, part)
+        mlm, nsp = pretraining_losses(mlm_logits, nsp_logits, part)
+        weight = (part["labels"] != -100).sum()  # never 0: collate masks a token of every example
+        metrics = {"tokens": part["attention_mask"].sum(), "examples": len(nsp_logits), "mlm": mlm.detach(),
+                   "nsp": nsp.detach()}
+        if balancer.filler:  # its example is another rank's, counted there
+            metrics = dict.fromkeys(metrics, 0.0)
+        metrics[StopRequest.METRIC] = stop_requested
+        return (mlm + nsp_weight * nsp) / weight, weight, metrics
+
+    return balancer.forward_backward(batch, loss_of)
+
+
+if __name__ == "__main__":
+    main()

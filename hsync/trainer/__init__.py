@@ -1,1 +1,0 @@
-"""BERT pretraining across mixed GPUs on top of hsync.WeightedDDP."""
