@@ -1,4 +1,5 @@
-"""The per-step scalars: one fused all-reduce carries weight, loss, flags and user metrics.
+"""The per-step scalars: one fused all-reduce carries weight, loss, flags and user metrics. Their layout,
+how the micro-steps of a window fill them (Window), and how the reduced ones read (StepStats).
 
 Slot 0 must hold the weight: the engine derives its pack scale from it (Note [Weighted reduction]
 in csrc/engine.h). The other slots are ours alone.
@@ -7,9 +8,14 @@ in csrc/engine.h). The other slots are ours alone.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
+
+from hsync.errors import describe
 
 WEIGHT, LOSS_SUM, LOSS_NONFINITE, BAD_RANKS, BAD_RANK_SUM, BAD_KIND_SUM = range(6)
 NUM_SLOTS = 6
@@ -87,3 +93,127 @@ class StepStats:
 
     def __repr__(self) -> str:
         return f"StepStats(loss={self.loss:.6g}, weight={self.weight:.6g}, finite={self.finite})"
+
+
+@dataclass
+class Window:
+    """What the micro-steps of one accumulation window (no_sync ... synced step) add up to."""
+
+    local: torch.Tensor
+    """This rank's step scalars in the slot layout above (float64 on the model's device)."""
+    ref: torch.Tensor
+    """The weight local gradients are expressed in: the window's first non-zero weight, or 1 on every
+    rank with a common unit (cross_rank_backward)."""
+    out_of_range: torch.Tensor
+    """How many weights of the window were negative, NaN or infinite (checked on the device)."""
+    problem: str | None = None
+    """This rank's first bad input found on the host, raised on every rank at the synced step."""
+    problem_kind: BadInput | None = None
+
+    @classmethod
+    def open(cls, device: torch.device, metrics: int, common_unit: bool) -> Window:
+        """An empty window with room for `metrics` user sums; `common_unit`: ref is 1 on every rank, for
+        backward passes that mix the ranks' gradients, else the window's first non-zero weight."""
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.float64, device=device)
+
+        return cls(local=zeros(NUM_SLOTS + metrics), ref=zeros().fill_(1.0) if common_unit else zeros(),
+                   out_of_range=zeros())
+
+    def add(self, loss, weight, metrics: Mapping, metric_names: tuple[str, ...]) -> torch.Tensor | None:
+        """Adds a micro-step; returns its weight on the device, or None if its input is bad."""
+        device = self.local.device
+        w, kind, problem = as_weight(weight, device)
+        if kind is None and not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+            kind, problem = BadInput.BAD_LOSS, f"loss must be a scalar floating-point tensor, got {describe(loss)}"
+        elif kind is None and not loss.requires_grad and not (isinstance(weight, numbers.Real) and weight == 0):
+            # Only a rank with nothing to contribute may pass a constant loss.
+            kind, problem = BadInput.BAD_LOSS, "loss does not require a gradient (computed under no_grad, or detached?)"
+        values, metric_problem = metric_values(metrics, metric_names, device)
+        if kind is None and metric_problem:
+            kind, problem = BadInput.BAD_METRIC, metric_problem
+        if kind is not None:
+            if self.problem is None:
+                self.problem, self.problem_kind = problem, kind
+            return None
+
+        # A tensor weight is checked on its device: no synchronisation with the host.
+        out_of_range = ~torch.isfinite(w) | (w < 0)
+        w = torch.where(out_of_range, 0.0, w)
+        self.out_of_range += out_of_range
+        self.ref = torch.where(self.ref > 0, self.ref, w)
+        lossd = loss.detach().reshape(()).to(torch.float64)
+        self.local[WEIGHT] += w
+        # A rank without data adds nothing to the loss, but its non-finite values still count.
+        self.local[LOSS_SUM] += torch.where(w > 0, w * lossd, 0.0)
+        self.local[LOSS_NONFINITE] += (~torch.isfinite(lossd)).to(torch.float64)
+        if values is not None:
+            self.local[NUM_SLOTS:] += values
+        return w
+
+    def scalars(self, rank: int) -> torch.Tensor:
+        """The window's scalars as the step sends them: with the bad-input slots filled for `rank`."""
+        scalars = self.local
+        if self.problem is not None:
+            scalars[BAD_RANKS] = 1
+            scalars[BAD_KIND_SUM] = int(self.problem_kind)
+        else:
+            scalars[BAD_RANKS] = (self.out_of_range > 0).to(torch.float64)
+            scalars[BAD_KIND_SUM] = scalars[BAD_RANKS] * int(BadInput.WEIGHT_OUT_OF_RANGE)
+        scalars[BAD_RANK_SUM] = scalars[BAD_RANKS] * (rank + 1)
+        return scalars
+
+
+def metric_values(metrics: Mapping, names: tuple[str, ...],
+                  device: torch.device) -> tuple[torch.Tensor | None, str | None]:
+    """The declared metrics as one float64 vector on `device`, or why they cannot be."""
+    unknown = sorted(set(metrics) - set(names))
+    if unknown:
+        return None, f"metrics {unknown} were not declared in WeightedDDP(metric_names={names})"
+    if not metrics:
+        return None, None
+    values: list[torch.Tensor | float] = []
+    for name in names:
+        value = metrics.get(name, 0.0)
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+            values.append(value.detach().reshape(()).to(device=device, dtype=torch.float64))
+        elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+            values.append(float(value))
+        else:
+            return None, f"metric '{name}' must be a real number, got {describe(value)}"
+    if all(isinstance(v, float) for v in values):
+        return to_device(values, device), None
+    as_tensors = [v if isinstance(v, torch.Tensor) else to_device([v], device)[0] for v in values]
+    return torch.stack(as_tensors), None
+
+
+def to_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """Host numbers as a float64 tensor on `device`, without waiting for the device's queue."""
+    host = torch.tensor(values, dtype=torch.float64)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+def as_weight(weight, device: torch.device) -> tuple[torch.Tensor, BadInput | None, str | None]:
+    """The weight as a float64 scalar on `device`; host-side numbers are checked here, tensors on device."""
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    if isinstance(weight, torch.Tensor):
+        if weight.numel() != 1 or weight.is_complex() or weight.dtype == torch.bool:
+            return zero, BadInput.WEIGHT_NOT_A_NUMBER, f"weight must be a real scalar, got {describe(weight)}"
+        return weight.detach().reshape(()).to(device=device, dtype=torch.float64), None, None
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+        return zero, BadInput.WEIGHT_NOT_A_NUMBER, f"weight must be a real number, got {describe(weight)}"
+    value = float(weight)
+    if not math.isfinite(value) or value < 0:
+        return zero, BadInput.WEIGHT_OUT_OF_RANGE, f"weight must be finite and non-negative, got {value}"
+    return torch.full((), value, dtype=torch.float64, device=device), None, None
+
+
+def bad_input_message(host: torch.Tensor, own_problem: str | None, rank: int) -> str:
+    count = int(host[BAD_RANKS])
+    if count == 1:
+        kind = BadInput(round(float(host[BAD_KIND_SUM])))
+        who = f"rank {int(host[BAD_RANK_SUM]) - 1} passed {kind.describe()}"
+    else:
+        who = f"{count} ranks passed bad input (a negative, NaN, infinite or non-numeric weight, or a bad loss)"
+    mine = f"; on this rank ({rank}): {own_problem}" if own_problem else ""
+    return f"hsync: WeightedDDP.backward: {who}{mine}. The step was not applied; no rank took it."

@@ -67,7 +67,8 @@ from hsync.balance.planner import (
 )
 from hsync.balance.retry import GradientBackup, halves, rows_of
 from hsync.balance.simulate import SimulatedSlowdown
-from hsync.ddp import WeightedDDP, gather_objects
+from hsync.bootstrap import gather_objects
+from hsync.ddp import WeightedDDP
 from hsync.stats import StepStats
 
 _PROBE_DELTA = 0.5
@@ -209,11 +210,10 @@ class Balancer:
         if model.cross_rank_backward:
             self._check_epoch_end_lockstep()
         self._names = {q: [f"hsync.balance.{q}/{r}" for r in range(self.world_size)] for q in _QUANTITIES}
-        model._declare_metrics([name for names in self._names.values() for name in names])
         self.slowdown = SimulatedSlowdown(config.simulate_slowdown, model.device)
         """The simulated slowdown of this rank's steps (BalanceConfig.simulate_slowdown)."""
-        if config.simulate_slowdown > 1:
-            model._before_sync = self.slowdown.pause
+        self._steps = model._balance([name for names in self._names.values() for name in names],
+                                     self.slowdown.pause if config.simulate_slowdown > 1 else None)
         self.epoch = 0
         self._step_in_epoch = 0     # steps of this epoch completed
         self.global_step = 0        # steps completed, over all epochs (and runs, once resumed)
@@ -401,14 +401,14 @@ class Balancer:
             ours[self._names["units"][self.rank]] = self._previous[1]
         ours[self._names["capacity"][self.rank]] = self._capacity()
         ours[self._names["split_through"][self.rank]] = self._split_through + 1  # 0: nothing split
-        steps_before = self.model._weighted_steps_done
+        steps_before = self._steps.completed
         try:
             stats = self.model.backward(loss, weight, ours)
         except BaseException:
-            if self.model._weighted_steps_done > steps_before:
+            if self._steps.completed > steps_before:
                 # The step ran on every rank (a backward that raised still completes it): counted here as
                 # by the peers, or this rank would number, and so split, its later steps differently.
-                self._step_done(micro.step, self.model._last_step_stats())
+                self._step_done(micro.step, self._steps.last_stats())
             raise
         if measured_units is not None:
             self._measure_memory(measured_units)
@@ -426,7 +426,7 @@ class Balancer:
         parts = [(batch, micro.units)]
         while parts:
             part, units = parts.pop(0)
-            backup = (GradientBackup(self.model.module), self.model._window_backup()) if (
+            backup = (GradientBackup(self.model.module), self._steps.window_backup()) if (
                 self._may_run_out(units)) else None
             try:
                 loss, weight, metrics = _loss_weight_metrics(loss_of(part))

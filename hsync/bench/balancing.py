@@ -15,7 +15,7 @@ import hsync
 from hsync.balance import SimulatedSlowdown
 from hsync.bench.result import NAN, Result, slowest_rank_quantiles
 from hsync.bench.workloads import bert_workload, masked_batch
-from hsync.ddp import DDP_DEPRECATES_BROADCAST_BUFFERS
+from hsync.compat import DDP_DEPRECATES_BROADCAST_BUFFERS
 
 
 def mixed_speeds(name: str, device: torch.device, slowdowns: list[float], rounds: int, steps: int,

@@ -462,12 +462,12 @@ INHERITED_FROM_DDP = {"__annotations__", "_active_ddp_module", "_get_active_ddp_
 
 def test_every_attribute_of_ddps_class_is_hsyncs_own_inherited_on_purpose_or_absent():
     import hsync
-    from hsync.ddp import _DDP_MACHINERY
+    from hsync.compat import DDP_MACHINERY
 
     undecided = sorted(set(vars(DistributedDataParallel)) - set(vars(hsync.WeightedDDP)) - INHERITED_FROM_DDP)
     assert not undecided, f"torch's DDP has names hsync has not decided on: {undecided}"
-    assert set(_DDP_MACHINERY) <= set(vars(DistributedDataParallel)), "DDP's machinery named as it is in torch"
-    for name in _DDP_MACHINERY:
+    assert set(DDP_MACHINERY) <= set(vars(DistributedDataParallel)), "DDP's machinery named as it is in torch"
+    for name in DDP_MACHINERY:
         assert not hasattr(hsync.WeightedDDP, name), name
         with pytest.raises(AttributeError, match=f"has no '{name}': it is DDP's own machinery"):
             getattr(hsync.WeightedDDP, name)
@@ -521,9 +521,9 @@ def inherited_as_they_are(rank, world_size, wrap):
     model._set_ddp_sink_clone(False)  # no effect on either: DDP's sink clones outputs, hsync has none
     present = {name: hasattr(model, name) for name in sorted(INHERITED_FROM_DDP)}
     if type(model) is not DistributedDataParallel:
-        from hsync.ddp import _DDP_MACHINERY
+        from hsync.compat import DDP_MACHINERY
 
-        assert not any(hasattr(model, name) for name in _DDP_MACHINERY), "absent from an instance too"
+        assert not any(hasattr(model, name) for name in DDP_MACHINERY), "absent from an instance too"
     in_eval = model.train(False) is model and not model.module.training
     model.train()
     return {"present": present, "active inside forward": active, "in eval": in_eval,

@@ -38,7 +38,7 @@ def train_until_victim_strikes(rank: int, world_size: int, how: str, deadlines: 
     elif history == "replacement":
         hsync.WeightedDDP(make_net(seed=0).to(device))
         if rank == 1:
-            hsync.ddp._engines_built.clear()
+            hsync.bootstrap._engines_built.clear()
     timeout = datetime.timedelta(seconds=deadlines.get(rank, DEADLINE_S))
     model = hsync.WeightedDDP(make_net(seed=0).to(device), bucket_cap_mb=TINY_BUCKET_MB, timeout=timeout)
     if rank == VICTIM:
