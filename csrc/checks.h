@@ -7,6 +7,9 @@
 // Argument checks: a TORCH_CHECK that prefixes the message with "hsync: ".
 #define HSYNC_CHECK(cond, ...) TORCH_CHECK((cond), "hsync: ", __VA_ARGS__)
 
+// hsync's own invariants: a failure is a bug in hsync, whatever the caller passed.
+#define HSYNC_ASSERT(cond, ...) TORCH_INTERNAL_ASSERT((cond), "hsync: internal error: ", __VA_ARGS__)
+
 #ifdef HSYNC_WITH_CUDA
 #include <cuda_runtime.h>
 #include <nccl.h>

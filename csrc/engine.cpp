@@ -58,9 +58,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<std::string> names,
   }
   const auto options = at::TensorOptions().dtype(at::kDouble).device(device_);
   plain_scale_ = at::full({}, 1.0 / comm_->world_size(), options);
-  pack_scale_ = plain_scale_;
   last_grad_nonfinite_ = at::zeros({}, options);
-  ready_.assign(params_.size(), false);
 
   std::vector<int64_t> order(params_.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(order.size() - 1 - i);
@@ -89,6 +87,16 @@ at::ScalarType Engine::bucket_dtype(size_t index) const {
   return comm_dtype_.value_or(params_[index].scalar_type());
 }
 
+// Note [Gradients as bucket views]
+// With grads_as_views, each parameter's .grad *is* its slot in the bucket (as DDP's
+// gradient_as_bucket_view): autograd accumulates into the slot, pack scales it in place, the
+// all-reduce leaves the reduced gradient where the optimizer reads it, and there is no
+// write-back copy and no second copy of the gradients in memory. A gradient that is not its
+// slot (the first backward, or any after zero_grad(set_to_none=True)) is packed by copy and the
+// parameter's .grad is then pointed at the slot, so the fresh tensor is freed at once. When the
+// buckets are rebuilt the gradients move to their new slots. A slot of another dtype than its
+// gradient (a comm_dtype) cannot be the .grad: that .grad stays a tensor of the parameter's dtype
+// and receives the reduced values by a cast, as without views.
 bool Engine::grad_is_slot(size_t index) const {
   return grads_as_views_ && bucket_dtype(index) == params_[index].scalar_type();
 }
@@ -141,12 +149,10 @@ std::vector<std::vector<int64_t>> Engine::bucket_params() const {
 }
 
 void Engine::start_step() {
-  in_step_ = true;
-  step_task_id_ = -1;
-  any_task_ = false;
-  next_bucket_ = 0;
-  normalise_at_write_back_ = false;
-  std::fill(ready_.begin(), ready_.end(), false);
+  step_ = Step{};
+  step_.active = true;
+  step_.ready.assign(params_.size(), false);
+  step_.pack_scale = plain_scale_;
   for (Bucket& bucket : buckets_) {
     bucket.pending = bucket.params.size();
     bucket.tail.zero_();
@@ -156,7 +162,7 @@ void Engine::start_step() {
 void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& ref_weight) {
   std::lock_guard<std::mutex> lock(mutex_);
   comm_->check();  // after a failed collective, say so rather than that a step was interrupted
-  HSYNC_CHECK(!in_step_, "a new backward started before the previous gradient reduction "
+  HSYNC_CHECK(!step_.active, "a new backward started before the previous gradient reduction "
               "finished (an earlier backward was interrupted); rebuild the model wrapper");
   HSYNC_CHECK(scalars.dim() == 1 && scalars.numel() >= 1 && scalars.scalar_type() == at::kDouble &&
                   scalars.device() == device_ && scalars.is_contiguous(),
@@ -165,11 +171,17 @@ void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& re
                   ref_weight.device() == device_,
               "the reference weight must be a float64 scalar on ", device_);
   start_weighted_step(scalars, ref_weight.reshape({}), /*scale_by_world_size=*/false);
-  plain_step_ = false;
-  any_task_ = true;  // finalized by the caller once backward returns: Note [Nested backwards]
+  step_.plain = false;
+  step_.any_task = true;  // finalized by the caller once backward returns: Note [Nested backwards]
   expect_gradients_.store(true);
 }
 
+// Note [Join]
+// Under torch's Join context a rank whose data ran out shadows every synchronised step of the
+// others with a weighted step of weight 0 (hsync/ddp.py). For that it must issue the same
+// collectives, so under Join a plain loss.backward() all-reduces step scalars too (weight 1 per
+// rank): its gradients are either scaled by 1 / world_size as always (DDP's
+// divide_by_initial_world_size, the default) or by 1 / (ranks not joined), read from those scalars.
 void Engine::set_join_plain_step(const std::optional<at::Tensor>& scalars, bool divide_by_world_size) {
   std::lock_guard<std::mutex> lock(mutex_);
   HSYNC_CHECK(!scalars || (scalars->dim() == 1 && scalars->scalar_type() == at::kDouble &&
@@ -179,57 +191,84 @@ void Engine::set_join_plain_step(const std::optional<at::Tensor>& scalars, bool 
   join_divide_by_world_size_ = divide_by_world_size;
 }
 
+// Note [Deferred normalisation]
+// On the CPU, waiting for N blocks the host: backward cannot go on until gloo has carried the
+// scalars to every rank and back. There, weighted steps pack ref_r * g_r instead, launch the
+// scalars' all-reduce and the buckets' without waiting, and divide by N in the write-back, by
+// which time every collective has completed anyway: g = (sum_r ref_r g_r) * (1 / N). As N is
+// not needed sooner, the scalars' all-reduce is issued right before the first bucket's rather
+// than at the start of backward, so that gloo's threads wake once for both. The result depends
+// only on this step's inputs, as before, so resumed runs stay bit-identical. Values in the
+// bucket grow by ref_r rather than staying near g: harmless in float32, float64 and bfloat16,
+// so only float16 buckets keep scaling before the sum (whatever the gradients' own dtype: a
+// comm_dtype, Note [Communication dtype] in kernels/pack.h). With gradients as bucket views the
+// division would be a second pass over every gradient after the last all-reduce, while the
+// wait for N hides behind the first gradient's computation: views scale before the sum too. On
+// GPU the wait is the device's, not the host's (the compute stream waits for the scalars'
+// all-reduce), so GPU steps scale before the sum as described above.
 void Engine::start_weighted_step(const at::Tensor& scalars, const at::Tensor& ref_weight,
                                  bool scale_by_world_size) {
-  step_scalars_ = scalars;
-  ref_weight_ = ref_weight;
   start_step();
+  step_.scalars = scalars;
+  step_.ref_weight = ref_weight;
   // A plain step under Join keeps DDP's scale and needs no total: Note [Join].
-  pack_scale_resolved_ = scale_by_world_size;
-  normalise_at_write_back_ = defer_normalisation_ && !scale_by_world_size;
-  if (scale_by_world_size) pack_scale_ = plain_scale_;
-  if (normalise_at_write_back_) pack_scale_ = ref_weight_;
+  step_.pack_scale_resolved = scale_by_world_size;
+  step_.normalise_at_write_back = defer_normalisation_ && !scale_by_world_size;
+  if (step_.normalise_at_write_back) step_.pack_scale = step_.ref_weight;
   if (defer_normalisation_) {
-    scalars_due_ = true;  // issued with the first bucket: Note [Deferred normalisation]
+    step_.scalars_due = true;  // issued with the first bucket: Note [Deferred normalisation]
   } else {
-    step_scalars_seq_ = comm_->all_reduce_sum(scalars, Purpose::kStepScalars);
+    step_.scalars_seq = comm_->all_reduce_sum(scalars, Purpose::kStepScalars);
   }
 }
 
 void Engine::resolve_pack_scale() {
-  if (pack_scale_resolved_) return;
+  if (step_.pack_scale_resolved) return;
   {
     const PeerWait wait(clock_);  // for the slowest rank's forward: Note [Busy time]
-    comm_->synchronize_through(step_scalars_seq_);
+    comm_->synchronize_through(step_.scalars_seq);
   }
-  const at::Tensor total = step_scalars_.select(0, 0);
-  if (normalise_at_write_back_) {
+  const at::Tensor total = step_.scalars.select(0, 0);
+  if (step_.normalise_at_write_back) {
     const double n = *total.const_data_ptr<double>();  // on the host: Note [Deferred normalisation]
-    write_back_scale_ = n > 0 ? 1.0 / n : 0.0;
+    step_.write_back_scale = n > 0 ? 1.0 / n : 0.0;
   } else {
-    pack_scale_ = at::where(total > 0, ref_weight_ / total, at::zeros_like(total));
+    step_.pack_scale = at::where(total > 0, step_.ref_weight / total, at::zeros_like(total));
   }
   if (device_.is_cuda()) {
-    step_scalars_host_ = at::empty(step_scalars_.sizes(), step_scalars_.options().device(at::kCPU).pinned_memory(true));
-    step_scalars_host_.copy_(step_scalars_, /*non_blocking=*/true);
-    step_scalars_copied_.emplace(device_.type());
-    step_scalars_copied_->record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
+    step_.scalars_host = at::empty(step_.scalars.sizes(), step_.scalars.options().device(at::kCPU).pinned_memory(true));
+    step_.scalars_host.copy_(step_.scalars, /*non_blocking=*/true);
+    step_.scalars_copied.emplace(device_.type());
+    step_.scalars_copied->record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
   }
-  pack_scale_resolved_ = true;
+  step_.pack_scale_resolved = true;
 }
 
 at::Tensor Engine::step_scalars() {
   std::lock_guard<std::mutex> lock(mutex_);
-  HSYNC_CHECK(step_scalars_.defined(), "no weighted step has run yet");
+  HSYNC_CHECK(step_.scalars.defined(), "no weighted step has run yet");
   resolve_pack_scale();
-  if (!device_.is_cuda()) return step_scalars_;
+  if (!device_.is_cuda()) return step_.scalars;
   // Only a weighted step resolves its total (and copies it to the host); a plain step under Join does not.
-  HSYNC_CHECK(step_scalars_copied_.has_value(), "no weighted step has run yet");
-  step_scalars_copied_->synchronize();
+  HSYNC_CHECK(step_.scalars_copied.has_value(), "no weighted step has run yet");
+  step_.scalars_copied->synchronize();
   comm_->check();  // a failure after the copy was queued: the values may be garbage (Note [NCCL failures])
-  return step_scalars_host_;
+  return step_.scalars_host;
 }
 
+// Note [Nested backwards]
+// Reentrant activation checkpointing runs a nested backward, a graph task of its own, inside the
+// outer one, and its hooks feed the same step. A plain step must then end with the outermost
+// backward, so the wrapper hooks the autograd nodes of its forward's outputs (begin_backward),
+// which run first in the outermost task: the step begins there and its finalize callback waits for
+// that task, while hooks of any task feed it. A weighted step ends when its caller's backward
+// returns, so nested tasks may feed it too. Only a plain step begun by a gradient hook (the
+// wrapper saw no output tensor) keeps to the hook's own graph task; a hook of another task then
+// means an earlier backward never finished. If that task was nested, hooks of the outer one fire
+// after the step ended: they are refused (a task older than the step's still running encloses
+// it), not left local. A second nested task inside the same outer one is newer than the step's and
+// cannot be told from a later backward through the bare module; its gradients stay local. The
+// wrapper looks for output tensors where DDP does, so only an output of another type meets this.
 void Engine::begin_backward() {
   if (!expect_gradients_.load()) return;
   // torch.autograd.grad (a gradient penalty, say) computes gradients without filling .grad: not the step.
@@ -237,28 +276,35 @@ void Engine::begin_backward() {
   if (only_some_nodes != nullptr && !only_some_nodes->empty()) return;
   std::lock_guard<std::mutex> lock(mutex_);
   const int task = torch::autograd::get_current_graph_task_id();
-  if (in_step_ && (!plain_step_ || task == step_task_id_)) return;  // weighted, or another output's hook
-  if (in_step_) comm_->check();  // the likelier reason, if it holds
-  HSYNC_CHECK(!in_step_, "a new backward started before the previous gradient reduction finished (an earlier "
+  if (step_.active && (!step_.plain || task == step_.task_id)) return;  // weighted, or another output's hook
+  if (step_.active) comm_->check();  // the likelier reason, if it holds
+  HSYNC_CHECK(!step_.active, "a new backward started before the previous gradient reduction finished (an earlier "
               "backward was interrupted); rebuild the model wrapper");
   start_plain_step(task);
-  any_task_ = true;  // Note [Nested backwards]
+  step_.any_task = true;  // Note [Nested backwards]
 }
 
 void Engine::start_plain_step(int task) {
   if (join_scalars_.defined()) {
     start_weighted_step(join_scalars_.clone(), at::ones({}, join_scalars_.options()), join_divide_by_world_size_);
   } else {
-    pack_scale_ = plain_scale_;
     start_step();
   }
-  plain_step_ = true;
-  step_task_id_ = task;
+  step_.plain = true;
+  step_.task_id = task;
   // Runs when this backward completes (as c10d's reducer does), so a plain loss.backward()
   // finishes the reduction with no call from the user.
   torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
 }
 
+// Note [Which backward synchronises]
+// As with DDP, a plain backward reduces gradients only after the wrapper's own forward ran with
+// gradients enabled outside no_sync (DDP's prepare_for_backward): hooks are armed there and
+// disarmed when the step completes. A backward through the bare module (an evaluation on one
+// rank, a second use of a sub-module) then accumulates locally instead of starting a collective
+// that no peer joins. A weighted step arms the hooks itself. A gradient that autograd leaves
+// undefined (a custom Function returning None for a parameter) counts as unused on this rank,
+// as in DDP: it contributes zeros and, used nowhere, leaves .grad untouched.
 void Engine::on_gradient_ready(size_t index) {
   if (!expect_gradients_.load()) {  // Note [Which backward synchronises]
     refuse_a_late_gradient(index);
@@ -266,18 +312,18 @@ void Engine::on_gradient_ready(size_t index) {
   }
   std::lock_guard<std::mutex> lock(mutex_);
   const int task = torch::autograd::get_current_graph_task_id();
-  if (!in_step_) start_plain_step(task);
-  if (!any_task_ && task != step_task_id_) comm_->check();  // the likelier reason, if it holds
-  HSYNC_CHECK(any_task_ || task == step_task_id_,
+  if (!step_.active) start_plain_step(task);
+  if (!step_.any_task && task != step_.task_id) comm_->check();  // the likelier reason, if it holds
+  HSYNC_CHECK(step_.any_task || task == step_.task_id,
               "a new backward started before the previous gradient reduction finished (an earlier backward "
               "was interrupted, or a nested backward such as reentrant activation checkpointing reached "
               "the wrapped parameters of a model whose output the wrapper did not see); rebuild the model "
               "wrapper");
-  HSYNC_CHECK(!ready_[index], "the gradient of '", names_[index],
+  HSYNC_CHECK(!step_.ready[index], "the gradient of '", names_[index],
               "' became ready twice in one backward; hsync reduces each gradient once per step");
-  ready_[index] = true;
+  step_.ready[index] = true;
   if (!rebuilt_) ready_order_.push_back(static_cast<int64_t>(index));
-  if (!normalise_at_write_back_) resolve_pack_scale();
+  if (!step_.normalise_at_write_back) resolve_pack_scale();
   const at::Tensor& grad = params_[index].grad();
   if (grad.defined()) {
     pack(index, grad);
@@ -303,6 +349,7 @@ void Engine::refuse_a_late_gradient(size_t index) {
 void Engine::skip_unused(size_t index) {
   const auto [b, k] = locator_[index];
   buckets_[b].slots[k].zero_();
+  HSYNC_ASSERT(buckets_[b].pending > 0, "bucket ", b, " received more gradients than it holds");
   --buckets_[b].pending;
 }
 
@@ -316,31 +363,46 @@ void Engine::pack(size_t index, const at::Tensor& grad) {
               "the gradient of '", names_[index], "' (", grad.scalar_type(), ", ", grad.numel(),
               " elements) does not match its parameter");
   // In place when the gradient already is its slot: Note [Gradients as bucket views].
-  scale_and_pack(grad, slot, pack_scale_, bucket.nonfinite_flag, bucket.used[k]);
+  scale_and_pack(grad, slot, step_.pack_scale, bucket.nonfinite_flag, bucket.used[k]);
   if (grad_is_slot(index) && !grad.is_same(slot)) params_[index].mutable_grad() = slot;
+  HSYNC_ASSERT(bucket.pending > 0, "bucket ", b, " received more gradients than it holds");
   --bucket.pending;
 }
 
 void Engine::launch_complete_buckets() {
-  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
-    if (scalars_due_) {
-      step_scalars_seq_ = comm_->all_reduce_sum(step_scalars_, Purpose::kStepScalars);
-      scalars_due_ = false;
+  while (step_.next_bucket < buckets_.size() && buckets_[step_.next_bucket].pending == 0) {
+    if (step_.scalars_due) {
+      step_.scalars_seq = comm_->all_reduce_sum(step_.scalars, Purpose::kStepScalars);
+      step_.scalars_due = false;
     }
-    Bucket& bucket = buckets_[next_bucket_];
-    bucket.seq = comm_->all_reduce_sum(bucket.buffer, Purpose::kBucket, static_cast<int64_t>(next_bucket_));
-    ++next_bucket_;
+    Bucket& bucket = buckets_[step_.next_bucket];
+    bucket.seq = comm_->all_reduce_sum(bucket.buffer, Purpose::kBucket, static_cast<int64_t>(step_.next_bucket));
+    ++step_.next_bucket;
   }
 }
 
 void Engine::finalize_if_pending() {
-  if (in_step_) finalize();
+  if (step_.active) finalize();
 }
 
+// Note [A backward that fails]
+// A backward that raises on one rank (out of memory, say) still completes the step's collectives
+// (its peers are waiting in them), but what it packs is a partial gradient. The buckets not
+// launched yet then carry a raised non-finite flag, so every rank's step reads as not finite and
+// is skipped everywhere, as after an overflow, instead of peers stepping on it unawares. (If
+// every bucket had already gone, the reduced gradient is whole.) A micro-step under no_sync that
+// fails marks its window's loss as not finite instead (hsync/ddp.py): the same outcome, at the
+// window's synchronising backward.
+// Not so when backward passes exchange gradients between ranks (cross_rank_backward: a
+// SyncBatchNorm): the peers may be waiting in the backward's own collectives, which this rank will
+// not run, and the step's collectives would meet those (on the CPU, in the same process group: a
+// gloo abort, or sums of the wrong tensors). The rank then gives up instead (abandon_step): it
+// posts its failure, so peers waiting in hsync's collectives stop at once and those in the
+// backward's fail when it exits, and its communicator refuses any further collective.
 void Engine::mark_step_failed() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!in_step_) return;
-  for (size_t b = next_bucket_; b < buckets_.size(); ++b) buckets_[b].nonfinite_flag.fill_(1);
+  if (!step_.active) return;
+  for (size_t b = step_.next_bucket; b < buckets_.size(); ++b) buckets_[b].nonfinite_flag.fill_(1);
 }
 
 void Engine::abandon_step(const std::string& why) {
@@ -350,12 +412,12 @@ void Engine::abandon_step(const std::string& why) {
 
 void Engine::finalize() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!in_step_) return;
+  if (!step_.active) return;
   const at::NoGradGuard no_grad;
-  if (!normalise_at_write_back_) resolve_pack_scale();
+  if (!step_.normalise_at_write_back) resolve_pack_scale();
   // Parameters no hook delivered in this backward: see Note [Step lifecycle].
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (ready_[i]) continue;
+    if (step_.ready[i]) continue;
     const at::Tensor& grad = params_[i].grad();
     if (grad.defined()) {
       pack(i, grad);
@@ -364,8 +426,10 @@ void Engine::finalize() {
     }
   }
   launch_complete_buckets();
+  HSYNC_ASSERT(step_.next_bucket == buckets_.size(), "bucket ", step_.next_bucket, " of ", buckets_.size(),
+               " was not launched with every gradient packed");
   resolve_pack_scale();  // when normalising at write-back: N's all-reduce went before every bucket's
-  tails_on_host_ = at::Tensor();
+  step_.tails_on_host = at::Tensor();
   for (const Bucket& bucket : buckets_) {
     comm_->synchronize_through(bucket.seq);
     write_back(bucket);
@@ -383,24 +447,24 @@ void Engine::finalize() {
     if (grads_as_views_) move_grads_into_slots();
   }
   // A plain step begun by a gradient hook ends with the hook's graph task, which may be nested.
-  nested_step_task_.store(plain_step_ && !any_task_ ? step_task_id_ : -1);
-  in_step_ = false;
-  plain_step_ = false;
+  nested_step_task_.store(step_.plain && !step_.any_task ? step_.task_id : -1);
+  step_.active = false;
+  step_.plain = false;
   expect_gradients_.store(false);
 }
 
 bool Engine::used_on_some_rank(const Bucket& bucket, size_t k) {
   if (!device_.is_cuda()) return bucket.used[k].item<double>() > 0;  // host memory, reduced already
-  if (!tails_on_host_.defined()) {
+  if (!step_.tails_on_host.defined()) {
     // Every bucket's tail in one copy: one wait for the device per step, however many parameters
     // went without a gradient. synchronize() orders it after every collective, without a host wait.
     comm_->synchronize();
     std::vector<at::Tensor> tails;
     for (const Bucket& b : buckets_) tails.push_back(b.tail);
-    tails_on_host_ = at::cat(tails).to(at::kCPU, at::kDouble);
+    step_.tails_on_host = at::cat(tails).to(at::kCPU, at::kDouble);
     comm_->check();  // a collective that failed meanwhile left garbage in the tails
   }
-  return tails_on_host_.const_data_ptr<double>()[bucket.tail_offset + 1 + static_cast<int64_t>(k)] > 0;
+  return step_.tails_on_host.const_data_ptr<double>()[bucket.tail_offset + 1 + static_cast<int64_t>(k)] > 0;
 }
 
 at::Tensor Engine::sum_overflowed(const Bucket& bucket) {
@@ -414,13 +478,13 @@ void Engine::write_back(const Bucket& bucket) {
   // Cast back to the gradient's dtype (Note [Communication dtype]) and normalised on the way out
   // when deferred (Note [Deferred normalisation]).
   const auto unpack = [this](const at::Tensor& reduced, const at::Tensor& grad) {
-    if (!normalise_at_write_back_) {
+    if (!step_.normalise_at_write_back) {
       grad.copy_(reduced);
     } else if (grad.is_contiguous()) {
-      scale_cpu(reduced, grad, write_back_scale_);
+      scale_cpu(reduced, grad, step_.write_back_scale);
     } else {  // scaled before the cast: an unnormalised sum may not fit a float16 gradient
       const auto wide = at::promote_types(reduced.scalar_type(), at::kFloat);
-      grad.copy_(reduced.to(wide, /*non_blocking=*/false, /*copy=*/true).mul_(write_back_scale_));
+      grad.copy_(reduced.to(wide, /*non_blocking=*/false, /*copy=*/true).mul_(step_.write_back_scale));
     }
   };
   for (size_t k = 0; k < bucket.params.size(); ++k) {
