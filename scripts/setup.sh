@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # Creates .venv with the pinned toolchain and builds hsync's extension into it (CUDA + NCCL parts
 # too when a CUDA toolkit is found). Safe to run again: an up-to-date build is a no-op for ninja.
+#
+#   scripts/setup.sh           what the programs need
+#   scripts/setup.sh --tests   and what scripts/test.sh needs besides: torch 2.11, the oldest
+#                              supported, in an environment of its own with hsync built against it
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ $# -gt 0 ] && [ "$1" != "--tests" ]; then
+  echo "setup.sh: unknown argument '$1' (usage: scripts/setup.sh [--tests])" >&2
+  exit 2
+fi
 
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
@@ -24,3 +32,6 @@ fi
 if ! command -v nvidia-smi > /dev/null; then export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}; fi
 MAX_JOBS=${MAX_JOBS:-2} .venv/bin/pip install -q --no-build-isolation --no-deps -e .
 .venv/bin/python -c "import hsync; print('hsync built:', 'CPU + CUDA/NCCL' if hsync._C.cuda_enabled else 'CPU only')"
+if [ "${1:-}" = "--tests" ]; then
+  ./scripts/check_oldest_torch.sh --setup
+fi

@@ -1,15 +1,28 @@
 #!/usr/bin/env bash
-# Lint, C++ unit tests, a build against the oldest torch supported with the tests of what the GPU
-# check runs, then the Python test suite (unit, distributed over gloo; GPU tests skip without a
-# GPU). Expects scripts/setup.sh to have run. Extra arguments go to pytest.
+# Every test: lint, the C++ unit tests, the build against the oldest torch supported and the tests of
+# what differs there, then the pytest suite (unit, distributed over gloo, the BERT application, the
+# examples, the benchmark; GPU tests skip without a GPU). Expects scripts/setup.sh --tests to have run.
+#
+#   scripts/test.sh [PYTEST_ARGS...]      everything (under ten minutes on two cores)
+#   scripts/test.sh --quick [PYTEST_ARGS...]   the edit loop's lane (under two minutes): lint and the
+#                                         tests of the core (the weighted maths, bad input, buckets)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+quick=false
+if [ "${1:-}" = "--quick" ]; then
+  quick=true
+  shift
+fi
 .venv/bin/ruff check .
+if $quick; then
+  exec .venv/bin/python -m pytest tests/unit tests/distributed/test_parity.py tests/distributed/test_stats.py \
+    tests/distributed/test_vs_torch_ddp.py tests/distributed/test_nonfinite.py tests/distributed/test_buffers.py \
+    tests/distributed/test_bucket_views.py tests/distributed/test_mixed_dtypes.py "$@"
+fi
 # C++ unit tests (setup.py already compiled the torch-dependent core against torch 2.14).
 cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release > /dev/null
 cmake --build build/cmake -j 2 --target test_bucket > /dev/null
 ctest --test-dir build/cmake --output-on-failure
-# A build against the oldest torch supported (the GPU machines'), and its tests there.
 ./scripts/check_oldest_torch.sh
 .venv/bin/python -m pytest "$@"

@@ -73,3 +73,34 @@ def test_a_checkpoint_holding_pickled_objects_is_refused_unloaded(tmp_path):
     for message in run_ranks(resume_from, 2, str(tmp_path), timeout=60):
         assert "holds pickled objects (" in message and "pathlib" in message, message
     assert not marker.exists(), "the checkpoint's code ran"
+
+
+def refusals(rank: int, world_size: int, save_dir: str) -> dict[str, str]:
+    from hsync.apps.bert import checkpoint
+
+    meta = {"preset": {"name": "tiny"}, "lr": 0.002}
+    checkpoint.save(Path(save_dir), 3, {"model": {"w": torch.zeros(1)}, "meta": meta})
+    refused = {}
+    for case, expected, steps in (("another model", {**meta, "preset": {"name": "base"}}, {}),
+                                  ("another lr", {**meta, "lr": 1e-4}, {}),
+                                  ("at the stop", meta, {"stop_at": 3}),
+                                  ("past the end", meta, {"max_steps": 2})):
+        with pytest.raises(SystemExit) as stopped:
+            checkpoint.load(Path(save_dir), expected, {}, **steps)
+        refused[case] = str(stopped.value)
+    checkpoint.load(Path(save_dir), meta, {}, stop_at=4, max_steps=3)  # the same run, going on: taken
+    refused["a fresh run"] = checkpoint.earlier_run(save_dir, resume=False)
+    assert checkpoint.earlier_run(save_dir, resume=True) is None
+    return refused
+
+
+def test_a_resume_of_another_run_or_past_its_end_is_refused_naming_why(tmp_path):
+    # On every rank alike (a collective); examples/bert.py prints the one line, before any work.
+    for refused in run_ranks(refusals, 2, str(tmp_path), timeout=60):
+        assert "was written with preset={'name': 'tiny'}, this run has preset={'name': 'base'}" in refused[
+            "another model"]
+        assert "was written with lr=0.002, this run has lr=0.0001" in refused["another lr"]
+        assert "the checkpoint is at step 3, not before --stop-at 3" in refused["at the stop"]
+        assert "the checkpoint is at step 3, after --max-steps 2" in refused["past the end"]
+        # Its pruning would delete the checkpoints, and a later --resume would pick up theirs.
+        assert "holds an earlier run's checkpoints (up to step-00000003.pt); pass --resume" in refused["a fresh run"]

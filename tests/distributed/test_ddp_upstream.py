@@ -280,7 +280,7 @@ def model_diff_across_ranks(rank, world_size, wrap, variant: str):
     # (gloo detects the mismatch on one side only); meet on the default group before making
     # the new one, whose own set-up is bound by the short timeout too.
     dist.barrier()
-    group = dist.new_group(timeout=datetime.timedelta(seconds=10), backend="gloo")
+    group = dist.new_group(timeout=datetime.timedelta(seconds=4), backend="gloo")
     with pytest.raises(RuntimeError):
         wrap(module, process_group=group)
     return 0

@@ -12,25 +12,26 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def sync_free_micro_steps(rank: int, world_size: int, data_dir: str, steps: int) -> int:
     import hsync
-    from hsync.apps.bert import train
+    from hsync.apps.bert import data, train
     from hsync.apps.bert.config import parse_args
+    from hsync.apps.bert.model import build_model, wrap_model
 
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
     cfg, preset = parse_args(["--preset", "tiny", "--corpus", str(SLICE), "--data-dir", data_dir, "--device", "cuda",
                               "--global-batch-size", "24", "--update-freq", "2", "--valid-fraction", "0"],
                              world_size=world_size)
-    corpus = train.prepare_data(cfg, preset)
-    model = train.wrap_model(train.build_model(preset, corpus.vocab, cfg.dropout).to(device), cfg)
+    corpus = data.prepare_data(cfg, preset)
+    model = wrap_model(build_model(preset, corpus.vocab, cfg.dropout).to(device), cfg)
     balancer = hsync.Balancer(model, len(corpus.train), train.balancing(cfg, world_size, 1.0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     done = 0
-    for batch in train.training_batches(corpus.train, corpus.vocab, balancer, cfg.seed, 2, device):
+    for batch in data.training_batches(corpus.train, corpus.vocab, balancer, cfg.seed, 2, device):
         # After the first step, whose end rebuilds the buckets in the gradients' order (one sync), any
         # wait for the device raises: the data's copy, forward, loss, backward and the step's reduction.
         torch.cuda.set_sync_debug_mode("error" if done else "default")
         try:
-            stats = train.train_micro_step(model, balancer, train.to_device(batch, device), corpus.nsp_weight, 0.0)
+            stats = train.train_micro_step(model, balancer, data.to_device(batch, device), corpus.nsp_weight, 0.0)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         if stats is None:

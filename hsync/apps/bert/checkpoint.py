@@ -93,11 +93,13 @@ def save(save_dir: Path, step: int, state: dict[str, Any]) -> Path | None:
     return path
 
 
-def load(save_dir: Path, expected: dict[str, Any], may_change: dict[str, Any]) -> dict[str, Any]:
+def load(save_dir: Path, expected: dict[str, Any], may_change: dict[str, Any], stop_at: int = 0,
+         max_steps: int | None = None) -> dict[str, Any]:
     """The latest checkpoint; collective: every rank stops with the same error if any rank cannot
-    read it or it was written for another run (`expected`: model, data, vocabulary, batch). It may
-    have been written by another number of ranks: the run goes on with the same global batches.
-    Settings in `may_change` (a longer run, say) are taken as given, and rank 0 says which changed."""
+    read it, it was written for another run (`expected`: model, data, vocabulary, batch), or it is at
+    or past `stop_at` (0: none) or past `max_steps`. It may have been written by another number of
+    ranks: the run goes on with the same global batches. Settings in `may_change` (a longer run, say)
+    are taken as given, and rank 0 says which changed."""
     path, state, problem = latest(save_dir), None, None
     try:
         if path is None:
@@ -108,6 +110,10 @@ def load(save_dir: Path, expected: dict[str, Any], may_change: dict[str, Any]) -
             if state["meta"].get(key, value) != value:  # (a key added since the checkpoint was written: not checked)
                 raise ValueError(f"{path} was written with {key}={state['meta'].get(key)!r}, this run has "
                                  f"{key}={value!r}; start a new --save-dir or match the run")
+        if stop_at and state["step"] >= stop_at:
+            raise ValueError(f"the checkpoint is at step {state['step']}, not before --stop-at {stop_at}")
+        if max_steps is not None and state["step"] > max_steps:
+            raise ValueError(f"the checkpoint is at step {state['step']}, after --max-steps {max_steps}")
     except Exception as error:  # a damaged file can fail in any way (EOFError, UnpicklingError, ...)
         problem = str(error) if isinstance(error, (OSError, ValueError)) else f"{path}: {type(error).__name__}: {error}"
         if isinstance(error, pickle.UnpicklingError) and (objects := _pickled_objects(path)):

@@ -72,14 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     may_change = {"max_steps": cfg.max_steps, "warmup_steps": cfg.warmup_steps, "dropout": cfg.dropout,
                   "comm_dtype": cfg.comm_dtype}
     if checkpoint.should_resume(cfg.save_dir, cfg.resume):
-        state = checkpoint.load(Path(cfg.save_dir), meta, may_change)
-        # The same on every rank, which all read the same checkpoint.
-        if cfg.stop_at and state["step"] >= cfg.stop_at:
-            raise SystemExit(f"hsync: cannot --resume: the checkpoint is at step {state['step']}, not before "
-                             f"--stop-at {cfg.stop_at}")
-        if state["step"] > cfg.max_steps:
-            raise SystemExit(f"hsync: cannot --resume: the checkpoint is at step {state['step']}, after --max-steps "
-                             f"{cfg.max_steps}")
+        state = checkpoint.load(Path(cfg.save_dir), meta, may_change, stop_at=cfg.stop_at, max_steps=cfg.max_steps)
         net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
