@@ -50,7 +50,8 @@ class WeightedDDP(DistributedDataParallel):
     sum_r n_r g_r / sum_r n_r, and returns the step's global StepStats.
 
     The positional and keyword arguments are DDP's, so code written for DDP runs unchanged; the
-    README lists where behaviour differs. Beyond DDP's, keyword only:
+    methods and attributes DDP has behave as its do, except where docs/ddp-compat.md says. Beyond
+    DDP's, keyword only:
 
     Args:
         first_bucket_cap_mb: cap of the first bucket, kept small so communication starts early.
@@ -136,7 +137,7 @@ class WeightedDDP(DistributedDataParallel):
         for name, value in unsupported.items():
             if value is not None:
                 raise ValueError(f"hsync.WeightedDDP does not support DDP's {name}; leave it unset "
-                                 "(see 'Differences from DDP' in the README)")
+                                 "(see docs/ddp-compat.md)")
         if check_reduction:
             warnings.warn("The `check_reduction` argument is deprecated (as in DDP) and has no effect.",
                           FutureWarning, stacklevel=2)
@@ -172,7 +173,7 @@ class WeightedDDP(DistributedDataParallel):
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        # As DDP's: broadcast_buffers=False also skips the buffers at wrap time, forward_sync_buffers does not.
+        # broadcast_buffers=False also skips the buffers at wrap time; forward_sync_buffers=False does not.
         self.forward_sync_buffers = forward_sync_buffers if forward_sync_buffers is not None else (
             broadcast_buffers is not False)
         self.metric_names = tuple(metric_names)
@@ -186,8 +187,8 @@ class WeightedDDP(DistributedDataParallel):
         self._hook_registered = False  # register_comm_hook was called
         self._balanced = False  # an hsync.Balancer declared its metrics: it plans for these ranks
         self._steps_begun = False  # a synchronised forward ran: too late for register_comm_hook
-        self.require_backward_grad_sync = True  # public, as DDP's: nanoGPT-style loops set it per micro-step
-        self.require_forward_param_sync = True  # public, as DDP's: the last forward fed a synced step
+        self.require_backward_grad_sync = True  # public: nanoGPT-style loops set it per micro-step
+        self.require_forward_param_sync = True  # public: the last forward fed a synced step
         self._join_announced = False  # what this rank's last forward under Join told the joined ranks
         self._plain_steps_join: bool | None = None  # the engine's plain steps under Join: their divide flag
         self._divide_by_initial_world_size = True
@@ -197,9 +198,9 @@ class WeightedDDP(DistributedDataParallel):
         self._weighted_steps_done = 0  # completed on every rank, even where backward raised: BalancedSteps
         device = next(p.device for p in reduced_parameters(module) if p.requires_grad)
         self.device_ids, self.output_device = check_device_ids(device_ids, output_device, device)
-        # As DDP's (PYTORCH_DDP_USE_SIDE_STREAM): with device_ids, inputs on another GPU are copied on a side stream.
+        # PYTORCH_DDP_USE_SIDE_STREAM: with device_ids, inputs on another GPU are copied on a side stream.
         self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
-        # DDP's public attributes, as DDP sets them, for code that reads them (torch's _sync_module_states
+        # DDP's public attributes, for code that reads them (torch's _sync_module_states
         # takes broadcast_bucket_size and parameters_to_ignore from a DDP, say).
         if device_mesh is not None:
             self.device_mesh = device_mesh
@@ -211,7 +212,7 @@ class WeightedDDP(DistributedDataParallel):
         self.batched_grad_copy = batched_grad_copy  # accepted; changes nothing
         self._build_engine(process_group or dist.group.WORLD)
         if init_sync:
-            # Like DDP: every rank starts from rank 0's parameters (and buffers, unless broadcast_buffers=False).
+            # Every rank starts from rank 0's parameters (and buffers, unless broadcast_buffers=False).
             init_buffers = forward_sync_buffers is not None or broadcast_buffers is not False
             buffers = self._synced_buffers() if init_buffers else []
             self._engine.broadcast_coalesced([p.detach() for p in reduced_parameters(module)] + buffers, 0)
@@ -257,7 +258,7 @@ class WeightedDDP(DistributedDataParallel):
         return self._engine
 
     def __getstate__(self) -> dict:
-        # As DDP: a copy keeps module and settings, not the communicator; it reduces over the default
+        # A copy keeps module and settings, not the communicator; it reduces over the default
         # group with an engine of its own, built when it is first trained (on every rank, as any step).
         if not self._uses_default_group:
             raise RuntimeError("hsync.WeightedDDP can be pickled or copied only when it uses the default "
@@ -279,7 +280,7 @@ class WeightedDDP(DistributedDataParallel):
 
     @property
     def parameters_to_ignore(self) -> set[str]:
-        """As DDP's: the names of parameters and buffers neither reduced nor broadcast."""
+        """The names of parameters and buffers neither reduced nor broadcast."""
         return ignored_names(self.module)
 
     @property
@@ -295,22 +296,21 @@ class WeightedDDP(DistributedDataParallel):
 
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
-        # Settable, as DDP's (a plain attribute in torch 2.11, a property since).
+        # Settable (a plain attribute of torch 2.11's DDP, a property since).
         if not isinstance(value, bool):
             raise TypeError(f"hsync.WeightedDDP.broadcast_buffers must be a bool, got {value!r}")
         self.forward_sync_buffers = value
 
     def will_sync_module_buffers(self) -> bool:
-        """As DDP's: whether the next forward broadcasts rank 0's buffers."""
+        """Whether the next forward broadcasts rank 0's buffers."""
         return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._synced_buffers())
 
     def _set_static_graph(self) -> None:
-        """DDP's late form of static_graph=True, which hsync needs no more than the argument (see the README)."""
+        """DDP's late form of static_graph=True, which hsync needs no more than the argument (docs/ddp-compat.md)."""
         self.static_graph = True
 
     def _register_buffer_comm_hook(self, *args, **kwargs) -> None:
-        raise RuntimeError("hsync.WeightedDDP runs no buffer communication hooks (see 'Differences from DDP' "
-                           "in the README)")
+        raise RuntimeError("hsync.WeightedDDP runs no buffer communication hooks (see docs/ddp-compat.md)")
 
     def _register_fused_optim(self, *args, **kwargs) -> None:
         raise RuntimeError("hsync.WeightedDDP runs no optimizer inside backward (DDP's _register_fused_optim); "
@@ -344,7 +344,7 @@ class WeightedDDP(DistributedDataParallel):
         self._plain_steps_join = None  # the new engine has not been told
 
     def to_kwargs(self, inputs: tuple, kwargs: dict | None, device_id: int) -> tuple[tuple, tuple[dict, ...]]:
-        """As DDP's (kept there for old code): inputs and kwargs moved to device `device_id` of the module's type."""
+        """Inputs and kwargs moved to device `device_id` of the module's type (DDP keeps it for old code)."""
         return _to_kwargs(inputs, kwargs, torch.device(self.device.type, device_id),
                           self.use_side_stream_for_tensor_copies)
 
@@ -360,7 +360,7 @@ class WeightedDDP(DistributedDataParallel):
         return BalancedSteps(self)
 
     def _synced_buffers(self) -> list[torch.Tensor]:
-        # Looked up each time, as DDP does: a buffer reassigned since wrap time is the one to send.
+        # Looked up each time: a buffer reassigned since wrap time is the one to send.
         ignored = ignored_names(self.module)
         return [b for name, b in self.module.named_buffers() if name not in ignored and b.numel() > 0]
 
@@ -384,11 +384,11 @@ class WeightedDDP(DistributedDataParallel):
             # Refused before any collective, on every rank alike: under Join every rank runs forwards.
             raise RuntimeError("hsync.WeightedDDP under Join: a joined rank cannot shadow forwards and backwards "
                                "that are collectives themselves (cross_rank_backward, a SyncBatchNorm)")
-        # As DDP: only a forward with gradients outside no_sync makes the next backward synchronise
+        # Only a forward with gradients outside no_sync makes the next backward synchronise
         # (Note [Which backward synchronises] in csrc/engine.h).
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self.device_ids and (inputs or kwargs):
-            # torch's own move, as DDP's forward makes it (a PackedSequence keeps its batch sizes on the host).
+            # torch's own move (a PackedSequence keeps its batch sizes on the host).
             moved_inputs, moved_kwargs = _to_kwargs(inputs, kwargs, self.device, self.use_side_stream_for_tensor_copies)
             inputs, kwargs = moved_inputs[0], moved_kwargs[0]
         if self._engine is None and not synced and not self._join_config.enable:
@@ -426,7 +426,7 @@ class WeightedDDP(DistributedDataParallel):
 
     @property
     def bucket_bytes_cap(self) -> int:
-        """As DDP's: the size in bytes at which torch.compile splits the module's graphs, so that each
+        """The size in bytes at which torch.compile splits the module's graphs, so that each
         piece's gradients reach their buckets while backward goes on (`bucket_cap_mb`, but at least
         the first-bucket cap of dynamo's DDPOptimizer, which refuses anything smaller)."""
         return max(self._bucket_bytes_cap, dist._DEFAULT_FIRST_BUCKET_BYTES)
@@ -438,7 +438,7 @@ class WeightedDDP(DistributedDataParallel):
         # ends, too late to overlap the all-reduces with backward. While DDP runs its module's
         # forward, dynamo splits each graph it compiles there at bucket_bytes_cap boundaries
         # (DDPOptimizer); it asks DDP's class which module is running, as torch's own `replicate`
-        # answers for itself. Saved and restored, as DDP does, for nested wrappers.
+        # answers for itself. Saved and restored for nested wrappers.
         previous = DistributedDataParallel._active_ddp_module
         DistributedDataParallel._active_ddp_module = self
         try:
@@ -470,8 +470,7 @@ class WeightedDDP(DistributedDataParallel):
         if not known:
             return ValueError(f"hsync.WeightedDDP runs no communication hooks, got {describe(hook)}; torch's "
                               "bf16_compress_hook and fp16_compress_hook are taken as comm_dtype=torch.bfloat16 / "
-                              "torch.float16, and allreduce_hook as comm_dtype=None (see 'Differences from DDP' "
-                              "in the README)")
+                              "torch.float16, and allreduce_hook as comm_dtype=None (see docs/ddp-compat.md)")
         if state is not None and state is not self.process_group:
             return ValueError("hsync.WeightedDDP.register_comm_hook: the hook's state must be None or the "
                               "wrapper's own process group")
@@ -483,7 +482,7 @@ class WeightedDDP(DistributedDataParallel):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: forwards inside it are not followed by a reduction (as DDP's).
+        """Accumulate gradients locally: forwards inside it are not followed by a reduction.
 
         The next synchronised step reduces everything accumulated."""
         previous = self.require_backward_grad_sync
@@ -548,7 +547,7 @@ class WeightedDDP(DistributedDataParallel):
                 raise ValueError(bad_input_message(host, None, self.rank))
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
-        """After Join: every rank takes the model of the highest-ranked last joiner, as DDP does."""
+        """After Join: every rank takes the model of the highest-ranked last joiner."""
         candidate = torch.tensor([self.rank if is_last_joiner else -1], device=self.device)
         dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=self.process_group)
         tensors = [p.detach() for p in reduced_parameters(self.module)]
@@ -585,7 +584,7 @@ class WeightedDDP(DistributedDataParallel):
         if not self.require_backward_grad_sync:
             engine.expect_gradients(False)  # accumulate, even after a forward outside no_sync
             # The window's next forward belongs to this step, whose buffers came with its first: one
-            # broadcast per step, as DDP's under no_sync, however many micro-batches each rank runs.
+            # broadcast per step, however many micro-batches each rank runs.
             self.require_forward_param_sync = False
             try:
                 self._backprop_micro_step(loss, w, window.ref)

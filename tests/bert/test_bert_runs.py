@@ -146,7 +146,8 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path
 
     # A resume its checkpoint refuses (here a flag its optimizer state would silently override) is one line
     # before any work, and overwrites nothing. test_checkpoint.py shows the other refusals in-process.
-    refused = python(tmp_path, "--corpus", str(SLICE), *STRAIGHT, "--save-dir", str(split), "--resume", "--lr", "1e-4")
+    refused = python(tmp_path, "--corpus", str(SLICE), "--max-steps", "8", "--save-dir", str(split), "--resume",
+                     "--lr", "1e-4")
     error_lines(refused, "was written with lr=0.002, this run has lr=0.0001")
     assert [p.name for p in split.iterdir()] == [written.name]
     assert hashlib.sha256(written.read_bytes()).hexdigest() == digest

@@ -21,7 +21,9 @@ pytestmark = pytest.mark.distributed
 _kept_until_exit: list = []
 
 
-def train_and_keep(rank: int, world_size: int) -> int:
+def train_and_keep(rank: int, world_size: int) -> tuple[int, list[str], list[str]]:
+    """Models kept alive past destroy_process_group(): the group's gloo threads must end with it (held
+    by a model, they ran on into interpreter shutdown, where one could abort the process)."""
     import hsync
 
     for _ in range(4):
@@ -29,12 +31,16 @@ def train_and_keep(rank: int, world_size: int) -> int:
         for _ in range(3):
             model.backward(model(torch.randn(4, 32)).sum(), weight=4)
         _kept_until_exit.append(model)
-    return len(_kept_until_exit)
+    running = gloo_threads()
+    dist.destroy_process_group()
+    return len(_kept_until_exit), running, gloo_threads()
 
 
 def test_processes_exit_cleanly_with_models_alive():
-    for _ in range(5):
-        assert run_ranks(train_and_keep, 2) == [4, 4]
+    # run_ranks also fails a rank that returned and then exited abnormally.
+    for kept, running, after in run_ranks(train_and_keep, 2):
+        assert kept == 4 and running, "gloo threads expected while the group lives"
+        assert after == [], "the models kept the process group's threads alive"
 
 
 def gloo_threads() -> list[str]:
