@@ -51,8 +51,8 @@ constexpr bool kIs16Bit = std::is_same_v<T, c10::Half> || std::is_same_v<T, c10:
 
 // Note [Staged cast]
 // This file is compiled for the baseline ISA, where a float -> bfloat16 or float16 conversion is a
-// scalar bit manipulation: 5.7 and 14 ms for 4 Mi floats, against 0.7 ms for the float32 pack.
-// torch's own cast is vectorised for the machine's ISA (0.5 ms), so a large range is scaled in
+// scalar bit manipulation, many times slower than the float32 pack (benchmarks/README.md has the
+// figures). torch's own cast is vectorised for the machine's ISA, so a large range is scaled in
 // the wider precision into a chunk that stays in cache, then cast by torch; the written halves are
 // checked for inf/NaN by their exponent bits, which vectorises too. Below kStagedMinimum elements
 // the per-chunk call costs more than the scalar loop saves.
