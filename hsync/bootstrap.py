@@ -22,7 +22,6 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 than any sane step or checkpoint write, half of torch's NCCL default, and a dead peer is usually seen
 far sooner (its sockets close, or a peer posts the failure)."""
 
-
 _MAX_TIMEOUT = datetime.timedelta(days=365)  # the engine's clocks count nanoseconds in 64 bits
 # Per group, the index of the next engine built over it: with the group's name, names an engine's store
 # keys. The ranks agree on it as they build one (the largest any proposes), so a rank outside a group,
