@@ -100,7 +100,18 @@ else:
     kwargs["extra_link_args"] = link_args
     extension = CppExtension
 
+
+
+class BuildKeepingObjects(BuildExtension):
+    """torch's BuildExtension with its object files kept in build/objects: an editable install builds in a
+    temporary folder otherwise, and every install compiled everything again. Ninja rebuilds what changed."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.build_temp = os.path.join(os.path.dirname(os.path.abspath(__file__)), "build", "objects")
+
+
 setup(
     ext_modules=[extension("hsync._C", sources, extra_compile_args=extra, **kwargs)],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildKeepingObjects},
 )
