@@ -19,7 +19,8 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import setup
+import pybind11
+from setuptools import Extension, setup
 
 # Ampere, Ada, Hopper as cubins; PTX of Hopper so newer GPUs JIT-compile it.
 kDefaultCudaArchs = "8.0;8.6;8.9;9.0+PTX"
@@ -54,7 +55,9 @@ debug = os.environ.get("HSYNC_DEBUG") == "1"
 opt = ["-O0", "-g"] if debug else ["-O3"]
 # Files that need CUDA and NCCL; everything else under csrc/ is the always-built core.
 cuda_sources = ["csrc/comm/nccl_comm.cpp", "csrc/kernels/pack_cuda.cpp", *glob.glob("csrc/kernels/*.cu")]
-sources = sorted(set(glob.glob("csrc/**/*.cpp", recursive=True)) - set(cuda_sources))
+# csrc/planner/ is hsync._planner, a module of its own without torch.
+planner_sources = sorted(glob.glob("csrc/planner/*.cpp"))
+sources = sorted(set(glob.glob("csrc/**/*.cpp", recursive=True)) - set(cuda_sources) - set(planner_sources))
 extra = {"cxx": list(opt)}
 link_args = []
 kwargs = {"include_dirs": [os.path.abspath("csrc")]}
@@ -111,7 +114,12 @@ class BuildKeepingObjects(BuildExtension):
         self.build_temp = os.path.join(os.path.dirname(os.path.abspath(__file__)), "build", "objects")
 
 
+# The split search: plain C++ and pybind11. No contraction into fused multiply-adds, so that every
+# machine computes the same split from the same numbers (Note [Split search]).
+planner = Extension("hsync._planner", planner_sources, include_dirs=[pybind11.get_include()], language="c++",
+                    extra_compile_args={"cxx": [*opt, "-std=c++17", "-ffp-contract=off"]})
+
 setup(
-    ext_modules=[extension("hsync._C", sources, extra_compile_args=extra, **kwargs)],
+    ext_modules=[extension("hsync._C", sources, extra_compile_args=extra, **kwargs), planner],
     cmdclass={"build_ext": BuildKeepingObjects},
 )

@@ -19,7 +19,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-_BISECTION_STEPS = 100
+import numpy as np
+
+from hsync import _planner
 
 
 @dataclass(frozen=True)
@@ -67,64 +69,27 @@ def split_step(costs: Sequence[float], ranks: Sequence[RankCost]) -> list[list[i
     The examples are ordered longest first (stably: equal costs keep their order) and each rank gets a
     run of consecutive ones, so micro-batches hold examples of similar length and pad little. With
     equal costs this is optimal among all splits; with lengths, among splits into such runs in rank
-    order. Every rank gets at least one example while there are enough."""
+    order. Every rank gets at least one example while there are enough. The search is compiled
+    (csrc/planner/, Note [Split search]): 1,024 ranks x 8 examples split in about a millisecond."""
     if not ranks:
         raise ValueError("cannot split a step among zero ranks")
     for r, rank in enumerate(ranks):
         if not (rank.fixed_s >= 0 and rank.per_unit_s > 0 and rank.micro_cap > 0) or math.isinf(rank.per_unit_s):
             raise ValueError(f"rank {r}: a cost model needs fixed_s >= 0, 0 < per_unit_s < inf and micro_cap > 0, "
                              f"got {rank}")
-    if any(not (c > 0) or math.isinf(c) for c in costs):
+    values = np.asarray(costs, dtype=np.float64)
+    if not np.all((values > 0) & np.isfinite(values)):
         raise ValueError("every example needs a finite positive cost")
-    order = longest_first(costs)
-    ordered = [costs[i] for i in order]
-    # Every split is feasible within hi: no share pads beyond all examples at the longest one's cost.
-    lo = 0.0
-    hi = max(r.fixed_s + len(ordered) * (ordered[0] if ordered else 0.0) * r.per_unit_s for r in ranks)
-    for _ in range(_BISECTION_STEPS):
-        mid = (lo + hi) / 2
-        if not lo < mid < hi:
-            break
-        if _fill(ordered, ranks, mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    runs = _fill(ordered, ranks, hi)
-    assert runs is not None, "the upper bound of the bisection is always feasible"
-    return [order[start:stop] for start, stop in runs]
+    order = np.argsort(-values, kind="stable")
+    starts = _planner.shortest_split(values[order], [r.fixed_s for r in ranks], [r.per_unit_s for r in ranks],
+                                     [r.micro_cap for r in ranks])
+    positions = order.tolist()
+    return [positions[starts[r]:starts[r + 1]] for r in range(len(ranks))]
 
 
 def longest_first(costs: Sequence[float]) -> list[int]:
     """Positions of `costs`, longest first; equal costs keep their order."""
-    return sorted(range(len(costs)), key=lambda i: -costs[i])
-
-
-def _fill(ordered: Sequence[float], ranks: Sequence[RankCost], limit: float) -> list[tuple[int, int]] | None:
-    """Runs of consecutive examples, rank by rank, each rank taking as many as it finishes within
-    `limit` (and, when there are enough examples, at least one, leaving one for every later rank);
-    None if some rank cannot keep within `limit`. Taking more early never hurts later ranks: what is
-    left is fewer and shorter examples."""
-    runs: list[tuple[int, int]] = []
-    total = len(ordered)
-    one_each = total >= len(ranks)
-    start = 0
-    for r, rank in enumerate(ranks):
-        last = r == len(ranks) - 1
-        most = total if last else total - (len(ranks) - 1 - r if one_each else 0)
-        least = most if last else (1 if one_each else 0)
-        stop, batch_start, units = start, start, 0.0
-        while stop < most:
-            # The same micro-batches as micro_batches(): a new one when this example would overflow the cap.
-            full = stop > batch_start and (stop - batch_start + 1) * ordered[batch_start] > rank.micro_cap
-            first = stop if full else batch_start
-            if stop - start >= least and rank.fixed_s + (units + ordered[first]) * rank.per_unit_s > limit:
-                break
-            batch_start, units, stop = first, units + ordered[first], stop + 1
-        if rank.fixed_s + units * rank.per_unit_s > limit:
-            return None
-        runs.append((start, stop))
-        start = stop
-    return runs
+    return np.argsort(-np.asarray(costs, dtype=np.float64), kind="stable").tolist()
 
 
 def split_proportionally(total: int, weights: Sequence[float]) -> list[int]:

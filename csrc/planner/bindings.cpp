@@ -1,0 +1,37 @@
+// hsync._planner: the split search for hsync.balance.planner, bound without torch.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+
+#include "split_search.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using Doubles = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+std::vector<int64_t> shortest_split(const Doubles& ordered, const Doubles& fixed_s, const Doubles& per_unit_s,
+                                    const Doubles& micro_cap) {
+  const py::ssize_t world = fixed_s.size();
+  if (per_unit_s.size() != world || micro_cap.size() != world || ordered.ndim() != 1) {
+    throw std::invalid_argument("hsync._planner.shortest_split: one fixed_s, per_unit_s and micro_cap per rank");
+  }
+  std::vector<double> costs(ordered.data(), ordered.data() + ordered.size());
+  std::vector<hsync::planner::RankCost> ranks;
+  ranks.reserve(world);
+  for (py::ssize_t r = 0; r < world; ++r) ranks.push_back({fixed_s.at(r), per_unit_s.at(r), micro_cap.at(r)});
+  py::gil_scoped_release release;
+  return hsync::planner::shortest_split(costs, ranks);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_planner, m) {
+  m.doc() = "The split search of hsync.balance.planner (plain C++, no torch)";
+  m.def("shortest_split", &shortest_split, py::arg("ordered"), py::arg("fixed_s"), py::arg("per_unit_s"),
+        py::arg("micro_cap"),
+        "Starts of each rank's run of `ordered` (costs, longest first), and the end, in the shortest split");
+}
