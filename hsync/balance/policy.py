@@ -1,0 +1,353 @@
+"""When the split changes, and to what: the balancer's decisions as arithmetic on measurements.
+
+No torch, no clock, no collective: a Policy is driven by each step's measurements and the step's
+number, so every rank, fed the same numbers, takes the same decisions, and tests drive it with a
+simulated cluster in milliseconds.
+
+Note [Balancing policy]
+Plans start from an equal split. After warm-up, probe steps run three splits that give every rank at
+least two sizes (shares 1 + delta * cos(2 pi r / world + phase), for three phases), so that each
+rank's fixed cost can be told from its throughput. The first decision puts the equal split in force,
+which measures it; every replan_every steps after that, and at once when a rank's recent steps all
+stray from its model (a rank slowed down or sped up: a change), the models are fitted again and a new
+plan is adopted if it predicts a step at least a required gain shorter than the plan in force.
+
+Like is compared with like. Both plans are judged by the same fitted models, of the same recent
+window: a plan measured before a rank slowed down is never weighed against one measured after. The
+models (Note [Robust fit]) pass through each rank's recent operating point, so that a plan is only as
+wrong as the local slope, and plans converge on the split whose steps measure equal. The required
+gain is min_gain or, if larger, the noise of the median step time measured under the plan in force:
+equal ranks keep an equal split, and a single slow step (a straggler) moves nothing, as medians
+ignore it.
+
+Predictions can still be wrong where ranks share a machine: moving work from one rank to another then
+slows both. A plan whose first steps measure slower than predicted (by more than the required gain)
+is therefore re-measured against the plan it replaced, back to back: the predecessor runs again for
+as many steps, the faster of the two stays, and if that was the predecessor, the next move must
+promise twice the gain.
+
+Note [Robust fit]
+A rank's model is fixed + units * per_unit. Its per_unit comes from its recent steps alone: the median
+of (busy - fixed) / units over the window (the steps since the plan in force or a change took
+effect), so it follows a rank that slows down within a few steps and is not moved by a straggler. Its
+fixed cost needs sizes that differ, which only probes and plan changes give: it is the intercept of a
+least-squares line through the rank's history since the last change (recent steps weigh more,
+halving every replan_every steps; steps of another speed would tilt it), kept from the last time
+that history spread its sizes by at least 10%, and never more than
+half the rank's recent step time (an intercept beyond that, from noise, would make its throughput
+implausible).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hsync.balance.planner import RankCost, proportional_costs, split_step, step_time
+
+_PROBE_DELTA = 0.5
+_QUORUM = 5  # steps whose median is a measurement: two stragglers among them move nothing
+_FIXED_SHARE = 0.5  # the most of a rank's recent step time its fixed cost may be
+_SIZE_SPREAD = 0.1  # sizes spread less than this (relative) cannot place an intercept
+_MOST_GAIN = 0.5  # the required gain doubles after each plan that measured worse, up to this
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """When a Policy measures, probes and decides (BalanceConfig's fields of the same names)."""
+
+    world_size: int
+    """Ranks the steps are split among."""
+    warmup_steps: int = 2
+    """Steps not measured after the start: they carry one-off costs."""
+    probe_steps: int = 3
+    """Steps per probe split (three splits) before the equal split is measured."""
+    replan_every: int = 25
+    """Steps between two fits of the cost models."""
+    min_gain: float = 0.04
+    """A new plan is taken only if it predicts steps at least this much shorter (a fraction)."""
+
+
+@dataclass
+class _Plan:
+    first_step: int
+    models: list[RankCost]
+    predicted: float | None = None  # its step time, as predicted when it was adopted
+    times: list[float] = field(default_factory=list)  # its full steps' measured times (the slowest rank's)
+    checked: bool = False  # whether its first steps were compared with the prediction
+    trial_of: int | None = None  # the plan it re-measures against (index), while it is a trial
+
+
+class Policy:
+    """The plan in force for each step, from the measurements of the steps before (Note [Balancing policy])."""
+
+    def __init__(self, config: PolicyConfig, first_step: int = 0) -> None:
+        self.config = config
+        self.first_step = first_step  # this process's first step: warm-up and probes count from it
+        self.decisions = 0
+        self._plans: list[_Plan] = []
+        self._decided_at = -1
+        self._required_gain = config.min_gain
+        world = config.world_size
+        history = max(64, 2 * config.replan_every)
+        self._units = np.zeros((history, world))
+        self._busy = np.zeros((history, world))
+        self._steps = np.full(history, -1, dtype=np.int64)
+        self._rows = 0  # measurements recorded; the newest is at (rows - 1) % history
+        self._fixed = np.zeros(world)  # each rank's fixed cost, as last determined (Note [Robust fit])
+        self._reference: tuple[np.ndarray, np.ndarray] | None = None  # the models of the last decision
+        self._reference_from = -1  # the first step of the window they were fitted on
+        self._window_from = 0  # the first step of the window the models are fitted on
+        self._regime_from = 0  # the first step since the last change: older steps place no intercept
+
+    # -- what runs ---------------------------------------------------------------------------------
+
+    def models_for(self, step: int, caps: Sequence[float]) -> list[RankCost]:
+        """The cost models that split `step`: the plan adopted for it, or before any the warm-up's equal split
+        and the probe splits, with each rank's micro-batch cap."""
+        index = self._plan_index(step)
+        if index >= 0:
+            return self._plans[index].models
+        probing = step - self.first_step - self.config.warmup_steps
+        world = self.config.world_size
+        if probing < 0:
+            weights = [1.0] * world
+        else:
+            phase = 2 * math.pi * ((probing // self.config.probe_steps) % 3) / 3
+            weights = [1 + _PROBE_DELTA * math.cos(2 * math.pi * r / world + phase) for r in range(world)]
+        models = proportional_costs(weights)
+        return [RankCost(c.fixed_s, c.per_unit_s, cap) for c, cap in zip(models, caps, strict=True)]
+
+    @property
+    def adopted(self) -> bool:
+        """Whether a plan has been decided (before: warm-up and probes)."""
+        return bool(self._plans)
+
+    def _plan_index(self, step: int) -> int:
+        for i in range(len(self._plans) - 1, -1, -1):
+            if self._plans[i].first_step <= step:
+                return i
+        return -1
+
+    # -- measurements ------------------------------------------------------------------------------
+
+    def observe(self, step: int, busy: Sequence[float], units: Sequence[float], full: bool) -> None:
+        """Each rank's busy seconds and units of work in `step`. `full`: the step held a whole global batch
+        (an epoch's short last step fits the models, but does not judge plans)."""
+        if step < self.first_step + self.config.warmup_steps:
+            return
+        busy_now, units_now = np.asarray(busy, dtype=np.float64), np.asarray(units, dtype=np.float64)
+        row = self._rows % len(self._steps)
+        self._busy[row], self._units[row], self._steps[row] = busy_now, units_now, step
+        self._rows += 1
+        index = self._plan_index(step)
+        if index >= 0 and full and bool(np.all(busy_now > 0)):
+            self._plans[index].times.append(float(busy_now.max()))  # the step took as long as its slowest rank
+
+    def _history(self, since: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(units, busy, steps) of the recorded measurements, oldest first; from step `since` on, or the last
+        _QUORUM if fewer are that recent. Rows where a rank measured nothing hold 0 for it."""
+        count = min(self._rows, len(self._steps))
+        rows = np.arange(self._rows - count, self._rows) % len(self._steps)
+        if since is not None:
+            recent = rows[self._steps[rows] >= since]
+            rows = recent if len(recent) >= _QUORUM else rows[-_QUORUM:]
+        return self._units[rows], self._busy[rows], self._steps[rows]
+
+    # -- decisions ---------------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether `step`'s measurements call for a decision: the first after warm-up and probes, then every
+        replan_every steps, a trial that has run its steps, or a change (Note [Balancing policy])."""
+        if not self._plans:
+            return step >= self.first_step + self.config.warmup_steps + 3 * self.config.probe_steps
+        if step - self._decided_at >= self.config.replan_every:
+            return True
+        current = self._plans[-1]
+        if current.trial_of is not None and len(current.times) >= _QUORUM:
+            return True
+        return step - self._decided_at >= _QUORUM and self._changed(step)
+
+    def _changed(self, step: int) -> bool:
+        """Whether some rank's last _QUORUM steps all stray from its model, the same way, by more than the
+        required gain: it slowed down or sped up. The window of the next fit starts with them."""
+        if self._reference is None or self._rows < _QUORUM or self._reference_from < self._plans[-1].first_step:
+            return False  # the models of the last decision were not fitted on the plan in force
+        units, busy, steps = self._history()
+        units, busy, steps = units[-_QUORUM:], busy[-_QUORUM:], steps[-_QUORUM:]
+        fixed, per_unit = self._reference
+        valid = (units > 0) & (busy > 0)
+        stray = np.where(valid, busy / (fixed + units * per_unit) - 1, 0.0)
+        limit = self._gain()
+        changed = bool(np.any(np.all(valid & (stray > limit), axis=0) | np.all(valid & (stray < -limit), axis=0)))
+        if changed:
+            self._window_from = self._regime_from = int(steps[0])
+        return changed
+
+    def decide(self, step: int, costs: Sequence[float], first_free_step: int, caps: Sequence[float]) -> None:
+        """Weighs the measurements after `step` and adopts a plan for the steps from `first_free_step` on (the
+        first one no rank has split yet), with these per-rank micro-batch caps; `costs` are a full step's."""
+        lines = self.fit()
+        if lines is None or not costs:
+            return  # a rank has no measurement yet: decide at a later step
+        self._decided_at = step
+        self.decisions += 1
+        fixed, per_unit = lines
+        self._reference, self._reference_from = lines, self._window_from
+        effective = max(step + 1, first_free_step)
+        candidate = [RankCost(float(f), float(p), float(c)) for f, p, c in zip(fixed, per_unit, caps, strict=True)]
+        if not self._plans:
+            self._adopt(effective, [RankCost(0.0, 1.0, float(c)) for c in caps], checked=True)
+            return
+        current = self._plans[-1]
+        if current.trial_of is not None:
+            self._end_trial(effective)
+            return
+        if (not current.checked and current.predicted is not None and len(current.times) >= _QUORUM
+                and len(self._plans) >= 2):
+            current.checked = True
+            if _median(current.times) > (1 + self._gain()) * current.predicted:
+                # Slower than predicted: re-measure the plan it replaced, back to back with it.
+                self._adopt(effective, self._plans[-2].models, checked=True, trial_of=len(self._plans) - 1)
+                return
+        new_time = step_time(costs, split_step(costs, candidate), candidate)
+        old_time = step_time(costs, split_step(costs, current.models), candidate)
+        if new_time <= (1 - self._gain()) * old_time:
+            # What the models leave out (the slowest of noisy ranks sets the step) shows in how the plan in
+            # force measured against its prediction: the new plan is expected to measure alike.
+            measured = self._window_times()
+            scale = _median(measured) / old_time if len(measured) >= _QUORUM else 1.0
+            self._adopt(effective, candidate, predicted=new_time * scale)
+
+    def _end_trial(self, effective: int) -> None:
+        """The faster of a trial and the plan it re-measured against stays (Note [Balancing policy])."""
+        trial = self._plans[-1]
+        challenged = self._plans[trial.trial_of]
+        trial.trial_of = None
+        if len(trial.times) >= _QUORUM and len(challenged.times) >= _QUORUM and (
+                (1 + self._gain()) * _median(trial.times[-_QUORUM:]) < _median(challenged.times[-_QUORUM:])):
+            self._required_gain = min(_MOST_GAIN, 2 * self._required_gain)  # the move was wrong: be warier
+        else:
+            self._adopt(effective, challenged.models, checked=True)
+
+    def _adopt(self, first_step: int, models: list[RankCost], predicted: float | None = None, checked: bool = False,
+               trial_of: int | None = None) -> None:
+        self._plans.append(_Plan(first_step, models, predicted, checked=checked, trial_of=trial_of))
+        self._window_from = first_step
+
+    def _gain(self) -> float:
+        """The gain a new plan must promise: min_gain (more after a wrong move), or, if larger, the noise of the
+        median step time over the window (twice its standard error, from the spread between its steps)."""
+        times = self._window_times()
+        if len(times) < _QUORUM:
+            return self._required_gain
+        low, middle, high = np.percentile(times, [25, 50, 75])
+        return max(self._required_gain, 1.9 * (high - low) / middle / math.sqrt(len(times)))
+
+    def _window_times(self) -> np.ndarray:
+        """The step times (the slowest rank's) of the window: the steps since the plan in force, or a change,
+        took effect."""
+        _, busy, _ = self._history(self._window_from)
+        return busy[np.all(busy > 0, axis=1)].max(axis=1, initial=0.0)
+
+    # -- models ------------------------------------------------------------------------------------
+
+    def fit(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Each rank's (fixed, per_unit) as its measurements fit them now (Note [Robust fit]); None while a rank
+        has fewer than a quorum of measurements."""
+        units, busy, steps = self._history()
+        valid = (units > 0) & (busy > 0)
+        if len(steps) == 0 or np.any(valid.sum(axis=0) < _QUORUM):
+            return None
+        # The intercept, from the history since the last change, recent steps weighing more.
+        valid &= (steps >= self._regime_from)[:, None]
+        weight = np.where(valid, 0.5 ** ((steps[-1] - steps) / self.config.replan_every)[:, None], 0.0)
+        total = np.maximum(weight.sum(axis=0), 1e-300)
+        mean_units = (weight * units).sum(axis=0) / total
+        mean_busy = (weight * busy).sum(axis=0) / total
+        sxx = (weight * (units - mean_units) ** 2).sum(axis=0)
+        sxy = (weight * (units - mean_units) * (busy - mean_busy)).sum(axis=0)
+        placed = valid.sum(axis=0) >= _QUORUM
+        placed &= np.sqrt(sxx / total) >= _SIZE_SPREAD * mean_units
+        slope = np.where(placed, sxy / np.where(placed, sxx, 1.0), 0.0)
+        placed &= slope > 0
+        # The operating point: the window's steps (since the plan in force, or a change, took effect); a rank
+        # that measured nothing there (a filler) keeps its medians over the whole history.
+        all_valid = (units > 0) & (busy > 0)
+        everywhere_busy = _column_medians(busy, all_valid, fallback=np.ones(len(self._fixed)))
+        everywhere_rate = _column_medians(_ratio(busy, units, all_valid), all_valid, fallback=np.ones(len(self._fixed)))
+        w_units, w_busy, _ = self._history(self._window_from)
+        w_valid = (w_units > 0) & (w_busy > 0)
+        recent_busy = _column_medians(w_busy, w_valid, fallback=everywhere_busy)
+        ceiling = _FIXED_SHARE * recent_busy
+        self._fixed = np.where(placed, np.clip(mean_busy - slope * mean_units, 0.0, ceiling), self._fixed)
+        fixed = np.minimum(self._fixed, ceiling)
+        per_unit = _column_medians(_ratio(w_busy - fixed, w_units, w_valid), w_valid, fallback=everywhere_rate)
+        # Positive whatever the noise: at least a small share of the plain time per unit.
+        plain = _column_medians(_ratio(w_busy, w_units, w_valid), w_valid, fallback=everywhere_rate)
+        return fixed, np.maximum(per_unit, 1e-3 * plain)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The plans, measurements and fits: plain values, for a checkpoint loaded with weights_only."""
+        count = min(self._rows, len(self._steps))
+        rows = (np.arange(self._rows - count, self._rows) % len(self._steps)).tolist()
+        return {
+            "world_size": self.config.world_size,
+            "plans": [{"first_step": p.first_step, "models": [[m.fixed_s, m.per_unit_s, m.micro_cap] for m in p.models],
+                       "predicted": p.predicted, "times": p.times[-self.config.replan_every:], "checked": p.checked,
+                       "trial_of": p.trial_of} for p in self._plans[-3:]],
+            "plans_before": max(0, len(self._plans) - 3),
+            "decided_at": self._decided_at, "decisions": self.decisions, "required_gain": self._required_gain,
+            "units": self._units[rows].tolist(), "busy": self._busy[rows].tolist(), "steps": self._steps[rows].tolist(),
+            "fixed": self._fixed.tolist(),
+            "reference": None if self._reference is None else [a.tolist() for a in self._reference],
+            "reference_from": self._reference_from,
+            "window_from": self._window_from, "regime_from": self._regime_from,
+        }
+
+    def load_state_dict(self, state: dict, first_step: int) -> None:
+        """Goes on with a checkpoint's plans and fits from `first_step` (the step the run resumes at): its
+        warm-up is not measured, and no probe runs again."""
+        if state["world_size"] != self.config.world_size:
+            raise ValueError(f"a policy of {state['world_size']} ranks cannot go on with {self.config.world_size}")
+        self.first_step = first_step
+        shift = state["plans_before"]  # plans older than the last three are dropped; trial_of counts them
+        self._plans = [_Plan(p["first_step"], [RankCost(*m) for m in p["models"]], p["predicted"], list(p["times"]),
+                             p["checked"], None if p["trial_of"] is None else p["trial_of"] - shift)
+                       for p in state["plans"]]
+        for plan in self._plans:
+            if plan.trial_of is not None and plan.trial_of < 0:
+                plan.trial_of = None
+        self._decided_at, self.decisions = state["decided_at"], state["decisions"]
+        self._required_gain = state["required_gain"]
+        count = len(state["steps"])
+        self._rows = count
+        self._units[:count], self._busy[:count] = np.asarray(state["units"]).reshape(count, -1), np.asarray(
+            state["busy"]).reshape(count, -1)
+        self._steps[:count] = state["steps"]
+        self._fixed = np.asarray(state["fixed"], dtype=np.float64)
+        self._reference = None if state["reference"] is None else tuple(np.asarray(a) for a in state["reference"])
+        self._reference_from = state["reference_from"]
+        self._window_from, self._regime_from = state["window_from"], state["regime_from"]
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(np.median(np.asarray(values)))
+
+
+def _ratio(numerator: np.ndarray, denominator: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    return np.where(valid, numerator / np.where(valid, denominator, 1.0), np.nan)
+
+
+def _column_medians(values: np.ndarray, valid: np.ndarray, fallback: np.ndarray) -> np.ndarray:
+    """Each column's median over its valid rows (the fallback where it has none). numpy's selection gives the
+    same result on every machine."""
+    masked = np.where(valid, values, np.nan)
+    has = valid.any(axis=0)
+    medians = np.nanmedian(np.where(has, masked, 0.0), axis=0) if masked.size else fallback
+    return np.where(has, medians, fallback)

@@ -1,0 +1,120 @@
+"""The balancing policy against simulated clusters: decisions in milliseconds, no process spawned."""
+
+from __future__ import annotations
+
+from statistics import mean
+
+import pytest
+
+from hsync.balance.policy import Policy, PolicyConfig
+from hsync.bench.cluster import SimulatedCluster, SimulatedRank, SpeedChange
+
+EQUAL_64 = [1.0] * 64
+
+
+def changes_of(plans: list[list[int]]) -> list[tuple[int, list[int]]]:
+    """(step, plan) wherever the plan differs from the step before."""
+    return [(s, p) for s, p in enumerate(plans) if s == 0 or p != plans[s - 1]]
+
+
+def test_a_rank_that_slows_down_is_followed_within_a_refit_period_and_never_undone():
+    # Two ranks at 1 ms per example; rank 1 becomes 3x slower at step 60 (a GPU that throttles).
+    cluster = SimulatedCluster([SimulatedRank(0.0, 1e-3, 0.01)] * 2, [SpeedChange(60, 1, 3.0)], seed=1)
+    run, _ = cluster.run(PolicyConfig(2, replan_every=25), EQUAL_64, 200)
+    adapted = next(s for s in range(60, 200) if run.plans[s] != [32, 32])
+    assert adapted <= 60 + 25, changes_of(run.plans)
+    assert all(abs(p[0] - 48) <= 1 for p in run.plans[adapted:]), changes_of(run.plans)  # 48 + 16 is optimal
+
+
+def test_a_rank_that_speeds_up_again_is_followed_back():
+    cluster = SimulatedCluster([SimulatedRank(0.0, 1e-3, 0.01)] * 2,
+                               [SpeedChange(60, 1, 3.0), SpeedChange(140, 1, 1 / 3)], seed=2)
+    run, _ = cluster.run(PolicyConfig(2, replan_every=25), EQUAL_64, 240)
+    back = next(s for s in range(140, 240) if abs(run.plans[s][0] - 32) <= 1)
+    assert back <= 140 + 25, changes_of(run.plans)
+    assert all(abs(p[0] - 32) <= 1 for p in run.plans[back:]), changes_of(run.plans)
+
+
+def test_a_straggler_moves_nothing():
+    # Equal ranks, and every fortieth step of rank 1 takes five times as long.
+    cluster = SimulatedCluster([SimulatedRank(0.01, 1e-3, 0.02)] * 2, straggler_rate=1 / 40, straggler_factor=5.0,
+                               seed=3)
+    run, _ = cluster.run(PolicyConfig(2, replan_every=10), EQUAL_64, 300)
+    assert sum(t > 2 * min(run.step_s) for t in run.step_s) >= 5, "stragglers happened"
+    assert all(p == [32, 32] for p in run.plans[12:]), changes_of(run.plans)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_equal_ranks_keep_an_equal_split_under_noise(seed):
+    cluster = SimulatedCluster([SimulatedRank(0.05, 0.01, 0.05)] * 2, seed=seed)
+    run, _ = cluster.run(PolicyConfig(2, replan_every=10), EQUAL_64, 300)
+    assert all(p == [32, 32] for p in run.plans[12:]), changes_of(run.plans)
+
+
+def test_the_plan_reaches_the_optimum_of_the_true_costs():
+    # Rank 1 is twice as slow, and rank 0 pays a fixed 8 units more per step: the optimum balances
+    # 0.08 + n0 / 100 against 2 * (0.01 + n1 / 100) with n0 + n1 = 64 (41 + 23 or 40 + 24: both 0.49 s).
+    cluster = SimulatedCluster([SimulatedRank(0.08, 0.01, 0.02), SimulatedRank(0.01, 0.02, 0.02)], seed=4)
+    run, _ = cluster.run(PolicyConfig(2, replan_every=10), EQUAL_64, 64)
+    assert run.plans[12:22] == [[32, 32]] * 10, "the equal split is measured first"
+    assert all(p in ([41, 23], [40, 24]) for p in run.plans[22:]), changes_of(run.plans)
+
+
+class Contended(SimulatedCluster):
+    """Ranks sharing cores: any unequal split makes both slower by `factor`, which no fit can foresee."""
+
+    def __init__(self, factor: float, **kwargs) -> None:
+        super().__init__([SimulatedRank(0.08, 0.01, 0.02), SimulatedRank(0.01, 0.02, 0.02)], **kwargs)
+        self.factor = factor
+
+    def busy(self, step, units):
+        times = super().busy(step, units)
+        return times * (self.factor if units[0] != units[1] else 1.0)
+
+
+def test_a_plan_slower_than_predicted_is_re_measured_against_its_predecessor_and_undone():
+    # Each retry must promise twice the gain of the one before, until none does.
+    run, _ = Contended(1.6, seed=5).run(PolicyConfig(2, replan_every=10), EQUAL_64, 120)
+    assert run.plans[12:22] == [[32, 32]] * 10 and run.plans[22] != [32, 32], changes_of(run.plans)
+    undone = next(s for s in range(23, 80) if run.plans[s] == [32, 32])
+    assert undone <= 22 + 10, changes_of(run.plans)  # at the first decision after its first measured steps
+    assert all(p == [32, 32] for p in run.plans[-10:]), changes_of(run.plans)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_noisy_steps_stay_near_the_oracle_without_jumping(seed):
+    # 20% noise on every step (a shared machine); rank 1 twice as slow.
+    cluster = SimulatedCluster([SimulatedRank(0.001, 0.5e-3, 0.2), SimulatedRank(0.001, 1e-3, 0.2)], seed=seed)
+    run, _ = cluster.run(PolicyConfig(2), EQUAL_64, 300)
+    settled = run.plans[60:]
+    assert all(36 <= p[0] <= 50 for p in settled), changes_of(run.plans)  # the optimum is 42.7 + 21.3
+    assert len(changes_of(settled)) <= 12, changes_of(run.plans)
+    assert mean(run.oracle_s[60:]) / mean(run.step_s[60:]) >= 0.95
+    assert mean(run.equal_s[60:]) / mean(run.step_s[60:]) >= 1.25
+
+
+def test_a_resumed_policy_goes_on_with_its_plan_and_fits_instead_of_probing():
+    cluster = SimulatedCluster([SimulatedRank(0.0, 0.5e-3, 0.01), SimulatedRank(0.0, 1e-3, 0.01)], seed=6)
+    config = PolicyConfig(2)
+    first, policy = cluster.run(config, EQUAL_64, 82)
+    state = policy.state_dict()
+    resumed = Policy(config)
+    resumed.load_state_dict(state, first_step=82)
+    second, _ = cluster.run(config, EQUAL_64, 60, policy=resumed, first_step=82)
+    assert second.plans[0] == first.plans[-1] != [32, 32]
+    assert all(p == first.plans[-1] for p in second.plans), "no probe, no equal split again"
+
+
+def test_a_policy_resumes_only_on_the_same_number_of_ranks():
+    with pytest.raises(ValueError, match="2 ranks cannot go on with 3"):
+        Policy(PolicyConfig(3)).load_state_dict(Policy(PolicyConfig(2)).state_dict(), first_step=0)
+
+
+def test_many_ranks_of_mixed_speeds_come_within_five_percent_of_the_oracle():
+    speeds = [1.0, 1.0, 0.5, 0.5, 0.33, 0.33, 0.25, 0.25] * 8  # 64 ranks of four kinds
+    ranks = [SimulatedRank(0.002, 1e-3 / s, 0.03) for s in speeds]
+    cluster = SimulatedCluster(ranks, seed=7)
+    costs = [1.0] * (64 * 8)
+    run, _ = cluster.run(PolicyConfig(64), costs, 120)
+    assert mean(run.oracle_s[-40:]) / mean(run.step_s[-40:]) >= 0.95
+    assert mean(run.equal_s[-40:]) / mean(run.step_s[-40:]) > 1.5
