@@ -20,14 +20,8 @@ that step ends): its StepStats.busy_seconds, its units of work, the micro-batch 
 and the last step its sampler has already split. The sampler runs ahead of the loop (a DataLoader
 with workers prefetches), so a new cost model takes effect at the first step no rank has split yet.
 
-Plans start from an equal split. After warm-up, probe steps run three splits that give every rank
-at least two sizes (shares 1 + delta * cos(2 pi r / world + phase), for three phases), so that each
-rank's fixed cost and throughput can be told apart. The first decision puts the equal split in
-force, which measures it; every replan_every steps after that the fit is re-made, and a new plan
-is adopted only if it predicts a step at least min_gain shorter than the plan in force: noise on
-equal hardware does not move the plan. Predictions can be wrong where ranks share a machine
-(their speeds then depend on each other), so a plan that measured slower than the one it
-replaced is undone, and the next one must promise twice the gain.
+When and to what the split changes is decided by hsync.balance.policy (Note [Balancing policy]), from
+these measurements alone.
 
 Note [Out of memory]
 On a GPU a micro-batch larger than any this rank has run (the probe splits', a new plan's) may not fit.
@@ -60,23 +54,20 @@ from hsync.balance.planner import (
     fit_affine,
     longest_first,
     micro_batches,
-    proportional_costs,
     split_proportionally,
     split_step,
-    step_time,
 )
+from hsync.balance.policy import Policy, PolicyConfig
 from hsync.balance.retry import GradientBackup, halves, rows_of
 from hsync.balance.simulate import SimulatedSlowdown
 from hsync.bootstrap import gather_objects
 from hsync.ddp import WeightedDDP
 from hsync.stats import StepStats
 
-_PROBE_DELTA = 0.5
 _BIN_RATIO = 1.1  # measurements of sizes within 10% of each other share a bin
 _BINS = 8  # sizes remembered per rank; the least recently seen is dropped
 _BIN_DEPTH = 16  # measurements per size; their median is the bin's time
 _BIN_QUORUM = 3
-_QUORUM_STEPS = 5  # steps measured under each of two plans before their times are compared
 _CAPACITY_GROWTH = 2.0  # a micro-batch may grow at most this much beyond the largest one measured
 _QUANTITIES = ("busy", "units", "capacity", "split_through")
 
@@ -143,7 +134,7 @@ class _MicroBatch:
 
 @dataclass
 class _Fit:
-    """One rank's measurements of one quantity against units of work, binned by size."""
+    """This rank's peak memory against units of work, binned by size."""
 
     bins: dict[int, deque] = field(default_factory=dict)
 
@@ -217,12 +208,7 @@ class Balancer:
         self.epoch = 0
         self._step_in_epoch = 0     # steps of this epoch completed
         self.global_step = 0        # steps completed, over all epochs (and runs, once resumed)
-        self._first_step = 0        # this process's first step: probing and warm-up count from it
-        self._adopted: list[tuple[int, list[RankCost]]] = []  # (first step, cost models), in order
-        self._measured: list[list[float]] = []  # per adopted plan: its steps' slowest busy times
-        self._required_gain = config.min_gain
-        self._decided_at = -1
-        self._decisions = 0
+        self._policy = Policy(self._policy_config())
         self._pending: deque[_MicroBatch] = deque()
         self._split_through = -1    # the last step the sampler has split
         # Per step split and not completed yet: each rank's number of examples, and the step's costs.
@@ -230,7 +216,6 @@ class Balancer:
         self._step_units = 0.0      # this rank's units of work in the current step
         self._previous: tuple[StepStats, float] | None = None  # the last step's stats and this rank's units
         self._measured_step_full = True  # whether the last step held a whole global batch
-        self._time_fits = [_Fit() for _ in range(self.world_size)]
         self._memory_fit = _Fit()   # this rank's peak memory per micro-batch
         self._largest_run = 0.0     # units of the largest micro-batch this rank has run: Note [Out of memory]
         self._memory_ceiling = math.inf  # half the smallest micro-batch that ran out of memory
@@ -452,18 +437,12 @@ class Balancer:
 
     def _step_done(self, step: int, stats: StepStats) -> None:
         values = stats.metrics
-        measured_step = step - 1  # what the ranks reported is the step before this one
-        if measured_step >= self._first_step + self.config.warmup_steps:
-            busy = [values[self._names["busy"][r]] for r in range(self.world_size)]
-            for r in range(self.world_size):
-                units = values[self._names["units"][r]]
-                if busy[r] > 0 and units > 0:
-                    self._time_fits[r].add(units, busy[r])
-            index = self._adopted_index(measured_step)
-            if index >= 0 and all(b > 0 for b in busy) and self._measured_step_full:
-                self._measured[index].append(max(busy))  # the step took as long as its slowest rank
-        self._capacities = [values[self._names["capacity"][r]] for r in range(self.world_size)]
-        split_through = max(values[self._names["split_through"][r]] for r in range(self.world_size)) - 1
+        names = self._names
+        # What the ranks reported is the step before this one.
+        busy, units = ([values[name] for name in names[q]] for q in ("busy", "units"))
+        self._policy.observe(step - 1, busy, units, full=self._measured_step_full)
+        self._capacities = [values[name] for name in names["capacity"]]
+        split_through = max(values[name] for name in names["split_through"]) - 1
         self._previous = (stats, self._step_units)
         self._step_units = 0.0
         self.last_plan, costs = self._split_steps.pop(step, ([], []))
@@ -475,91 +454,51 @@ class Balancer:
         # their times, reported a step later, compare plans (its own still fit the cost models).
         full = len(costs) == min(self.config.global_batch_size, len(self._costs))
         self._measured_step_full = full
-        if self._decides and full and self._decision_due(step):
-            self._decide(step, costs, int(split_through) + 1)
+        if self._decides and full and self._policy.due(step):
+            caps = [self._micro_cap(r) for r in range(self.world_size)]
+            self._policy.decide(step, costs, int(split_through) + 1, caps)
 
     @property
     def _decides(self) -> bool:
         """Whether the plan is measured and decided (not a fixed split, not one rank)."""
         return self.config.rank_batch_sizes is None and self.world_size > 1
 
-    def _decision_due(self, step: int) -> bool:
-        first = self._first_step + self.config.warmup_steps + 3 * self.config.probe_steps
-        return step >= first and (self._decided_at < 0 or step - self._decided_at >= self.config.replan_every)
-
-    def _decide(self, step: int, costs: list[float], first_free_step: int) -> None:
-        """Note [Balancer]: the first decision puts the equal split in force, to measure it; later ones
-        take a fitted plan predicted min_gain faster (more after a plan that measured slower), and
-        go back to the previous plan if the last one measured slower than it."""
-        fitted = [fit.line() for fit in self._time_fits]
-        if any(line is None for line in fitted) or not costs:
-            return  # a rank has no measurement yet: decide at a later step
-        self._decided_at = step
-        self._decisions += 1
-        effective = max(step + 1, first_free_step)
-        candidate = [RankCost(fixed, per_unit, self._micro_cap(r))
-                     for r, (fixed, per_unit) in enumerate(fitted)]
-        if not self._adopted:
-            self._adopt(effective, [RankCost(0.0, 1.0, c.micro_cap) for c in candidate])
-            return
-        if len(self._adopted) >= 2:
-            last, before = (self._measured[len(self._adopted) - k] for k in (1, 2))
-            if (min(len(last), len(before)) >= _QUORUM_STEPS and
-                    statistics.median(last) > (1 + self.config.min_gain) * statistics.median(before)):
-                self._adopt(effective, self._adopted[-2][1])
-                self._required_gain = min(0.5, 2 * self._required_gain)
-                return
-        current = self._adopted[-1][1]
-        new_time = step_time(costs, split_step(costs, candidate), candidate)
-        old_time = step_time(costs, split_step(costs, current), candidate)
-        if new_time <= (1 - self._required_gain) * old_time:
-            self._adopt(effective, candidate)
-
-    def _adopt(self, first_step: int, ranks: list[RankCost]) -> None:
-        self._adopted.append((first_step, ranks))
-        self._measured.append([])
-
-    def _adopted_index(self, step: int) -> int:
-        """Which adopted models split `step` (-1: the warm-up or a probe split)."""
-        return max((i for i, (first, _) in enumerate(self._adopted) if first <= step), default=-1)
+    def _policy_config(self) -> PolicyConfig:
+        c = self.config
+        return PolicyConfig(self.world_size, c.warmup_steps, c.probe_steps, c.replan_every, c.min_gain)
 
     def _models_for(self, step: int) -> list[RankCost]:
-        """The cost models that split `step`: the adopted ones, or before them the warm-up's equal split
-        and the probe splits. The shares depend on nothing that could differ between ranks or in time.
-        Where no decision ever comes (a fixed split, one rank), each rank's micro-batches follow its
-        memory as last measured, which nothing else would bring in; the shares do not depend on it."""
-        index = self._adopted_index(step)
-        if index >= 0:
-            return self._adopted[index][1]
-        probing = step - self._first_step - self.config.warmup_steps
-        if not self._decides or probing < 0:
-            weights = [1.0] * self.world_size
-        else:
-            phase = 2 * math.pi * ((probing // self.config.probe_steps) % 3) / 3
-            weights = [1 + _PROBE_DELTA * math.cos(2 * math.pi * r / self.world_size + phase)
-                       for r in range(self.world_size)]
-        return [RankCost(c.fixed_s, c.per_unit_s, self._micro_cap(r, measured=not self._decides))
-                for r, c in enumerate(proportional_costs(weights))]
+        """The cost models that split `step`: the policy's (warm-up, probes, then the plans it adopts). Where no
+        decision ever comes (a fixed split, one rank), each rank's micro-batches follow its memory as last
+        measured, which nothing else would bring in; the shares do not depend on it."""
+        if not self._decides:
+            return [RankCost(0.0, 1.0, self._micro_cap(r)) for r in range(self.world_size)]
+        return self._policy.models_for(step, [self._micro_cap(r, measured=False) for r in range(self.world_size)])
 
     @property
     def cost_models(self) -> list[RankCost] | None:
         """The ranks' cost models in force at the last step split, once measurements gave them."""
-        index = self._adopted_index(self._split_through)
-        return self._adopted[index][1] if index >= 0 else None
+        return self._policy.plan_for(self._split_through) if self._decides else None
 
     @property
     def decisions(self) -> int:
         """How many times the measurements have been weighed (the first puts the equal split in force)."""
-        return self._decisions
+        return self._policy.decisions
 
     def fitted_costs(self) -> list[RankCost | None]:
         """Each rank's cost model as its measurements fit it now (None before it has any)."""
-        return [None if line is None else RankCost(*line) for line in (fit.line() for fit in self._time_fits)]
+        lines = self._policy.fit()
+        if lines is None:
+            return [None] * self.world_size
+        return [RankCost(float(f), float(p)) for f, p in zip(*lines, strict=True)]
 
     def planned_split(self) -> list[int]:
-        """Examples per rank of a whole global batch of equal examples under the newest cost models."""
-        ranks = self._adopted[-1][1] if self._adopted else self._models_for(self.global_step)
-        return [len(share) for share in split_step([1.0] * self.config.global_batch_size, ranks)]
+        """Examples per rank of a whole global batch of equal examples at the next step: the fixed split
+        (rank_batch_sizes), or the one the cost models in force give."""
+        batch = self.config.global_batch_size
+        if self.config.rank_batch_sizes is not None:
+            return split_proportionally(batch, self.config.rank_batch_sizes)
+        return [len(share) for share in split_step([1.0] * batch, self._models_for(self.global_step))]
 
     # -- memory ------------------------------------------------------------------------------------
 
@@ -598,12 +537,15 @@ class Balancer:
     # -- checkpoints -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Where the loop is: the epoch and the steps completed in it, counted in global batches, so a
-        run resumes at the next step whatever its world size. Measurements are not kept: a resumed run
-        measures its ranks anew."""
-        return {"epoch": self.epoch, "step_in_epoch": self._step_in_epoch, "global_step": self.global_step,
-                "seed": self.config.seed, "shuffle": self.config.shuffle,
-                "global_batch_size": self.config.global_batch_size, "num_examples": len(self._costs)}
+        """Where the loop is: the epoch and the steps completed in it, counted in global batches, so a run
+        resumes at the next step whatever its world size; and the policy's plan and fits, which a resume on
+        as many ranks goes on with (on another number, it measures its ranks anew). Plain values only."""
+        state = {"epoch": self.epoch, "step_in_epoch": self._step_in_epoch, "global_step": self.global_step,
+                 "seed": self.config.seed, "shuffle": self.config.shuffle,
+                 "global_batch_size": self.config.global_batch_size, "num_examples": len(self._costs)}
+        if self._decides:
+            state["policy"] = self._policy.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping) -> None:
         kept = {**state, "shuffle": state.get("shuffle", self.config.shuffle)}  # older checkpoints lack it
@@ -613,9 +555,12 @@ class Balancer:
                 raise ValueError(f"hsync.Balancer: the checkpoint has {key} {kept[key]}, this run {ours}: "
                                  "it was written for other data or another batch")
         self.epoch, self._step_in_epoch = state["epoch"], state["step_in_epoch"]
-        self.global_step = self._first_step = state["global_step"]
-        self._adopted, self._measured, self._decided_at, self._decisions, self._previous = [], [], -1, 0, None
-        self._required_gain = self.config.min_gain
+        self.global_step = state["global_step"]
+        self._policy = Policy(self._policy_config(), first_step=self.global_step)
+        policy = state.get("policy")
+        if policy is not None and policy["world_size"] == self.world_size and self._decides:
+            self._policy.load_state_dict(policy, first_step=self.global_step)
+        self._previous = None
         self._pending.clear()
 
     # -- set-up ------------------------------------------------------------------------------------

@@ -121,10 +121,10 @@ class Policy:
         models = proportional_costs(weights)
         return [RankCost(c.fixed_s, c.per_unit_s, cap) for c, cap in zip(models, caps, strict=True)]
 
-    @property
-    def adopted(self) -> bool:
-        """Whether a plan has been decided (before: warm-up and probes)."""
-        return bool(self._plans)
+    def plan_for(self, step: int) -> list[RankCost] | None:
+        """The cost models of the plan adopted for `step`; None before the first decision."""
+        index = self._plan_index(step)
+        return self._plans[index].models if index >= 0 else None
 
     def _plan_index(self, step: int) -> int:
         for i in range(len(self._plans) - 1, -1, -1):

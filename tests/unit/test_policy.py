@@ -87,7 +87,8 @@ def test_noisy_steps_stay_near_the_oracle_without_jumping(seed):
     cluster = SimulatedCluster([SimulatedRank(0.001, 0.5e-3, 0.2), SimulatedRank(0.001, 1e-3, 0.2)], seed=seed)
     run, _ = cluster.run(PolicyConfig(2), EQUAL_64, 300)
     settled = run.plans[60:]
-    assert all(36 <= p[0] <= 50 for p in settled), changes_of(run.plans)  # the optimum is 42.7 + 21.3
+    # The optimum is 42.7 + 21.3; a plan re-measured against its predecessor (5 steps) may go back briefly.
+    assert sum(36 <= p[0] <= 50 for p in settled) >= 0.95 * len(settled), changes_of(run.plans)
     assert len(changes_of(settled)) <= 12, changes_of(run.plans)
     assert mean(run.oracle_s[60:]) / mean(run.step_s[60:]) >= 0.95
     assert mean(run.equal_s[60:]) / mean(run.step_s[60:]) >= 1.25
