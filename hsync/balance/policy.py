@@ -52,6 +52,7 @@ _PROBE_DELTA = 0.5
 _QUORUM = 5  # steps whose median is a measurement: two stragglers among them move nothing
 _FIXED_SHARE = 0.5  # the most of a rank's recent step time its fixed cost may be
 _SIZE_SPREAD = 0.1  # sizes spread less than this (relative) cannot place an intercept
+_SURPRISE = 0.1  # a step this much slower or faster than its model says: not the model's own error
 _MOST_GAIN = 0.5  # the required gain doubles after each plan that measured worse, up to this
 
 
@@ -99,7 +100,6 @@ class Policy:
         self._rows = 0  # measurements recorded; the newest is at (rows - 1) % history
         self._fixed = np.zeros(world)  # each rank's fixed cost, as last determined (Note [Robust fit])
         self._reference: tuple[np.ndarray, np.ndarray] | None = None  # the models of the last decision
-        self._reference_from = -1  # the first step of the window they were fitted on
         self._window_from = 0  # the first step of the window the models are fitted on
         self._regime_from = 0  # the first step since the last change: older steps place no intercept
 
@@ -173,15 +173,17 @@ class Policy:
 
     def _changed(self, step: int) -> bool:
         """Whether some rank's last _QUORUM steps all stray from its model, the same way, by more than the
-        required gain: it slowed down or sped up. The window of the next fit starts with them."""
-        if self._reference is None or self._rows < _QUORUM or self._reference_from < self._plans[-1].first_step:
-            return False  # the models of the last decision were not fitted on the plan in force
+        surprise threshold: it slowed down or sped up. The window of the next fit starts with them."""
+        if self._reference is None or self._rows < _QUORUM:
+            return False
         units, busy, steps = self._history()
         units, busy, steps = units[-_QUORUM:], busy[-_QUORUM:], steps[-_QUORUM:]
         fixed, per_unit = self._reference
         valid = (units > 0) & (busy > 0)
         stray = np.where(valid, busy / (fixed + units * per_unit) - 1, 0.0)
-        limit = self._gain()
+        if not np.any(np.abs(stray) > _SURPRISE):
+            return False  # within the least threshold: no need to measure the noise
+        limit = self._surprise()
         changed = bool(np.any(np.all(valid & (stray > limit), axis=0) | np.all(valid & (stray < -limit), axis=0)))
         if changed:
             self._window_from = self._regime_from = int(steps[0])
@@ -196,7 +198,7 @@ class Policy:
         self._decided_at = step
         self.decisions += 1
         fixed, per_unit = lines
-        self._reference, self._reference_from = lines, self._window_from
+        self._reference = lines
         effective = max(step + 1, first_free_step)
         candidate = [RankCost(float(f), float(p), float(c)) for f, p, c in zip(fixed, per_unit, caps, strict=True)]
         if not self._plans:
@@ -209,7 +211,7 @@ class Policy:
         if (not current.checked and current.predicted is not None and len(current.times) >= _QUORUM
                 and len(self._plans) >= 2):
             current.checked = True
-            if _median(current.times) > (1 + self._gain()) * current.predicted:
+            if _median(current.times) > (1 + self._surprise()) * current.predicted:
                 # Slower than predicted: re-measure the plan it replaced, back to back with it.
                 self._adopt(effective, self._plans[-2].models, checked=True, trial_of=len(self._plans) - 1)
                 return
@@ -246,6 +248,11 @@ class Policy:
             return self._required_gain
         low, middle, high = np.percentile(times, [25, 50, 75])
         return max(self._required_gain, 1.9 * (high - low) / middle / math.sqrt(len(times)))
+
+    def _surprise(self) -> float:
+        """How far measurements must stray from a prediction to show the models wrong: twice the required gain,
+        and at least _SURPRISE, which the models' own error at a new operating point stays below."""
+        return max(_SURPRISE, 2 * self._gain())
 
     def _window_times(self) -> np.ndarray:
         """The step times (the slowest rank's) of the window: the steps since the plan in force, or a change,
@@ -306,7 +313,6 @@ class Policy:
             "units": self._units[rows].tolist(), "busy": self._busy[rows].tolist(), "steps": self._steps[rows].tolist(),
             "fixed": self._fixed.tolist(),
             "reference": None if self._reference is None else [a.tolist() for a in self._reference],
-            "reference_from": self._reference_from,
             "window_from": self._window_from, "regime_from": self._regime_from,
         }
 
@@ -332,7 +338,6 @@ class Policy:
         self._steps[:count] = state["steps"]
         self._fixed = np.asarray(state["fixed"], dtype=np.float64)
         self._reference = None if state["reference"] is None else tuple(np.asarray(a) for a in state["reference"])
-        self._reference_from = state["reference_from"]
         self._window_from, self._regime_from = state["window_from"], state["regime_from"]
 
 

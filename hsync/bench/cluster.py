@@ -4,6 +4,7 @@ Each rank's step takes fixed + units * per_unit seconds, times its noise, and lo
 step; a rank may slow down (or speed up) from a given step on; its memory caps a micro-batch. The
 policy (hsync.balance.policy) sees what a Balancer would: each rank's busy time and units of work per
 step. The step's wall time adds the gradient all-reduce, from a ring model (Note [Ring all-reduce]).
+`python -m hsync.bench --simulate-cluster` runs it at 8 to 1,024 ranks (simulate_cluster).
 """
 
 from __future__ import annotations
@@ -143,3 +144,146 @@ class SimulatedCluster:
 def _padded_units(share_costs: list[float], cap: float) -> float:
     ordered = sorted(share_costs, reverse=True)
     return float(sum((b - a) * ordered[a] for a, b in micro_batches(ordered, cap)))
+
+
+# -- a cluster of mixed GPUs, at several sizes ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class GpuType:
+    """A kind of GPU, by its published single-GPU training throughput (docs/../benchmarks/simulated-cluster.md)."""
+
+    name: str
+    examples_per_s: float
+    """ResNet-50 training images per second, one GPU, mixed precision."""
+    memory_gib: float
+
+
+# Published ResNet-50 v1.5 training throughputs, one GPU, mixed precision, batch 256 where stated: NVIDIA's
+# DeepLearningExamples (A100, V100) and Lambda's benchmarks scaled to them (RTX 3090, A10); the sources are
+# in benchmarks/simulated-cluster.md.
+GPU_MIX = (GpuType("A100-80GB", 2470.0, 80.0), GpuType("V100-16GB", 1200.0, 16.0), GpuType("V100-32GB", 1156.0, 32.0),
+           GpuType("RTX-3090", 905.0 * 1200 / 833, 24.0), GpuType("A10", 638.0 * 1200 / 833, 24.0))
+_IMAGES_PER_GIB = 12.0  # ResNet-50 with mixed precision: about 256 images in 16 GiB, with room to spare
+
+
+# Note [Ring all-reduce]
+# A ring all-reduce of n bytes over w ranks takes 2 (w - 1) steps, each sending n / w over every link at
+# once: 2 (w - 1) latencies, and 2 (w - 1) / w of the data over the slowest link, NVLink-class within a
+# node, the network once the ring leaves it. The step adds it whole, for every split alike (DDP overlaps
+# part of it with the backward; what it cannot hide is what a step waits for).
+
+
+def ring_allreduce_s(nbytes: float, world: int, per_node: int = 8, latency_s: float = 10e-6,
+                     intra_gbps: float = 100.0, inter_gbps: float = 12.5) -> float:
+    """Seconds to all-reduce `nbytes` over `world` ranks in nodes of `per_node` (Note [Ring all-reduce]);
+    bandwidths in GB/s."""
+    if world == 1:
+        return 0.0
+    bandwidth = (intra_gbps if world <= per_node else inter_gbps) * 1e9
+    return 2 * (world - 1) * latency_s + 2 * (world - 1) / world * nbytes / bandwidth
+
+
+@dataclass(frozen=True)
+class ClusterScenario:
+    """What --simulate-cluster runs at each size (the assumptions its results page states)."""
+
+    examples_per_rank: int = 16
+    """The global batch is this many examples per rank."""
+    steps: int = 300
+    """Steps simulated per size."""
+    warmup_steps: int = 40
+    """Steps left out of the means: warm-up, probes and the first plans."""
+    fixed_s: tuple[float, float] = (0.004, 0.010)
+    """Each rank's fixed cost per step is drawn from this range (optimizer, launches)."""
+    noise: float = 0.03
+    """Relative spread of every step's time (lognormal sigma)."""
+    straggler_rate: float = 0.0005
+    """Chance that a rank's step straggles (3x as long): at 1,024 ranks, four steps in ten have one."""
+    slowdown_step: int = 150
+    """At this step one rank in a hundred (at least one) becomes twice as slow (throttling)."""
+    gradient_bytes: float = 25.6e6 * 2
+    """ResNet-50's gradients in bf16: what every step all-reduces."""
+    seed: int = 0
+
+
+def simulate_size(world: int, scenario: ClusterScenario = ClusterScenario()) -> dict:
+    """One size of the simulated cluster: hsync's policy against the oracle's and DDP's equal split."""
+    rng = np.random.default_rng(scenario.seed + world)
+    kinds = [GPU_MIX[i] for i in rng.integers(len(GPU_MIX), size=world)]
+    ranks = [SimulatedRank(float(rng.uniform(*scenario.fixed_s)), 1.0 / kind.examples_per_s, scenario.noise,
+                           kind.memory_gib * _IMAGES_PER_GIB) for kind in kinds]
+    slowed = sorted(rng.choice(world, size=max(1, world // 100), replace=False).tolist())
+    cluster = SimulatedCluster(ranks, [SpeedChange(scenario.slowdown_step, r, 2.0) for r in slowed],
+                               straggler_rate=scenario.straggler_rate,
+                               allreduce_s=ring_allreduce_s(scenario.gradient_bytes, world), seed=scenario.seed)
+    costs = [1.0] * (scenario.examples_per_rank * world)
+    run, _ = cluster.run(PolicyConfig(world), costs, scenario.steps)
+    steady = slice(scenario.warmup_steps, None)
+    after = scenario.slowdown_step
+    # Steps to adapt: from the change until hsync's steps are back within 5% of the oracle's, five in a row.
+    within = [run.step_s[s] <= 1.05 * run.oracle_s[s] for s in range(after, scenario.steps)]
+    adapt = next((i for i in range(len(within) - 4) if all(within[i:i + 5])), None)
+    def mean_ms(times: list[float]) -> float:
+        return 1e3 * float(np.mean(times[steady]))
+
+    return {"ranks": world, "gpus": {k.name: sum(1 for x in kinds if x is k) for k in GPU_MIX},
+            "hsync_ms": mean_ms(run.step_s), "oracle_ms": mean_ms(run.oracle_s), "equal_ms": mean_ms(run.equal_s),
+            "allreduce_ms": 1e3 * cluster.allreduce_s,
+            "steps_to_adapt": adapt, "planner_ms": 1e3 * float(np.mean(run.planner_s[steady])),
+            "planner_max_ms": 1e3 * float(np.max(run.planner_s[steady]))}
+
+
+def simulate_cluster(sizes: Sequence[int] = (8, 64, 256, 1024), scenario: ClusterScenario = ClusterScenario(),
+                     markdown: str | None = None, plot: str | None = None, json_path: str | None = None) -> list[dict]:
+    """Every size, printed as a table, and written where asked."""
+    rows = []
+    for world in sizes:
+        rows.append(simulate_size(world, scenario))
+        row = rows[-1]
+        print(f"{world:5d} ranks: hsync {row['hsync_ms']:7.2f} ms, oracle {row['oracle_ms']:7.2f} ms "
+              f"({row['oracle_ms'] / row['hsync_ms']:.1%} of it), equal split {row['equal_ms']:7.2f} ms "
+              f"({row['equal_ms'] / row['hsync_ms']:.2f}x), adapted in {row['steps_to_adapt']} steps, "
+              f"planner {row['planner_ms']:.2f} ms/step (max {row['planner_max_ms']:.2f})", flush=True)
+    if json_path:
+        import json
+
+        with open(json_path, "w") as f:
+            json.dump({"scenario": scenario.__dict__, "rows": rows}, f, indent=1)
+    if plot:
+        _plot(rows, plot)
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(_table(rows))
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    lines = ["| ranks | GPUs | hsync (ms) | oracle (ms) | hsync vs oracle | equal split (ms) | equal / hsync | "
+             "all-reduce (ms) | steps to adapt | planner (ms/step, max) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        gpus = ", ".join(f"{n} {name}" for name, n in r["gpus"].items() if n)
+        lines.append(f"| {r['ranks']} | {gpus} | {r['hsync_ms']:.2f} | {r['oracle_ms']:.2f} | "
+                     f"{r['oracle_ms'] / r['hsync_ms']:.1%} | {r['equal_ms']:.2f} | "
+                     f"{r['equal_ms'] / r['hsync_ms']:.2f}x | {r['allreduce_ms']:.2f} | {r['steps_to_adapt']} | "
+                     f"{r['planner_ms']:.2f} ({r['planner_max_ms']:.2f}) |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = [r["ranks"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("equal_ms", "equal split (DDP)"), ("hsync_ms", "hsync"), ("oracle_ms", "oracle split")):
+        ax.plot(ranks, [r[key] for r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("mean step time (ms)")
+    ax.set_title("Simulated mixed-GPU cluster (ResNet-50, 16 images per rank)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

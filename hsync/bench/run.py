@@ -125,7 +125,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG of the step times here")
     parser.add_argument("--markdown", help="write a results page (command, environment, table, plot) here")
+    parser.add_argument("--simulate-cluster", nargs="*", type=int, metavar="RANKS",
+                        help="instead of the rows: the balancer's policy on simulated clusters of mixed GPUs of these "
+                             "sizes (default 8 64 256 1024), against the oracle and the equal split; no process is "
+                             "spawned (hsync/bench/cluster.py)")
     args = parser.parse_args(argv)
+    if args.simulate_cluster is not None:
+        sizes = args.simulate_cluster or [8, 64, 256, 1024]
+        if any(n < 2 for n in sizes):
+            parser.error(f"--simulate-cluster: every size must be at least 2 ranks, got {sizes}")
+        from hsync.bench.cluster import simulate_cluster
+
+        simulate_cluster(sizes, markdown=args.markdown, plot=args.plot, json_path=args.json)
+        return
     for flag in ("world_size", "rounds", "steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")

@@ -76,3 +76,20 @@ def test_cuda_rows_that_need_more_ranks_than_gpus_are_refused_in_one_line(capsys
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.endswith("--device cuda: each rank needs a GPU of its own (1 visible), but these rows need "
                           "more ranks: mixed-speeds-2x (2); lower --world-size or choose rows with --only"), error
+
+
+def test_simulate_cluster_writes_its_table_plot_and_json(tmp_path, capsys):
+    page, plot, data = tmp_path / "t.md", tmp_path / "p.png", tmp_path / "r.json"
+    main(["--simulate-cluster", "8", "--markdown", str(page), "--plot", str(plot), "--json", str(data)])
+    import json
+
+    (row,) = json.loads(data.read_text())["rows"]
+    assert row["ranks"] == 8 and row["oracle_ms"] <= row["hsync_ms"] < row["equal_ms"]
+    assert row["oracle_ms"] / row["hsync_ms"] >= 0.95, row
+    assert page.read_text().count("\n| 8 |") == 1 and plot.stat().st_size > 0
+    assert "8 ranks: hsync" in capsys.readouterr().out
+
+
+def test_simulate_cluster_refuses_a_single_rank():
+    with pytest.raises(SystemExit):
+        main(["--simulate-cluster", "1"])

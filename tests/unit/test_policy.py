@@ -74,10 +74,13 @@ class Contended(SimulatedCluster):
 
 def test_a_plan_slower_than_predicted_is_re_measured_against_its_predecessor_and_undone():
     # Each retry must promise twice the gain of the one before, until none does.
+    # The probes ran contended, so the models fitted on them overestimate the equal split's steps: measured,
+    # those stray from them at once, and the models are fitted again on the equal split's own steps.
     run, _ = Contended(1.6, seed=5).run(PolicyConfig(2, replan_every=10), EQUAL_64, 120)
-    assert run.plans[12:22] == [[32, 32]] * 10 and run.plans[22] != [32, 32], changes_of(run.plans)
-    undone = next(s for s in range(23, 80) if run.plans[s] == [32, 32])
-    assert undone <= 22 + 10, changes_of(run.plans)  # at the first decision after its first measured steps
+    assert run.plans[12] == [32, 32], changes_of(run.plans)
+    moved = next(s for s in range(13, 120) if run.plans[s] != [32, 32])
+    undone = next(s for s in range(moved, 120) if run.plans[s] == [32, 32])
+    assert undone <= moved + 10, changes_of(run.plans)  # at the first decision after its first measured steps
     assert all(p == [32, 32] for p in run.plans[-10:]), changes_of(run.plans)
 
 
