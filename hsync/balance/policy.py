@@ -331,11 +331,11 @@ class Policy:
                 plan.trial_of = None
         self._decided_at, self.decisions = state["decided_at"], state["decisions"]
         self._required_gain = state["required_gain"]
-        count = len(state["steps"])
+        count = min(len(state["steps"]), len(self._steps))  # a shorter history (replan_every changed) keeps the last
         self._rows = count
-        self._units[:count], self._busy[:count] = np.asarray(state["units"]).reshape(count, -1), np.asarray(
-            state["busy"]).reshape(count, -1)
-        self._steps[:count] = state["steps"]
+        for ours, theirs in ((self._units, state["units"]), (self._busy, state["busy"]), (self._steps, state["steps"])):
+            if count:
+                ours[:count] = np.asarray(theirs[len(theirs) - count:])
         self._fixed = np.asarray(state["fixed"], dtype=np.float64)
         self._reference = None if state["reference"] is None else tuple(np.asarray(a) for a in state["reference"])
         self._window_from, self._regime_from = state["window_from"], state["regime_from"]
