@@ -3,6 +3,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
+#include <sstream>
 #include <stdexcept>
 
 #include "split_search.h"
@@ -19,10 +21,23 @@ std::vector<int64_t> shortest_split(const Doubles& ordered, const Doubles& fixed
   if (per_unit_s.size() != world || micro_cap.size() != world || ordered.ndim() != 1) {
     throw std::invalid_argument("hsync._planner.shortest_split: one fixed_s, per_unit_s and micro_cap per rank");
   }
+  if (world == 0) throw std::invalid_argument("cannot split a step among zero ranks");
   std::vector<double> costs(ordered.data(), ordered.data() + ordered.size());
+  for (double cost : costs) {
+    if (!(cost > 0) || std::isinf(cost)) throw std::invalid_argument("every example needs a finite positive cost");
+  }
   std::vector<hsync::planner::RankCost> ranks;
   ranks.reserve(world);
-  for (py::ssize_t r = 0; r < world; ++r) ranks.push_back({fixed_s.at(r), per_unit_s.at(r), micro_cap.at(r)});
+  for (py::ssize_t r = 0; r < world; ++r) {
+    const hsync::planner::RankCost rank{fixed_s.at(r), per_unit_s.at(r), micro_cap.at(r)};
+    if (!(rank.fixed_s >= 0 && rank.per_unit_s > 0 && rank.micro_cap > 0) || std::isinf(rank.per_unit_s)) {
+      std::ostringstream message;
+      message << "rank " << r << ": a cost model needs fixed_s >= 0, 0 < per_unit_s < inf and micro_cap > 0, got "
+              << "fixed_s=" << rank.fixed_s << ", per_unit_s=" << rank.per_unit_s << ", micro_cap=" << rank.micro_cap;
+      throw std::invalid_argument(message.str());
+    }
+    ranks.push_back(rank);
+  }
   py::gil_scoped_release release;
   return hsync::planner::shortest_split(costs, ranks);
 }

@@ -71,15 +71,7 @@ def split_step(costs: Sequence[float], ranks: Sequence[RankCost]) -> list[list[i
     equal costs this is optimal among all splits; with lengths, among splits into such runs in rank
     order. Every rank gets at least one example while there are enough. The search is compiled
     (csrc/planner/, Note [Split search]): 1,024 ranks x 8 examples split in about a millisecond."""
-    if not ranks:
-        raise ValueError("cannot split a step among zero ranks")
-    for r, rank in enumerate(ranks):
-        if not (rank.fixed_s >= 0 and rank.per_unit_s > 0 and rank.micro_cap > 0) or math.isinf(rank.per_unit_s):
-            raise ValueError(f"rank {r}: a cost model needs fixed_s >= 0, 0 < per_unit_s < inf and micro_cap > 0, "
-                             f"got {rank}")
-    values = np.asarray(costs, dtype=np.float64)
-    if not np.all((values > 0) & np.isfinite(values)):
-        raise ValueError("every example needs a finite positive cost")
+    values = np.asarray(costs, dtype=np.float64)  # the compiled search checks the costs and the models
     order = np.argsort(-values, kind="stable")
     starts = _planner.shortest_split(values[order], [r.fixed_s for r in ranks], [r.per_unit_s for r in ranks],
                                      [r.micro_cap for r in ranks])

@@ -79,7 +79,7 @@ class _Plan:
     predicted: float | None = None  # its step time, as predicted when it was adopted
     times: list[float] = field(default_factory=list)  # its full steps' measured times (the slowest rank's)
     checked: bool = False  # whether its first steps were compared with the prediction
-    trial_of: int | None = None  # the plan it re-measures against (index), while it is a trial
+    trial_of: _Plan | None = None  # the plan it re-measures against, while it is a trial
 
 
 class Policy:
@@ -145,7 +145,9 @@ class Policy:
         self._rows += 1
         index = self._plan_index(step)
         if index >= 0 and full and bool(np.all(busy_now > 0)):
-            self._plans[index].times.append(float(busy_now.max()))  # the step took as long as its slowest rank
+            times = self._plans[index].times
+            times.append(float(busy_now.max()))  # the step took as long as its slowest rank
+            del times[:-self.config.replan_every]  # a plan is judged on its recent steps
 
     def _history(self, since: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(units, busy, steps) of the recorded measurements, oldest first; from step `since` on, or the last
@@ -192,13 +194,16 @@ class Policy:
     def decide(self, step: int, costs: Sequence[float], first_free_step: int, caps: Sequence[float]) -> None:
         """Weighs the measurements after `step` and adopts a plan for the steps from `first_free_step` on (the
         first one no rank has split yet), with these per-rank micro-batch caps; `costs` are a full step's."""
-        lines = self.fit()
-        if lines is None or not costs:
+        fitted = self._fit()
+        if fitted is None or not costs:
             return  # a rank has no measurement yet: decide at a later step
         self._decided_at = step
         self.decisions += 1
-        fixed, per_unit = lines
-        self._reference = lines
+        # Every step split or measured from now on is `step` or later: plans in force only before it go.
+        while len(self._plans) > 2 and self._plans[1].first_step <= step:
+            del self._plans[0]
+        self._fixed, fixed, per_unit = fitted
+        self._reference = (fixed, per_unit)
         effective = max(step + 1, first_free_step)
         candidate = [RankCost(float(f), float(p), float(c)) for f, p, c in zip(fixed, per_unit, caps, strict=True)]
         if not self._plans:
@@ -213,7 +218,7 @@ class Policy:
             current.checked = True
             if _median(current.times) > (1 + self._surprise()) * current.predicted:
                 # Slower than predicted: re-measure the plan it replaced, back to back with it.
-                self._adopt(effective, self._plans[-2].models, checked=True, trial_of=len(self._plans) - 1)
+                self._adopt(effective, self._plans[-2].models, checked=True, trial_of=current)
                 return
         new_time = step_time(costs, split_step(costs, candidate), candidate)
         old_time = step_time(costs, split_step(costs, current.models), candidate)
@@ -227,8 +232,7 @@ class Policy:
     def _end_trial(self, effective: int) -> None:
         """The faster of a trial and the plan it re-measured against stays (Note [Balancing policy])."""
         trial = self._plans[-1]
-        challenged = self._plans[trial.trial_of]
-        trial.trial_of = None
+        challenged, trial.trial_of = trial.trial_of, None
         if len(trial.times) >= _QUORUM and len(challenged.times) >= _QUORUM and (
                 (1 + self._gain()) * _median(trial.times[-_QUORUM:]) < _median(challenged.times[-_QUORUM:])):
             self._required_gain = min(_MOST_GAIN, 2 * self._required_gain)  # the move was wrong: be warier
@@ -236,7 +240,7 @@ class Policy:
             self._adopt(effective, challenged.models, checked=True)
 
     def _adopt(self, first_step: int, models: list[RankCost], predicted: float | None = None, checked: bool = False,
-               trial_of: int | None = None) -> None:
+               trial_of: _Plan | None = None) -> None:
         self._plans.append(_Plan(first_step, models, predicted, checked=checked, trial_of=trial_of))
         self._window_from = first_step
 
@@ -264,7 +268,13 @@ class Policy:
 
     def fit(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Each rank's (fixed, per_unit) as its measurements fit them now (Note [Robust fit]); None while a rank
-        has fewer than a quorum of measurements."""
+        has fewer than a quorum of measurements. Changes nothing: a rank that reports it (rank 0's log) takes
+        the same decisions as one that does not."""
+        fitted = self._fit()
+        return None if fitted is None else fitted[1:]
+
+    def _fit(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """fit(), with first the fixed costs to remember (where the sizes placed an intercept, the new one)."""
         units, busy, steps = self._history()
         valid = (units > 0) & (busy > 0)
         if len(steps) == 0 or np.any(valid.sum(axis=0) < _QUORUM):
@@ -290,12 +300,12 @@ class Policy:
         w_valid = (w_units > 0) & (w_busy > 0)
         recent_busy = _column_medians(w_busy, w_valid, fallback=everywhere_busy)
         ceiling = _FIXED_SHARE * recent_busy
-        self._fixed = np.where(placed, np.clip(mean_busy - slope * mean_units, 0.0, ceiling), self._fixed)
-        fixed = np.minimum(self._fixed, ceiling)
+        remembered = np.where(placed, np.clip(mean_busy - slope * mean_units, 0.0, ceiling), self._fixed)
+        fixed = np.minimum(remembered, ceiling)
         per_unit = _column_medians(_ratio(w_busy - fixed, w_units, w_valid), w_valid, fallback=everywhere_rate)
         # Positive whatever the noise: at least a small share of the plain time per unit.
         plain = _column_medians(_ratio(w_busy, w_units, w_valid), w_valid, fallback=everywhere_rate)
-        return fixed, np.maximum(per_unit, 1e-3 * plain)
+        return remembered, fixed, np.maximum(per_unit, 1e-3 * plain)
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -303,12 +313,14 @@ class Policy:
         """The plans, measurements and fits: plain values, for a checkpoint loaded with weights_only."""
         count = min(self._rows, len(self._steps))
         rows = (np.arange(self._rows - count, self._rows) % len(self._steps)).tolist()
+        def index(plan: _Plan | None) -> int | None:
+            return next((i for i, p in enumerate(self._plans) if p is plan), None)
+
         return {
             "world_size": self.config.world_size,
             "plans": [{"first_step": p.first_step, "models": [[m.fixed_s, m.per_unit_s, m.micro_cap] for m in p.models],
-                       "predicted": p.predicted, "times": p.times[-self.config.replan_every:], "checked": p.checked,
-                       "trial_of": p.trial_of} for p in self._plans[-3:]],
-            "plans_before": max(0, len(self._plans) - 3),
+                       "predicted": p.predicted, "times": list(p.times), "checked": p.checked,
+                       "trial_of": index(p.trial_of)} for p in self._plans],
             "decided_at": self._decided_at, "decisions": self.decisions, "required_gain": self._required_gain,
             "units": self._units[rows].tolist(), "busy": self._busy[rows].tolist(), "steps": self._steps[rows].tolist(),
             "fixed": self._fixed.tolist(),
@@ -322,13 +334,10 @@ class Policy:
         if state["world_size"] != self.config.world_size:
             raise ValueError(f"a policy of {state['world_size']} ranks cannot go on with {self.config.world_size}")
         self.first_step = first_step
-        shift = state["plans_before"]  # plans older than the last three are dropped; trial_of counts them
         self._plans = [_Plan(p["first_step"], [RankCost(*m) for m in p["models"]], p["predicted"], list(p["times"]),
-                             p["checked"], None if p["trial_of"] is None else p["trial_of"] - shift)
-                       for p in state["plans"]]
-        for plan in self._plans:
-            if plan.trial_of is not None and plan.trial_of < 0:
-                plan.trial_of = None
+                             p["checked"]) for p in state["plans"]]
+        for plan, saved in zip(self._plans, state["plans"], strict=True):
+            plan.trial_of = None if saved["trial_of"] is None else self._plans[saved["trial_of"]]
         self._decided_at, self.decisions = state["decided_at"], state["decisions"]
         self._required_gain = state["required_gain"]
         count = min(len(state["steps"]), len(self._steps))  # a shorter history (replan_every changed) keeps the last

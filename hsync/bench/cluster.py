@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hsync.balance.planner import RankCost, micro_batches, split_proportionally, split_step
+from hsync.balance.planner import RankCost, padded_units, split_proportionally, split_step
 from hsync.balance.policy import Policy, PolicyConfig
 
 
@@ -142,8 +142,7 @@ class SimulatedCluster:
 
 
 def _padded_units(share_costs: list[float], cap: float) -> float:
-    ordered = sorted(share_costs, reverse=True)
-    return float(sum((b - a) * ordered[a] for a, b in micro_batches(ordered, cap)))
+    return float(padded_units(sorted(share_costs, reverse=True), cap))
 
 
 # -- a cluster of mixed GPUs, at several sizes ---------------------------------------------------------
