@@ -16,13 +16,13 @@ Like is compared with like. Both plans are judged by the same fitted models, of 
 window: a plan measured before a rank slowed down is never weighed against one measured after. The
 models (Note [Robust fit]) pass through each rank's recent operating point, so that a plan is only as
 wrong as the local slope, and plans converge on the split whose steps measure equal. The required
-gain is min_gain or, if larger, the noise of the median step time measured under the plan in force:
-equal ranks keep an equal split, and a single slow step (a straggler) moves nothing, as medians
-ignore it.
+gain is min_gain or, if larger, the noise of the median step time measured under the plan in force
+(over a window of ten steps or more, so that a change does not pass for noise): equal ranks keep an
+equal split, and a single slow step (a straggler) moves nothing, as medians ignore it.
 
 Predictions can still be wrong where ranks share a machine: moving work from one rank to another then
-slows both. A plan whose first steps measure slower than predicted (by more than the required gain)
-is therefore re-measured against the plan it replaced, back to back: the predecessor runs again for
+slows both. A plan whose first steps measure slower than predicted (by more than twice the required gain, and
+at least 10%) is therefore re-measured against the plan it replaced, back to back: the predecessor runs again for
 as many steps, the faster of the two stays, and if that was the predecessor, the next move must
 promise twice the gain.
 
@@ -102,6 +102,7 @@ class Policy:
         self._reference: tuple[np.ndarray, np.ndarray] | None = None  # the models of the last decision
         self._window_from = 0  # the first step of the window the models are fitted on
         self._regime_from = 0  # the first step since the last change: older steps place no intercept
+        self._noise = 0.0  # the noise of a window's median step time, as last measured (_measure_noise)
 
     # -- what runs ---------------------------------------------------------------------------------
 
@@ -204,6 +205,7 @@ class Policy:
             del self._plans[0]
         self._fixed, fixed, per_unit = fitted
         self._reference = (fixed, per_unit)
+        self._measure_noise()
         effective = max(step + 1, first_free_step)
         candidate = [RankCost(float(f), float(p), float(c)) for f, p, c in zip(fixed, per_unit, caps, strict=True)]
         if not self._plans:
@@ -245,13 +247,17 @@ class Policy:
         self._window_from = first_step
 
     def _gain(self) -> float:
-        """The gain a new plan must promise: min_gain (more after a wrong move), or, if larger, the noise of the
-        median step time over the window (twice its standard error, from the spread between its steps)."""
+        """The gain a new plan must promise: min_gain (more after a wrong move), or the noise if larger."""
+        return max(self._required_gain, self._noise)
+
+    def _measure_noise(self) -> None:
+        """The noise of the median step time over the window (twice its standard error, from the spread between
+        its steps), when the window is long enough to tell: a window just after a change keeps the noise
+        measured before it, which the change itself would inflate."""
         times = self._window_times()
-        if len(times) < _QUORUM:
-            return self._required_gain
-        low, middle, high = np.percentile(times, [25, 50, 75])
-        return max(self._required_gain, 1.9 * (high - low) / middle / math.sqrt(len(times)))
+        if len(times) >= 2 * _QUORUM:
+            low, middle, high = np.percentile(times, [25, 50, 75])
+            self._noise = 1.9 * (high - low) / middle / math.sqrt(len(times))
 
     def _surprise(self) -> float:
         """How far measurements must stray from a prediction to show the models wrong: twice the required gain,
@@ -325,7 +331,7 @@ class Policy:
             "units": self._units[rows].tolist(), "busy": self._busy[rows].tolist(), "steps": self._steps[rows].tolist(),
             "fixed": self._fixed.tolist(),
             "reference": None if self._reference is None else [a.tolist() for a in self._reference],
-            "window_from": self._window_from, "regime_from": self._regime_from,
+            "window_from": self._window_from, "regime_from": self._regime_from, "noise": self._noise,
         }
 
     def load_state_dict(self, state: dict, first_step: int) -> None:
@@ -348,6 +354,7 @@ class Policy:
         self._fixed = np.asarray(state["fixed"], dtype=np.float64)
         self._reference = None if state["reference"] is None else tuple(np.asarray(a) for a in state["reference"])
         self._window_from, self._regime_from = state["window_from"], state["regime_from"]
+        self._noise = state["noise"]
 
 
 def _median(values: Sequence[float]) -> float:
