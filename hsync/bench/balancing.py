@@ -1,4 +1,5 @@
-"""Mixed-speed rows: hsync.Balancer against DDP's equal batches, ranks slowed by a known factor."""
+"""Mixed-speed rows: hsync.Balancer against DDP's equal batches, ranks slowed by a known factor or by real
+compute (a rank that runs its model twice)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -154,3 +156,100 @@ def _mixed_speeds(name: str, device: torch.device, slowdowns: list[float], round
     fastest = min(c.per_unit_s for c in fitted)
     extra |= {f"measured_slowdown_rank{r}": c.per_unit_s / fastest for r, c in enumerate(fitted)}
     return Result(name, hs, dd, NAN, hs90, dd90, NAN, global_batch, extra=extra)
+
+
+def mixed_compute(name: str, device: torch.device, repeats: list[int], rounds: int, steps: int,
+                  quick: bool) -> Result:
+    """Ranks of really different speed: rank r runs its model `repeats[r]` times per example (each on a
+    core of its own where the machine has one per rank, so that nothing but compute differs), with the
+    noise real compute has. hsync.Balancer planning from its measurements against DDP's equal batches and
+    against a sweep of fixed splits measured in the same rounds; the fastest fixed split is the oracle.
+    Samples per second; rounds of every variant alternate."""
+    with core_per_rank(device) as pinned:
+        result = _mixed_compute(name, device, repeats, rounds, steps, quick)
+    result.extra["core_per_rank"] = float(pinned)
+    return result
+
+
+def _mixed_compute(name: str, device: torch.device, repeats: list[int], rounds: int, steps: int,
+                   quick: bool) -> Result:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if len(repeats) != world or world != 2:
+        raise ValueError(f"{name}: a sweep of fixed splits needs two ranks, got repeats {repeats} for {world}")
+    hidden, layers, batch, seq = (32, 1, 4, 32) if quick else (128, 2, 32, 64)
+    workload = bert_workload("mixed", hidden, layers, batch, seq, device)
+    global_batch = workload.samples * world
+    pool = masked_batch(torch.Generator().manual_seed(0), 8 * global_batch, seq, 8000, device)
+    no_buffer_sync = {"forward_sync_buffers" if DDP_DEPRECATES_BROADCAST_BUFFERS else "broadcast_buffers": False}
+    models = {}
+    for kind in ("hsync", "fixed"):
+        torch.manual_seed(0)
+        models[kind] = hsync.WeightedDDP(workload.make_model(), **no_buffer_sync)
+    torch.manual_seed(0)
+    models["ddp"] = DistributedDataParallel(workload.make_model(), **no_buffer_sync)
+    optimizers = {kind: torch.optim.SGD(model.parameters(), lr=1e-4) for kind, model in models.items()}
+    balancer = hsync.Balancer(models["hsync"], len(pool[0]), hsync.BalanceConfig(global_batch_size=global_batch,
+                                                                                replan_every=10))
+
+    def loss_of(model, indices) -> torch.Tensor:
+        batch_of = tuple(t[indices] for t in pool)
+        return sum(workload.loss(model, batch_of) for _ in range(repeats[rank])) / repeats[rank]
+
+    def batches() -> Iterator[list[int]]:
+        while True:
+            yield from balancer
+
+    hsync_batches = batches()
+    cursor = 0
+
+    def hsync_step() -> None:
+        while True:
+            if balancer.backward(loss_of(models["hsync"], next(hsync_batches))) is not None:
+                break
+        optimizers["hsync"].step()
+        optimizers["hsync"].zero_grad()
+
+    def fixed_step(shares: list[int], kind: str) -> None:
+        nonlocal cursor
+        start = (cursor + sum(shares[:rank])) % (len(pool[0]) - global_batch)
+        cursor += global_batch
+        loss = loss_of(models[kind], list(range(start, start + shares[rank])))
+        if kind == "ddp":
+            loss.backward()
+        else:
+            models[kind].backward(loss, weight=shares[rank])
+        optimizers[kind].step()
+        optimizers[kind].zero_grad()
+
+    equal = [global_batch // 2, global_batch - global_batch // 2]
+    sweep = sorted({n for n in range(global_batch // 2, global_batch - 1, max(1, global_batch // 16))})
+    variants: dict[str, Callable[[], None]] = {"hsync": hsync_step, "ddp": partial(fixed_step, equal, "ddp")}
+    variants |= {f"fixed-{n}": partial(fixed_step, [n, global_batch - n], "fixed") for n in sweep}
+
+    def timed(step: Callable[[], None], count: int) -> list[float]:
+        step()  # the switch from the other variant's round
+        times, started = [], time.perf_counter()
+        for _ in range(count):
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            times.append(now - started)
+            started = now
+        return times
+
+    while balancer.decisions < 2:  # warm-up, probes, the equal split measured: plans from here on
+        hsync_step()
+    times: dict[str, list[float]] = {variant: [] for variant in variants}
+    for _ in range(rounds):
+        for variant, step in variants.items():
+            times[variant] += timed(step, steps)
+    med, p90 = slowest_rank_quantiles(times, device)
+    oracle = min((v for v in med if v.startswith("fixed-")), key=lambda v: med[v])
+    hs, dd = med["hsync"], med["ddp"]
+    extra = {"hsync_samples_per_s": global_batch / hs, "ddp_samples_per_s": global_batch / dd,
+             "oracle_samples_per_s": global_batch / med[oracle], "speedup_vs_ddp": dd / hs,
+             "auto_vs_oracle": med[oracle] / hs, "oracle_rank0": float(oracle.removeprefix("fixed-"))}
+    extra |= {f"{v}_samples_per_s": global_batch / med[v] for v in med if v.startswith("fixed-")}
+    extra |= {f"plan_rank{r}": n for r, n in enumerate(balancer.last_plan)}
+    return Result(name, hs, dd, NAN, p90["hsync"], p90["ddp"], NAN, global_batch, extra=extra)

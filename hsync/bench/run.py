@@ -13,7 +13,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from hsync.bench.balancing import mixed_speeds
+from hsync.bench.balancing import mixed_compute, mixed_speeds
 from hsync.bench.comm_path import comm_path
 from hsync.bench.report import environment, report, write_outputs
 from hsync.bench.result import Result
@@ -69,6 +69,8 @@ def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
                             ("equal-speeds-auto", [1.0, 1.0])):
         jobs.append(Job(name, len(slowdowns), partial(mixed_speeds, name, device, slowdowns, args.rounds,
                                                                args.steps, args.quick)))
+    jobs.append(Job("mixed-compute-2x", 2, partial(mixed_compute, "mixed-compute-2x", device, [1, 2], args.rounds,
+                                                   args.steps, args.quick)))
     return [job for job in jobs if not args.only or any(re.search(pattern, job.name) for pattern in args.only)]
 
 

@@ -22,8 +22,8 @@ def test_quick_benchmark_writes_results(tmp_path):
     names = [r["workload"] for r in data["results"]]
     assert names[:2] == ["bert-micro", "gradient-mover-50"]
     assert any(n.startswith("bucket-cap-") for n in names) and any(n.startswith("comm-path-") for n in names)
-    assert names[-3:] == ["mixed-speeds-2x", "equal-speeds-auto", "mixed-speeds-1-1-2-4"], names
-    assert [r["world_size"] for r in data["results"][-3:]] == [2, 2, 4]
+    assert names[-4:] == ["mixed-speeds-2x", "equal-speeds-auto", "mixed-compute-2x", "mixed-speeds-1-1-2-4"], names
+    assert [r["world_size"] for r in data["results"][-4:]] == [2, 2, 2, 4]
     assert "bert-micro-bucket-views" in names
     for r in data["results"]:
         assert r["hsync_step_s"] > 0 and r["ddp_step_s"] > 0
@@ -37,11 +37,17 @@ def test_quick_benchmark_writes_results(tmp_path):
         assert math.isclose(extra["pack_vs_copy"], extra["pack_gb_per_s"] / extra["copy_gb_per_s"]), extra
     # Which rank gets more depends on timings, which this test does not judge (a loaded machine can
     # measure two equal speeds); every plan must still split the whole global batch.
-    for row in data["results"][-3:]:
+    *slowed, compute, four = data["results"][-4:]
+    for row in (*slowed, four):
         extra, ranks = row["extra"], row["world_size"]
         assert sum(extra[f"plan_rank{r}"] for r in range(ranks)) == 4 * ranks, extra
         assert extra["speedup_vs_ddp"] > 0 and extra["ideal_speedup"] >= 1
         assert extra["core_per_rank"] == float(ranks <= len(os.sched_getaffinity(0))), extra
         assert min(extra[f"measured_slowdown_rank{r}"] for r in range(ranks)) == 1.0, extra
+    # Real compute: the sweep of fixed splits ran, and its fastest is the oracle auto is measured against.
+    extra = compute["extra"]
+    sweep = {key: value for key, value in extra.items() if key.startswith("fixed-")}
+    assert len(sweep) >= 2 and extra["oracle_samples_per_s"] == max(sweep.values()), extra
+    assert extra["auto_vs_oracle"] > 0 and extra["plan_rank0"] + extra["plan_rank1"] == 8, extra
     assert png.stat().st_size > 1000
     assert "| workload |" in result.stdout
