@@ -117,16 +117,7 @@ def _mixed_speeds(name: str, device: torch.device, slowdowns: list[float], round
     def timed(step: Callable[[], None], count: int) -> list[float]:
         slowdown = balancer.slowdown if step is hsync_step else ddp_slowdown
         slowdown.restart()  # the other variant's work is no part of this one's first step
-        step()  # the switch from the other variant's round
-        times, started = [], time.perf_counter()
-        for _ in range(count):
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            now = time.perf_counter()
-            times.append(now - started)
-            started = now
-        return times
+        return _timed(step, count, device)
 
     # Warm-up: the balancer's warm-up and probe steps and its measurement of the equal split, until
     # the plan from measurements is in force.
@@ -226,24 +217,12 @@ def _mixed_compute(name: str, device: torch.device, repeats: list[int], rounds: 
     variants: dict[str, Callable[[], None]] = {"hsync": hsync_step, "ddp": partial(fixed_step, equal, "ddp")}
     variants |= {f"fixed-{n}": partial(fixed_step, [n, global_batch - n], "fixed") for n in sweep}
 
-    def timed(step: Callable[[], None], count: int) -> list[float]:
-        step()  # the switch from the other variant's round
-        times, started = [], time.perf_counter()
-        for _ in range(count):
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            now = time.perf_counter()
-            times.append(now - started)
-            started = now
-        return times
-
     while balancer.decisions < 2:  # warm-up, probes, the equal split measured: plans from here on
         hsync_step()
     times: dict[str, list[float]] = {variant: [] for variant in variants}
     for _ in range(rounds):
         for variant, step in variants.items():
-            times[variant] += timed(step, steps)
+            times[variant] += _timed(step, steps, device)
     med, p90 = slowest_rank_quantiles(times, device)
     oracle = min((v for v in med if v.startswith("fixed-")), key=lambda v: med[v])
     hs, dd = med["hsync"], med["ddp"]
@@ -253,3 +232,18 @@ def _mixed_compute(name: str, device: torch.device, repeats: list[int], rounds: 
     extra |= {f"{v}_samples_per_s": global_batch / med[v] for v in med if v.startswith("fixed-")}
     extra |= {f"plan_rank{r}": n for r, n in enumerate(balancer.last_plan)}
     return Result(name, hs, dd, NAN, p90["hsync"], p90["ddp"], NAN, global_batch, extra=extra)
+
+
+def _timed(step: Callable[[], None], count: int, device: torch.device) -> list[float]:
+    """Seconds of each of `count` steps, after one untimed step that carries the switch from another
+    variant's round; on a GPU each step's work is waited for, so that its time is the device's."""
+    step()
+    times, started = [], time.perf_counter()
+    for _ in range(count):
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        times.append(now - started)
+        started = now
+    return times
