@@ -26,5 +26,6 @@ cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release > /dev/null
 cmake --build build/cmake -j 2 --target test_bucket > /dev/null
 ctest --test-dir build/cmake --output-on-failure
 ./scripts/check_oldest_torch.sh
-# Two workers on two cores: a test's ranks wait on rendezvous, peers and deadlines as often as they compute.
-.venv/bin/python -m pytest -n 2 "$@"
+# Two workers on two cores: a test's ranks wait on rendezvous, peers and deadlines as often as they compute;
+# work stealing keeps both busy to the end (the slowest tests, compiled ones, would otherwise finish alone).
+.venv/bin/python -m pytest -n 2 --dist worksteal "$@"
