@@ -257,7 +257,7 @@ class Policy:
         times = self._window_times()
         if len(times) >= 2 * _QUORUM:
             low, middle, high = np.percentile(times, [25, 50, 75])
-            self._noise = 1.9 * (high - low) / middle / math.sqrt(len(times))
+            self._noise = float(1.9 * (high - low) / middle / math.sqrt(len(times)))
 
     def _surprise(self) -> float:
         """How far measurements must stray from a prediction to show the models wrong: twice the required gain,

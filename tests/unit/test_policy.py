@@ -12,6 +12,15 @@ from hsync.bench.cluster import SimulatedCluster, SimulatedRank, SpeedChange
 EQUAL_64 = [1.0] * 64
 
 
+def plain(value) -> bool:
+    """Whether `value` is made of Python's own numbers, strings, None, lists and dicts only."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and plain(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(plain(v) for v in value)
+    return value is None or type(value) in (bool, int, float, str)
+
+
 def changes_of(plans: list[list[int]]) -> list[tuple[int, list[int]]]:
     """(step, plan) wherever the plan differs from the step before."""
     return [(s, p) for s, p in enumerate(plans) if s == 0 or p != plans[s - 1]]
@@ -102,6 +111,7 @@ def test_a_resumed_policy_goes_on_with_its_plan_and_fits_instead_of_probing():
     config = PolicyConfig(2)
     first, policy = cluster.run(config, EQUAL_64, 82)
     state = policy.state_dict()
+    assert plain(state), "a checkpoint of plain values: hsync refuses to load pickled objects (numpy scalars too)"
     resumed = Policy(config)
     resumed.load_state_dict(state, first_step=82)
     second, _ = cluster.run(config, EQUAL_64, 60, policy=resumed, first_step=82)
