@@ -96,6 +96,8 @@ PYBIND11_MODULE(_C, m) {
       .def("bucket_params", &Engine::bucket_params)
       .def("start_busy_interval", [](Engine& e) { e.clock().start(); })
       .def("end_busy_interval", [](Engine& e) { return e.clock().stop(); })
+      .def("busy_seconds_so_far", [](Engine& e) { return e.clock().seconds_so_far(); },
+           py::call_guard<py::gil_scoped_release>())
       .def("begin_peer_wait", [](Engine& e) { e.clock().begin_wait(); })
       .def("end_peer_wait", [](Engine& e) { e.clock().end_wait(); });
 

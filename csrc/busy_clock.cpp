@@ -48,6 +48,16 @@ std::optional<BusyInterval> BusyClock::stop() {
   return interval;
 }
 
+std::optional<double> BusyClock::seconds_so_far() {
+  std::optional<BusyInterval> so_far;
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (!start_) return std::nullopt;
+    so_far.emplace(*start_, Instant::now(device_), waits_);
+  }
+  return so_far->seconds();  // outside the lock: it may wait for the device
+}
+
 void BusyClock::begin_wait() {
   const std::lock_guard<std::mutex> lock(mutex_);
   if (start_ && wait_depth_++ == 0) wait_begun_ = Instant::now(device_);

@@ -65,6 +65,9 @@ class BusyClock {
   void start();
   // Ends the running interval; none if none was started. Waits after this are not counted.
   std::optional<BusyInterval> stop();
+  // The running interval's seconds so far less its waits', without ending it; none if none is
+  // running. On a GPU this waits for the device to reach the present.
+  std::optional<double> seconds_so_far();
 
   // Brackets a wait for peers; waits nested in one are part of it. Outside an interval, nothing.
   void begin_wait();

@@ -678,6 +678,11 @@ class BalancedSteps:
         model = self._model
         return model._step_stats(model._ensure_engine().step_scalars(), None)
 
+    def busy_seconds_so_far(self) -> float | None:
+        """This rank's own work since its last weighted step ended, less its waits for peers; None before the
+        first (Note [Busy time] in csrc/busy_clock.h). On a GPU reading it waits for the device."""
+        return self._model._ensure_engine().busy_seconds_so_far()
+
     def window_backup(self) -> Callable[[], None]:
         """Restores the accumulation window as it is now: what a micro-step that failed added to it (its weight,
         its loss, the failure's non-finite mark) undone, for a micro-batch that runs again in parts."""

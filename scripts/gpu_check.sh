@@ -10,7 +10,8 @@
 # Every section runs under its own time limit, within GPU_CHECK_SECONDS in all (default 570), and
 # writes its log into OUT_DIR as it runs; OUT_DIR/report.md grows a section at a time, so a run
 # cut short still leaves what it had. Seven files in all (four logs, the report, the benchmark's
-# JSON and page). Uses the python3 on PATH and its torch (no network needed).
+# JSON and page), and failures.md where a test failed. Uses the python3 on PATH and its torch (no
+# network needed). GPU_CHECK_TESTS, where set, names the tests to run instead of all of tests/gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
@@ -59,7 +60,7 @@ versions() {
 # pytest-timeout, where installed, ends a hung test before the section's limit ends everything.
 # -rfEs lists failures, errors and skips by name at the end, where the report's tail shows them.
 pytest_args=(-v -p no:cacheprovider -rfEs --durations=5)
-python3 -c "import pytest_timeout" 2>/dev/null && pytest_args+=(--timeout 150)
+python3 -c "import pytest_timeout" 2>/dev/null && pytest_args+=(--timeout 100)
 
 printf '# GPU check, %s\n' "$(date -u '+%Y-%m-%d %H:%M UTC')" > "$report"
 # HSYNC_WITH_CUDA=1: a build that cannot find the toolkit fails here, not as skipped GPU tests.
@@ -71,12 +72,15 @@ section versions 30 bash -c versions
 ((built == 0)) || exit 1
 # The tests first: the GPU path's correctness is what has never run. Figures the tests measure
 # (busy times, the balancing plan) come into the report through HSYNC_CHECK_NOTES.
-export HSYNC_CHECK_NOTES="$out/notes.md"
-section tests 330 python3 -m pytest "${pytest_args[@]}" tests/gpu
+# Each failure's traceback goes into failures.md as it happens (tests/gpu/conftest.py).
+export HSYNC_CHECK_NOTES="$out/notes.md" HSYNC_CHECK_FAILURES="$out/failures.md"
+read -ra tests <<< "${GPU_CHECK_TESTS:-tests/gpu}"  # some tests' ids, to run those again alone
+section tests 330 python3 -m pytest "${pytest_args[@]}" "${tests[@]}"
 if [ -f "$HSYNC_CHECK_NOTES" ]; then
   { printf '\n## measured by the tests\n\n'; cat "$HSYNC_CHECK_NOTES"; } >> "$report"
   rm -f "$HSYNC_CHECK_NOTES"
 fi
+[ -f "$HSYNC_CHECK_FAILURES" ] && { printf '\n## failures\n'; cat "$HSYNC_CHECK_FAILURES"; } >> "$report"
 # One rank, where nothing overlaps: hsync against the no-sync floor and against DDP, gradients copied
 # and as bucket views (the mode the 1% target is for); the pack kernel against a copy.
 section bench 150 python3 -m hsync.bench --device cuda --world-size 1 \

@@ -72,11 +72,6 @@ OwnStream::OwnStream(int device_index)
     : stream_(c10::cuda::getStreamFromExternal(new_stream(device_index),
                                                static_cast<c10::DeviceIndex>(device_index))) {}
 
-OwnStream::~OwnStream() {
-  // Returns at once; CUDA frees the stream once the work queued on it is done.
-  if (stream_.stream() != nullptr) cudaStreamDestroy(stream_.stream());  // destructors must not throw
-}
-
 StreamEvent::StreamEvent(int device_index) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
   HSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));

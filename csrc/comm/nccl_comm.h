@@ -39,11 +39,14 @@ namespace hsync {
 std::string nccl_unique_id();
 std::string nccl_version();
 
-// A stream of hsync's own on one device, destroyed with its owner.
+// A stream of hsync's own on one device, which lives as long as the process, as torch's pooled
+// streams do: a tensor that a collective used is recorded on it (recordStream), and whenever that
+// tensor is freed, its owner's communicator gone or not, the caching allocator records an event
+// on the stream. Destroyed with the communicator, the stream made that event fail, and the
+// failure ended the process from a tensor's destructor.
 class OwnStream {
  public:
   explicit OwnStream(int device_index);
-  ~OwnStream();
   OwnStream(const OwnStream&) = delete;
   OwnStream& operator=(const OwnStream&) = delete;
 

@@ -201,7 +201,8 @@ class Balancer:
         if model.cross_rank_backward:
             self._check_epoch_end_lockstep()
         self._names = {q: [f"hsync.balance.{q}/{r}" for r in range(self.world_size)] for q in _QUANTITIES}
-        self.slowdown = SimulatedSlowdown(config.simulate_slowdown, model.device)
+        self.slowdown = SimulatedSlowdown(config.simulate_slowdown, model.device,
+                                          lambda: self._steps.busy_seconds_so_far())
         """The simulated slowdown of this rank's steps (BalanceConfig.simulate_slowdown)."""
         self._steps = model._balance([name for names in self._names.values() for name in names],
                                      self.slowdown.pause if config.simulate_slowdown > 1 else None)

@@ -11,6 +11,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def sync_free_micro_steps(rank: int, world_size: int, data_dir: str, steps: int) -> int:
+    import os
+
     import hsync
     from hsync.apps.bert import data, train
     from hsync.apps.bert.config import parse_args
@@ -21,6 +23,9 @@ def sync_free_micro_steps(rank: int, world_size: int, data_dir: str, steps: int)
     cfg, preset = parse_args(["--preset", "tiny", "--corpus", str(SLICE), "--data-dir", data_dir, "--device", "cuda",
                               "--global-batch-size", "24", "--update-freq", "2", "--valid-fraction", "0"],
                              world_size=world_size)
+    # Set once the flags are checked: the application refuses two processes on a node's one GPU, which
+    # only a test wants; the data's preparation needs to know the node's first rank (LOCAL_RANK 0).
+    os.environ["LOCAL_RANK"] = str(rank)
     corpus = data.prepare_data(cfg, preset)
     model = wrap_model(build_model(preset, corpus.vocab, cfg.dropout).to(device), cfg)
     balancer = hsync.Balancer(model, len(corpus.train), train.balancing(cfg, world_size, 1.0))
@@ -47,5 +52,4 @@ def sync_free_micro_steps(rank: int, world_size: int, data_dir: str, steps: int)
 
 def test_a_trainers_micro_steps_do_not_wait_for_the_device(tmp_path):
     # Two ranks on one GPU, each its micro-batches in two micro-steps, collated by DataLoader workers.
-    env = {**SOCKET_ENV, "LOCAL_RANK": "{rank}"}
-    assert run_ranks(sync_free_micro_steps, 2, str(tmp_path), 4, env=env, timeout=120) == [4, 4]
+    assert run_ranks(sync_free_micro_steps, 2, str(tmp_path), 4, env=SOCKET_ENV, timeout=120) == [4, 4]
