@@ -85,7 +85,7 @@ fi
 # and as bucket views (the mode the 1% target is for); the pack kernel against a copy.
 section bench 150 python3 -m hsync.bench --device cuda --world-size 1 \
   --only '^bert-base$' '^bert-base-bucket-views$' '^comm-path-64MiB' \
-  --rounds 3 --steps 4 --json "$out/bench.json" --markdown "$out/bench.md"
+  --rounds 5 --steps 8 --json "$out/bench.json" --markdown "$out/bench.md"
 # The GPU targets, read off the benchmark.
 [ -f "$out/bench.json" ] && python3 - "$out/bench.json" >> "$report" 2>&1 <<'PY' || true
 import json, sys

@@ -67,3 +67,25 @@ def check_busy_times(results: list[list[float | None]], slow_rank: int) -> None:
 def test_a_fast_rank_does_not_count_its_waits_for_a_slow_one(case):
     slow_rank, sleep_at, views = CASES[case]
     check_busy_times(run_ranks(busy_times, 2, "cpu", slow_rank, sleep_at, views), slow_rank)
+
+
+def busy_so_far(rank: int, world_size: int) -> tuple[float | None, float, float]:
+    import hsync
+    from hsync.ddp import BalancedSteps
+
+    model = hsync.WeightedDDP(nn.Linear(4, 1))
+    steps = BalancedSteps(model)
+    before_any_step = steps.busy_seconds_so_far()
+    x = torch.randn(8, 4)
+    model.backward(model(x).square().mean(), weight=len(x))
+    time.sleep(0.2)
+    so_far = steps.busy_seconds_so_far()
+    stats = model.backward(model(x).square().mean(), weight=len(x))
+    return before_any_step, so_far, stats.busy_seconds
+
+
+def test_the_running_interval_reads_without_ending_it():
+    # What a simulated slowdown on a GPU scales (hsync/balance/simulate.py): the rank's own time so far.
+    for before_any_step, so_far, busy in run_ranks(busy_so_far, 2):
+        assert before_any_step is None
+        assert 0.2 <= so_far <= busy, (so_far, busy)
