@@ -134,4 +134,21 @@ std::vector<int64_t> shortest_split(const std::vector<double>& ordered, const st
   }
 }
 
+double split_time(const std::vector<double>& ordered, const std::vector<int64_t>& starts,
+                  const std::vector<RankCost>& ranks) {
+  double slowest = 0.0;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    double units = 0.0;
+    for (int64_t start = starts[r]; start < starts[r + 1];) {
+      const double head = ordered[start];  // a micro-batch's first example, its longest
+      int64_t stop = start + 1;
+      while (stop < starts[r + 1] && static_cast<double>(stop - start + 1) * head <= ranks[r].micro_cap) ++stop;
+      units += static_cast<double>(stop - start) * head;
+      start = stop;
+    }
+    slowest = std::max(slowest, ranks[r].fixed_s + units * ranks[r].per_unit_s);
+  }
+  return slowest;
+}
+
 }  // namespace hsync::planner

@@ -20,4 +20,10 @@ struct RankCost {
 // order with the shortest predicted step, every rank at least one example while there are enough.
 std::vector<int64_t> shortest_split(const std::vector<double>& ordered, const std::vector<RankCost>& ranks);
 
+// The predicted time of the split of `ordered` at `starts` (world + 1 entries, as shortest_split
+// gives them) under `ranks`: the slowest rank's, each rank's units summed micro-batch by micro-batch
+// as hsync.balance.planner.step_time sums them.
+double split_time(const std::vector<double>& ordered, const std::vector<int64_t>& starts,
+                  const std::vector<RankCost>& ranks);
+
 }  // namespace hsync::planner

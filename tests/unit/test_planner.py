@@ -15,6 +15,7 @@ from hsync.balance.planner import (
     padded_units,
     split_proportionally,
     split_step,
+    split_time,
     step_time,
 )
 
@@ -67,6 +68,16 @@ def test_lengths_split_is_optimal_among_runs_of_the_longest_first_order(seed):
     assert step_time(costs, shares, ranks) == pytest.approx(best, rel=1e-9)
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_split_time_is_the_step_time_of_a_split_under_other_models(seed):
+    # The policy weighs the plan in force by its new models: one split, judged by another rank's costs.
+    rng = random.Random(200 + seed)
+    world = rng.randint(1, 5)
+    costs = [float(rng.randint(1, 9)) if seed % 2 else 1.0 for _ in range(rng.randint(1, 30))]
+    planned_by, judged_by = random_ranks(rng, world, caps=True), random_ranks(rng, world, caps=True)
+    assert split_time(costs, planned_by, judged_by) == step_time(costs, split_step(costs, planned_by), judged_by)
+
+
 def test_a_faster_rank_gets_more_and_a_fixed_cost_is_counted():
     # Proportional shares at 2.1:1 would be 22 + 10 or 21 + 11; the fixed cost of rank 0 moves work off it.
     assert [len(s) for s in split_step([1.0] * 32, [RankCost(0, 1 / 2.1), RankCost(0, 1.0)])] == [22, 10]
@@ -104,3 +115,5 @@ def test_bad_cost_models_are_refused():
         split_step([1.0], [RankCost(0, 0)])
     with pytest.raises(ValueError, match="positive cost"):
         split_step([0.0], [RankCost(0, 1)])
+    with pytest.raises(ValueError, match="rank 1: .*per_unit_s"):
+        split_time([1.0, 2.0], [RankCost(0, 1)] * 2, [RankCost(0, 1), RankCost(0, math.inf)])
