@@ -380,6 +380,7 @@ class WeightedDDP(DistributedDataParallel):
     def _prepare_forward(self, *inputs, **kwargs) -> tuple[tuple, dict, bool]:
         """The inputs on the module's device, and whether the next backward synchronises, after this
         forward's share of the step: the engine told, joined ranks answered, rank 0's buffers received."""
+        self._refuse_an_outer_ddp()
         if self._join_config.enable and self.cross_rank_backward:
             # Refused before any collective, on every rank alike: under Join every rank runs forwards.
             raise RuntimeError("hsync.WeightedDDP under Join: a joined rank cannot shadow forwards and backwards "
@@ -417,6 +418,18 @@ class WeightedDDP(DistributedDataParallel):
                 engine.broadcast_coalesced(buffers, root)
         self.require_forward_param_sync = synced
         return inputs, kwargs, synced
+
+    def _refuse_an_outer_ddp(self) -> None:
+        """A torch DDP around this wrapper (what Trainer, Accelerate's prepare and Lightning do to any model)
+        would reduce the same gradients again, unweighted, and hsync would change nothing: refused at the
+        first forward, on every rank alike, before any gradient is reduced."""
+        outer = DistributedDataParallel._active_ddp_module  # the DDP whose forward is running, if any
+        if outer is None or isinstance(outer, WeightedDDP) or not any(m is self for m in outer.module.modules()):
+            return
+        raise RuntimeError(
+            "hsync.WeightedDDP is wrapped in a torch DistributedDataParallel, which would reduce its gradients "
+            "again with equal weights; give the framework the WeightedDDP unwrapped (transformers.Trainer: "
+            "hsync.integrations.transformers.Trainer; your own loop: no DistributedDataParallel around it)")
 
     @torch._disable_dynamo
     def _finish_forward(self, output, synced: bool):

@@ -237,6 +237,16 @@ class Balancer:
         batches than this: count steps by what backward() returns."""
         return self.steps_per_epoch
 
+    @property
+    def batch_size(self) -> int:
+        """Refused: a rank's micro-batches have no one size. Its reader is a wrapper that would cut the batches
+        into per-rank shards again (Accelerate's prepare() reads it first), and every rank would then train
+        on part of its share, silently."""
+        raise TypeError(
+            "hsync.Balancer already gives each rank its own share of every step and has no one batch size: do not "
+            "shard its loader again (accelerate's prepare(), a DistributedSampler); hand the DataLoader to your "
+            "loop as it is (transformers.Trainer: hsync.integrations.transformers.Trainer)")
+
     def set_epoch(self, epoch: int) -> None:
         """Starts `epoch` (each has its own order), or goes on where a resumed run left it."""
         if epoch != self.epoch:
@@ -273,6 +283,16 @@ class Balancer:
                 self._pending.append(_MicroBatch(step, j == len(batches) - 1, 0 if filler else len(indices),
                                                  units, filler))
                 yield indices
+
+    def steps(self) -> Iterator[list[list[int]]]:
+        """Iterates as iter(self) does, a step at a time: the list of this rank's micro-batches of each step, for a
+        loader whose one item is a whole optimizer step (hsync.integrations.transformers.BalancedLoader)."""
+        micro_batches: list[list[int]] = []
+        for indices in self:
+            micro_batches.append(indices)
+            if self._pending[-1].last:
+                yield micro_batches
+                micro_batches = []
 
     def _check_epoch_end_lockstep(self) -> None:
         """No step of an epoch, its last included, leaves a rank without an example (_check_lockstep): found

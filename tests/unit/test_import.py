@@ -21,3 +21,12 @@ def test_importing_hsync_does_not_initialise_the_cuda_driver():
     # The forkserver of tests/spawn.py preloads hsync: were the driver initialised there, every rank
     # forked from it would fail at its first CUDA call.
     assert result.stdout.strip() == "driver untouched"
+
+
+def test_importing_hsync_leaves_the_optional_frameworks_alone():
+    # The integrations are extras: `import hsync` (and its integrations package) must work without them.
+    probe = ("import sys, hsync, hsync.integrations; "
+             "print(sorted(m for m in ('transformers', 'accelerate', 'lightning') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

@@ -1,0 +1,2 @@
+"""hsync inside the frameworks people already train with, each an optional extra that `import hsync`
+never imports: `hsync.integrations.transformers` (pip install hsync[transformers])."""

@@ -1,0 +1,287 @@
+"""transformers.Trainer with hsync: each rank's share of every global batch planned from its measured
+speed, and the gradient the exact weighted mean over ranks (pip install hsync[transformers]).
+
+    from hsync.integrations.transformers import BalancingArguments, Trainer
+
+    trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=collator,
+                      balancing=BalancingArguments())  # everything else exactly as transformers.Trainer
+    trainer.train()
+
+Note [Trainer]
+Trainer wraps the model in torch's DDP (through Accelerate), gives every rank the same number of
+examples, and groups gradient_accumulation_steps batches into a step. This subclass changes the three
+seams where that happens and leaves the rest of Trainer as it is:
+- the model is wrapped in hsync.WeightedDDP (_wrap_model), which Trainer then keeps out of
+  accelerator.prepare, so no DDP goes around it; the optimizer is prepared as usual;
+- the train dataloader yields one item per optimizer step: this rank's micro-batches of that step, as
+  an hsync.Balancer splits it, each collated by the Trainer's collator in the DataLoader's workers. The
+  global batch is per_device_train_batch_size x gradient_accumulation_steps x ranks, and a micro-batch
+  holds at most per_device_train_batch_size examples (of the longest length, when examples are
+  balanced by tokens). Trainer sees gradient_accumulation_steps 1: one item, one step, so its counts
+  of steps, epochs, schedules and its progress bar stay right;
+- training_step runs the item's micro-batches through Balancer.backward, each weighted by the items
+  its loss is a mean over (its labels other than -100, as Trainer counts num_items_in_batch; its
+  examples without labels), and returns the step's loss over every rank.
+Evaluation, predictions, metrics, callbacks, logging and save_model are Trainer's own: the model they
+see (self.model) is the plain model, so a saved folder loads with from_pretrained.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from packaging.version import Version
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+import hsync
+
+SUPPORTED = (Version("5.0"), Version("6"))  # [lowest, first unsupported); tested on 5.23
+
+
+@dataclass
+class BalancingArguments:
+    """How the hsync Trainer splits each global batch among ranks (the rest comes from TrainingArguments)."""
+
+    global_batch_size: int | None = None
+    """Examples per optimizer step over every rank. None: per_device_train_batch_size x
+    gradient_accumulation_steps x ranks. Set it to resume a run on another number of ranks with the same
+    global batches."""
+    rank_batch_sizes: Sequence[int] | None = None
+    """A fixed share of every global batch per rank, adding up to it; None: planned from measured speeds."""
+    by_tokens: bool | None = None
+    """Balance by tokens (each example's len(input_ids)) rather than examples. None: when the dataset has
+    input_ids or TrainingArguments.group_by_length is set."""
+    replan_every: int = 25
+    """Steps between two fits of the ranks' speeds (BalanceConfig.replan_every)."""
+    min_gain: float = 0.04
+    """A new split is taken only if it predicts steps at least this much shorter (BalanceConfig.min_gain)."""
+    simulate_slowdown: float = 1.0
+    """For benchmarks and tests: this rank's steps are made this many times longer."""
+
+
+class _StepSampler(Sampler):
+    """The Balancer's micro-batches grouped by step: one list of index lists per optimizer step."""
+
+    def __init__(self, balancer: hsync.Balancer) -> None:
+        self.balancer = balancer
+
+    def __len__(self) -> int:
+        return self.balancer.steps_per_epoch
+
+    def __iter__(self) -> Iterator[list[list[int]]]:
+        return self.balancer.steps()
+
+
+class _Collated(Dataset):
+    """Reads a micro-batch (a list of indices) as one item, collated: the DataLoader's workers collate."""
+
+    def __init__(self, dataset: Dataset, collate: Any) -> None:
+        self.dataset, self.collate = dataset, collate
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, indices: list[int]) -> Any:
+        return self.collate([self.dataset[i] for i in indices])
+
+
+class BalancedLoader(DataLoader):
+    """The train dataloader of the hsync Trainer: one item per optimizer step, this rank's micro-batches."""
+
+    def __init__(self, dataset: Dataset, balancer: hsync.Balancer, collate: Any, **kwargs: Any) -> None:
+        super().__init__(_Collated(dataset, collate), batch_sampler=_StepSampler(balancer), collate_fn=list, **kwargs)
+        self.balancer = balancer
+
+    def set_epoch(self, epoch: int) -> None:
+        """Trainer calls it at each epoch's start: the Balancer's order of examples is the epoch's."""
+        self.balancer.set_epoch(epoch)
+
+
+class Trainer(transformers.Trainer):
+    """transformers.Trainer whose ranks train through hsync (Note [Trainer]): constructed as Trainer is, with
+    `balancing` besides. Needs torchrun (or another launcher's RANK and WORLD_SIZE) for more than one rank."""
+
+    def __init__(self, *args: Any, balancing: BalancingArguments | None = None, **kwargs: Any) -> None:
+        check_versions()
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is None:
+            raise ValueError("hsync.integrations.transformers.Trainer needs its TrainingArguments (args=...)")
+        refuse_what_cannot_weigh(training_args)
+        self.balancing = balancing or BalancingArguments()
+        # Trainer counts one dataloader item as one step (Note [Trainer]); the accumulation steps become
+        # micro-batches of the Balancer's.
+        self.micro_batches_per_step = training_args.gradient_accumulation_steps
+        training_args = copy.copy(training_args)
+        training_args.gradient_accumulation_steps = 1
+        # A resume goes on where the Balancer's state says (its own checkpoint file): Trainer's skipping of
+        # the batches already trained would split them again, and train none of them.
+        training_args.ignore_data_skip = True
+        if "args" in kwargs:
+            kwargs["args"] = training_args
+        else:
+            args = (args[0], training_args, *args[2:])
+        super().__init__(*args, **kwargs)
+        self.weighted_model: hsync.WeightedDDP | None = None
+        self.balancer: hsync.Balancer | None = None
+        self._resume_from: str | None = None
+
+    # -- the model -----------------------------------------------------------------------------------
+
+    def _weighted(self) -> hsync.WeightedDDP:
+        if self.weighted_model is None:
+            args = self.args
+            find_unused = args.ddp_find_unused_parameters
+            if find_unused is None:  # TrainingArguments' documented default
+                find_unused = not args.gradient_checkpointing
+            options: dict[str, Any] = {"find_unused_parameters": find_unused}
+            if args.ddp_bucket_cap_mb is not None:
+                options["bucket_cap_mb"] = args.ddp_bucket_cap_mb
+            if self.model.device.type == "cuda":
+                options["device_ids"] = [self.model.device.index]
+            self.weighted_model = hsync.WeightedDDP(self.model, **options)
+        return self.weighted_model
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: DataLoader | None = None) -> nn.Module:
+        # Not the model Trainer was given: Trainer then keeps it out of accelerator.prepare (no DDP around it).
+        return self._weighted() if training else super()._wrap_model(model, training, dataloader)
+
+    # -- the data ------------------------------------------------------------------------------------
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("hsync.integrations.transformers.Trainer: training requires a train_dataset")
+        dataset = self.train_dataset
+        collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise TypeError("hsync.integrations.transformers.Trainer balances a dataset of known size; an "
+                            "IterableDataset cannot be split ahead of time")
+        if hasattr(dataset, "column_names"):  # a datasets.Dataset: its unused columns go, as in Trainer
+            dataset = self._remove_unused_columns(dataset, description="training")
+        costs = self._example_costs(dataset)
+        args = self.args
+        per_device = self._train_batch_size
+        config = hsync.BalanceConfig(
+            global_batch_size=self.get_total_train_batch_size(args),
+            rank_batch_sizes=self.balancing.rank_batch_sizes,
+            micro_batch_limit=per_device * (max(costs) if isinstance(costs, list) else 1),
+            replan_every=self.balancing.replan_every, min_gain=self.balancing.min_gain,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            simulate_slowdown=self.balancing.simulate_slowdown)
+        if self.balancer is None:
+            self.balancer = hsync.Balancer(self._weighted(), costs, config)
+            if self._resume_from is not None:
+                self.balancer.load_state_dict(load_balancer_state(self._resume_from))
+        workers = args.dataloader_num_workers
+        return BalancedLoader(dataset, self.balancer, collate, num_workers=workers,
+                              pin_memory=args.dataloader_pin_memory, persistent_workers=workers > 0 and
+                              args.dataloader_persistent_workers, prefetch_factor=args.dataloader_prefetch_factor)
+
+    def _example_costs(self, dataset: Dataset) -> int | list[float]:
+        """The dataset's size, or each example's tokens where examples are balanced by tokens."""
+        by_tokens = self.balancing.by_tokens
+        first = dataset[0]
+        has_ids = isinstance(first, dict) and "input_ids" in first
+        if by_tokens is None:
+            by_tokens = has_ids or self.args.group_by_length
+        if not by_tokens:
+            return len(dataset)
+        if not has_ids:
+            raise ValueError("hsync.integrations.transformers.Trainer: balancing by tokens needs examples with "
+                             "input_ids; set BalancingArguments(by_tokens=False)")
+        return [float(len(dataset[i]["input_ids"])) for i in range(len(dataset))]
+
+    def get_total_train_batch_size(self, args: transformers.TrainingArguments) -> int:
+        if self.balancing.global_batch_size is not None:
+            return self.balancing.global_batch_size
+        return self._train_batch_size * self.micro_batches_per_step * max(1, args.world_size)
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.balancer is not None and self.args.should_save:  # the same state on every rank: rank 0 writes it
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            torch.save(self.balancer.state_dict(), os.path.join(folder, BALANCER_STATE))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._resume_from = resume_from_checkpoint
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def training_step(self, model: nn.Module, inputs: list[dict[str, Any]],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """This rank's micro-batches of one step through the Balancer (Note [Trainer]); the step's loss over
+        every rank."""
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        stats = None
+        for micro_batch in inputs:
+            micro_batch = self._prepare_inputs(micro_batch)
+            weight = self._items(micro_batch)
+            with self.accelerator.autocast(), self.compute_loss_context_manager():
+                loss = self.compute_loss(model, micro_batch)
+            if self.accelerator.scaler is not None:  # fp16: scaled as accelerator.backward scales it
+                loss = self.accelerator.scaler.scale(loss)
+            stats = self.balancer.backward(loss, weight=weight)
+        if stats is None:
+            raise RuntimeError("hsync.integrations.transformers.Trainer: a step ended before its last micro-batch")
+        scale = self.accelerator.scaler.get_scale() if self.accelerator.scaler is not None else 1.0
+        return torch.tensor(stats.loss / scale, device=self.args.device)
+
+    def _items(self, micro_batch: dict[str, Any]) -> float:
+        """What the micro-batch's loss is a mean over: its labels other than -100 (shifted for a causal LM, as
+        Trainer counts num_items_in_batch), or its examples."""
+        labels = micro_batch.get("shift_labels", micro_batch.get("labels"))
+        if isinstance(labels, torch.Tensor):
+            if "shift_labels" not in micro_batch and getattr(self, "_loss_shifts_labels", False):
+                labels = labels[..., 1:]
+            return float(labels.ne(-100).sum())
+        first = next((v for v in micro_batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+        if first is None:
+            raise ValueError("hsync.integrations.transformers.Trainer: a micro-batch without tensors has no size")
+        return float(len(first))
+
+
+BALANCER_STATE = "hsync_balancer.pt"
+
+
+def load_balancer_state(checkpoint: str) -> dict:
+    """The Balancer's state in a checkpoint folder of the hsync Trainer."""
+    path = os.path.join(checkpoint, BALANCER_STATE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"hsync.integrations.transformers.Trainer: {checkpoint} has no {BALANCER_STATE}, "
+                                "where the run stood in its data; resume from a checkpoint this Trainer wrote")
+    return torch.load(path, weights_only=True)
+
+
+def check_versions() -> None:
+    """Refuses a transformers release outside the tested range, and a run that is distributed in part."""
+    version = Version(transformers.__version__)
+    if not SUPPORTED[0] <= version < SUPPORTED[1]:
+        raise RuntimeError(f"hsync.integrations.transformers supports transformers >= {SUPPORTED[0]}, "
+                           f"< {SUPPORTED[1]}; found {transformers.__version__}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" not in os.environ:
+        raise RuntimeError("hsync.integrations.transformers.Trainer: WORLD_SIZE is set without RANK; "
+                           "start the ranks with torchrun")
+
+
+def refuse_what_cannot_weigh(args: transformers.TrainingArguments) -> None:
+    """Options under which ranks do not each compute whole gradients of the whole model: refused before any
+    work, on every rank alike (each reads the same arguments)."""
+    for option in ("deepspeed", "fsdp"):
+        if getattr(args, option, None):
+            raise ValueError(f"hsync.integrations.transformers.Trainer cannot weigh gradients under {option} "
+                             f"(TrainingArguments.{option}): shards of a model are not whole gradients; drop "
+                             f"{option}, or use transformers.Trainer")
+    if args.n_gpu > 1:
+        raise ValueError("hsync.integrations.transformers.Trainer runs one process per GPU (torchrun), not "
+                         f"torch.nn.DataParallel over {args.n_gpu} GPUs in one process")

@@ -1,0 +1,224 @@
+"""hsync.integrations.transformers.Trainer on two real ranks (gloo), against one process over the same
+global batches: a classifier (a mean over examples) and a masked LM (a mean over tokens), uneven fixed
+shares and measured ones, gradient accumulation on; saving, and what is refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.spawn import RankError, run_ranks
+
+pytestmark = pytest.mark.distributed
+transformers = pytest.importorskip("transformers")
+
+EXAMPLES = 96
+PER_DEVICE = 8
+ACCUMULATION = 2  # micro-batches per step: a global batch of 8 x 2 x 2 ranks = 32
+EPOCHS = 2
+LR = 0.5
+ENV = {"RANK": "{rank}", "LOCAL_RANK": "{rank}", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}  # the process group already runs: never dialled
+
+
+def tiny_model(task: str) -> torch.nn.Module:
+    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    return (BertForSequenceClassification if task == "classify" else BertForMaskedLM)(config)
+
+
+class Texts(torch.utils.data.Dataset):
+    """Token sequences of 3 to 20 tokens; a label per text (classify) or per masked token (mlm). Records the
+    indices it serves once `recording` is set, a list per optimizer step."""
+
+    def __init__(self, task: str) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.items = []
+        for _ in range(EXAMPLES):
+            ids = torch.randint(1, 40, (int(torch.randint(3, 21, (1,), generator=g)),), generator=g)
+            if task == "classify":
+                labels = int(ids.sum() % 3)
+            else:
+                labels = torch.where(torch.rand(len(ids), generator=g) < 0.3, ids, torch.full_like(ids, -100))
+                labels[0] = ids[0]  # at least one token to predict
+            self.items.append({"input_ids": ids.tolist(), "labels": labels if isinstance(labels, int)
+                               else labels.tolist()})
+        self.recording = False
+        self.steps: list[list[int]] = [[]]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        if self.recording:
+            self.steps[-1].append(i)
+        return self.items[i]
+
+
+def collate(features: list[dict]) -> dict[str, torch.Tensor]:
+    longest = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), longest, dtype=torch.long)
+    mask = torch.zeros(len(features), longest, dtype=torch.long)
+    for row, f in enumerate(features):
+        ids[row, :len(f["input_ids"])] = torch.tensor(f["input_ids"])
+        mask[row, :len(f["input_ids"])] = 1
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if isinstance(features[0]["labels"], int):
+        batch["labels"] = torch.tensor([f["labels"] for f in features])
+    else:
+        labels = torch.full((len(features), longest), -100, dtype=torch.long)
+        for row, f in enumerate(features):
+            labels[row, :len(f["labels"])] = torch.tensor(f["labels"])
+        batch["labels"] = labels
+    return batch
+
+
+def training_args(output_dir: str, **overrides) -> transformers.TrainingArguments:
+    options = dict(output_dir=output_dir, per_device_train_batch_size=PER_DEVICE,
+                   gradient_accumulation_steps=ACCUMULATION, num_train_epochs=EPOCHS, learning_rate=LR,
+                   optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, use_cpu=True,
+                   report_to=[], logging_steps=1, save_strategy="no", disable_tqdm=True, seed=3)
+    return transformers.TrainingArguments(**{**options, **overrides})
+
+
+def train_with_hsync(rank: int, world_size: int, task: str, shares: list[int] | None, output_dir: str,
+                     resume_from: str | None = None, overrides: dict | None = None) -> dict:
+    from transformers import TrainerCallback
+
+    from hsync.integrations.transformers import BalancingArguments, Trainer
+
+    data = Texts(task)
+
+    class Steps(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            data.recording = True
+
+        def on_step_end(self, args, state, control, **kwargs):
+            data.steps.append([])
+
+    trainer = Trainer(model=tiny_model(task), args=training_args(output_dir, **(overrides or {})), train_dataset=data,
+                      data_collator=collate, callbacks=[Steps()],
+                      balancing=BalancingArguments(rank_batch_sizes=shares, replan_every=2))
+    trainer.train(resume_from_checkpoint=resume_from)
+    if rank == 0:
+        trainer.save_model(os.path.join(output_dir, "final"))
+    torch.distributed.barrier()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {"params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+            "steps": data.steps[:-1], "global_step": trainer.state.global_step, "losses": losses,
+            "loader_length": len(trainer.get_train_dataloader()), "plan": trainer.balancer.planned_split()}
+
+
+def one_process(task: str, steps: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """SGD over the same global batches, each in one forward: the model's mean over the whole batch."""
+    model, data = tiny_model(task), Texts(task)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for indices in steps:
+        loss = model(**collate([data[i] for i in indices])).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {n: p.detach() for n, p in model.named_parameters()}, losses
+
+
+@pytest.mark.parametrize(("task", "shares"), [("classify", [24, 8]), ("mlm", [24, 8]), ("classify", None),
+                                              ("mlm", None)], ids=["classify-24+8", "mlm-24+8", "classify-auto",
+                                                                   "mlm-auto"])
+def test_trainer_steps_equal_one_process_over_the_same_global_batches(task, shares, tmp_path):
+    ranks = run_ranks(train_with_hsync, 2, task, shares, str(tmp_path), env=ENV, timeout=240)
+    steps = EPOCHS * EXAMPLES // (PER_DEVICE * ACCUMULATION * 2)
+    for result in ranks:
+        assert result["global_step"] == steps and result["loader_length"] == steps // EPOCHS
+    global_batches = [a + b for a, b in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True)]
+    assert len(global_batches) == steps
+    for epoch in range(EPOCHS):  # every example once per epoch
+        seen = [i for batch in global_batches[epoch * 3:(epoch + 1) * 3] for i in batch]
+        assert sorted(seen) == list(range(EXAMPLES))
+    if shares is not None:
+        assert [[len(s) for s in rank["steps"]] for rank in ranks] == [[24] * steps, [8] * steps]
+    expected, losses = one_process(task, global_batches)
+    for result in ranks:
+        for name, value in expected.items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        # Trainer logs the step's loss over every rank.
+        assert result["losses"] == pytest.approx(losses, rel=1e-5)
+    saved = transformers.AutoModel.from_pretrained(tmp_path / "final")  # no "module." prefix: it loads whole
+    base = dict(saved.named_parameters())
+    for name, value in expected.items():
+        if name.startswith("bert."):
+            torch.testing.assert_close(base[name.removeprefix("bert.")], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_resume_through_trainers_checkpoint_ends_as_an_uninterrupted_run(tmp_path):
+    # Checkpoints every 2 steps of 6 (3 an epoch): the one at step 4 lies inside the second epoch.
+    straight = run_ranks(train_with_hsync, 2, "mlm", None, str(tmp_path / "a"), None,
+                         {"save_strategy": "steps", "save_steps": 2}, env=ENV, timeout=240)
+    checkpoint = tmp_path / "a" / "checkpoint-4"
+    assert (checkpoint / "hsync_balancer.pt").is_file()
+    resumed = run_ranks(train_with_hsync, 2, "mlm", None, str(tmp_path / "b"), str(checkpoint), env=ENV, timeout=240)
+    def global_batches(ranks: list[dict]) -> list[list[int]]:
+        return [sorted(a + b) for a, b in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True)]
+
+    # The same global batches; the ranks' shares of them follow what each run measured.
+    assert global_batches(resumed) == global_batches(straight)[4:]
+    for before, after in zip(straight, resumed, strict=True):
+        assert after["global_step"] == 6
+        for name, value in before["params"].items():
+            torch.testing.assert_close(after["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def wrapped_in_torch_ddp(rank: int, world_size: int) -> str:
+    import hsync
+
+    outer = torch.nn.parallel.DistributedDataParallel(hsync.WeightedDDP(torch.nn.Linear(4, 1)))
+    try:
+        outer(torch.randn(2, 4))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_weighted_ddp_inside_torch_ddp_is_refused_on_every_rank():
+    for message in run_ranks(wrapped_in_torch_ddp, 2):
+        assert "wrapped in a torch DistributedDataParallel" in message, message
+
+
+def balancer_through_accelerate(rank: int, world_size: int) -> str:
+    from accelerate import Accelerator
+
+    import hsync
+
+    model = hsync.WeightedDDP(torch.nn.Linear(4, 1))
+    balancer = hsync.Balancer(model, 64, hsync.BalanceConfig(global_batch_size=16))
+    loader = torch.utils.data.DataLoader(torch.randn(64, 4), batch_sampler=balancer)
+    try:
+        Accelerator(cpu=True).prepare(loader)
+    except TypeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_balancer_is_refused_by_accelerates_sharding_on_every_rank():
+    pytest.importorskip("accelerate")
+    for message in run_ranks(balancer_through_accelerate, 2, env=ENV):
+        assert "do not shard its loader again" in message, message
+
+
+def sharding_requested(rank: int, world_size: int, output_dir: str) -> None:
+    from hsync.integrations.transformers import Trainer
+
+    Trainer(model=tiny_model("classify"), args=training_args(output_dir, fsdp="full_shard"),
+            train_dataset=Texts("classify"), data_collator=collate)
+
+
+def test_a_sharded_model_is_refused_before_any_work(tmp_path):
+    with pytest.raises(RankError, match="cannot weigh gradients under fsdp"):
+        run_ranks(sharding_requested, 2, str(tmp_path), env=ENV)
