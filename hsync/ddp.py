@@ -429,7 +429,8 @@ class WeightedDDP(DistributedDataParallel):
         raise RuntimeError(
             "hsync.WeightedDDP is wrapped in a torch DistributedDataParallel, which would reduce its gradients "
             "again with equal weights; give the framework the WeightedDDP unwrapped (transformers.Trainer: "
-            "hsync.integrations.transformers.Trainer; your own loop: no DistributedDataParallel around it)")
+            "hsync.integrations.transformers.Trainer; Accelerate: hsync.integrations.accelerate.Accelerator; your "
+            "own loop: no DistributedDataParallel around it)")
 
     @torch._disable_dynamo
     def _finish_forward(self, output, synced: bool):

@@ -245,7 +245,8 @@ class Balancer:
         raise TypeError(
             "hsync.Balancer already gives each rank its own share of every step and has no one batch size: do not "
             "shard its loader again (accelerate's prepare(), a DistributedSampler); hand the DataLoader to your "
-            "loop as it is (transformers.Trainer: hsync.integrations.transformers.Trainer)")
+            "loop as it is (Accelerate: hsync.integrations.accelerate.Accelerator, whose prepare() keeps it whole; "
+            "transformers.Trainer: hsync.integrations.transformers.Trainer)")
 
     def set_epoch(self, epoch: int) -> None:
         """Starts `epoch` (each has its own order), or goes on where a resumed run left it."""

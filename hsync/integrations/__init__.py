@@ -1,2 +1,3 @@
 """hsync inside the frameworks people already train with, each an optional extra that `import hsync`
-never imports: `hsync.integrations.transformers` (pip install hsync[transformers])."""
+never imports: `hsync.integrations.transformers` (pip install hsync[transformers]) and
+`hsync.integrations.accelerate` (pip install hsync[accelerate])."""

@@ -1,0 +1,131 @@
+"""Accelerate with hsync: prepare() gives a WeightedDDP and a balanced loader, backward() the weighted step
+(pip install hsync[accelerate]).
+
+    from hsync.integrations.accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="bf16")             # Accelerate's arguments
+    model, optimizer = accelerator.prepare(model, optimizer)        # model: an hsync.WeightedDDP
+    balancer = hsync.Balancer(model, len(train), hsync.BalanceConfig(global_batch_size=64))
+    loader = accelerator.prepare(DataLoader(train, batch_sampler=balancer, collate_fn=collate))
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:                                       # on the device, this rank's micro-batches
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)                         # weight: the micro-batch's examples
+                optimizer.step()                                   # steps once the global batch is done
+                scheduler.step()
+                optimizer.zero_grad()
+
+Note [Accelerate]
+Accelerate wraps a model in torch's DDP, shards every DataLoader's batches across ranks, and counts
+gradient_accumulation_steps micro-batches to a step. Here prepare_model() prepares the model as
+Accelerate prepares one for evaluation (device, autocast, compilation: everything but DDP) and wraps
+it in hsync.WeightedDDP; a DataLoader whose batch_sampler is an hsync.Balancer is not sharded again
+but moves its batches to the device; and the Balancer, not a count, says when a step ends: backward()
+runs Balancer.backward and sets Accelerate's sync_gradients to whether the global batch is complete,
+which is what the prepared optimizer and scheduler step on. So gradient_accumulation_steps stays 1 (a
+rank's share runs in micro-batches by the Balancer's micro_batch_limit), and the Balancer is saved
+and loaded with save_state and load_state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import accelerate
+import torch
+from accelerate.utils import DistributedType, send_to_device
+from packaging.version import Version
+
+import hsync
+from hsync.stats import StepStats
+
+SUPPORTED = (Version("1.1"), Version("2"))  # [lowest, first unsupported); tested on 1.15
+
+
+class BalancedLoader:
+    """A DataLoader over an hsync.Balancer, as Accelerator.prepare returns it: this rank's micro-batches, moved
+    to the device; not sharded again."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device, non_blocking: bool) -> None:
+        self.loader, self.device, self.non_blocking = loader, device, non_blocking
+        self.balancer: hsync.Balancer = loader.batch_sampler
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            yield send_to_device(batch, self.device, non_blocking=self.non_blocking)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.balancer.set_epoch(epoch)
+
+
+class Accelerator(accelerate.Accelerator):
+    """accelerate.Accelerator whose ranks train through hsync (Note [Accelerate]); constructed as it is."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        version = Version(accelerate.__version__)
+        if not SUPPORTED[0] <= version < SUPPORTED[1]:
+            raise RuntimeError(f"hsync.integrations.accelerate supports accelerate >= {SUPPORTED[0]}, "
+                               f"< {SUPPORTED[1]}; found {accelerate.__version__}")
+        super().__init__(*args, **kwargs)
+        if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
+            raise ValueError(f"hsync.integrations.accelerate cannot weigh gradients under {self.distributed_type}: "
+                             "shards of a model are not whole gradients; use accelerate.Accelerator")
+        if self.gradient_accumulation_steps != 1:
+            raise ValueError("hsync.integrations.accelerate: gradient_accumulation_steps must stay 1; the Balancer "
+                             "runs a rank's share in micro-batches (BalanceConfig.micro_batch_limit) and says when "
+                             "a step ends")
+        self.balancer: hsync.Balancer | None = None
+        self.step_stats: StepStats | None = None
+        """The last complete step's StepStats (loss and examples over every rank, the non-finite flag)."""
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
+        if evaluation_mode or isinstance(model, hsync.WeightedDDP):
+            return super().prepare_model(model, device_placement, evaluation_mode)
+        # Everything Accelerate does to a model but DDP, then hsync's wrapper in its place.
+        prepared = super().prepare_model(model, device_placement, evaluation_mode=True)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return hsync.WeightedDDP(prepared, device_ids=device_ids)
+
+    def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
+                            slice_fn_for_dispatch: Any = None) -> Any:
+        if not isinstance(data_loader.batch_sampler, hsync.Balancer):
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if self.balancer is not None and self.balancer is not data_loader.batch_sampler:
+            raise ValueError("hsync.integrations.accelerate: one Balancer per Accelerator (its steps drive the "
+                             "optimizer's)")
+        self.balancer = data_loader.batch_sampler
+        self.register_for_checkpointing(self.balancer)  # save_state / load_state carry where the data stands
+        place = self.device_placement if device_placement is None else device_placement
+        return BalancedLoader(data_loader, self.device if place else torch.device("cpu"), self.non_blocking)
+
+    def backward(self, loss: torch.Tensor, weight: float | torch.Tensor | None = None, **kwargs: Any) -> None:
+        """The micro-batch's weighted backward through the Balancer (Note [Accelerate]); `weight` defaults to its
+        examples (pass tokens for a mean over tokens). Without a Balancer, Accelerate's own."""
+        if self.balancer is None:
+            super().backward(loss, **kwargs)
+            return
+        if kwargs:
+            raise TypeError(f"hsync.integrations.accelerate: backward takes a loss and a weight, got {sorted(kwargs)}")
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        stats = self.balancer.backward(loss, weight=weight)
+        step = stats is not None
+        if step:
+            self.step_stats = stats
+            if self.scaler is None and not stats.finite:
+                # A non-finite loss or gradient on any rank: every rank skips the step (fp16's scaler skips it
+                # itself, and shrinks its scale).
+                self.balancer.model.zero_grad(set_to_none=True)
+                step = False
+        self.gradient_state._set_sync_gradients(step)
+
+    @property
+    def non_blocking(self) -> bool:
+        return bool(getattr(self.dataloader_config, "non_blocking", False))

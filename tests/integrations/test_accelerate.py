@@ -1,0 +1,127 @@
+"""hsync.integrations.accelerate.Accelerator on two real ranks (gloo): Accelerate's own loop (prepare,
+accumulate, backward, the prepared optimizer and scheduler) against one process over the same global
+batches; save_state / load_state; gather_for_metrics over an evaluation loader prepared as usual."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.integrations.test_transformers_trainer import ENV
+from tests.spawn import run_ranks
+
+pytestmark = pytest.mark.distributed
+pytest.importorskip("accelerate")
+
+EXAMPLES, GLOBAL_BATCH, MICRO_LIMIT, EPOCHS, LR = 96, 32, 8, 2, 0.1
+
+
+def data() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(EXAMPLES, 6, generator=g)
+    return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin(), torch.arange(EXAMPLES))
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def train(rank: int, world_size: int, shares: list[int] | None, state_dir: str, resume: bool) -> dict:
+    import hsync
+    from hsync.integrations.accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = net(), None
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    assert type(model) is hsync.WeightedDDP, type(model)
+    balancer = hsync.Balancer(model, EXAMPLES, hsync.BalanceConfig(
+        global_batch_size=GLOBAL_BATCH, rank_batch_sizes=shares, micro_batch_limit=MICRO_LIMIT, replan_every=2))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(data(), batch_sampler=balancer))
+    if resume:
+        accelerator.load_state(state_dir)
+    steps: list[list[int]] = [[]]
+    losses = []
+    for epoch in range(balancer.epoch, EPOCHS):
+        loader.set_epoch(epoch)
+        for x, y, index in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(nn.functional.mse_loss(model(x), y))
+                steps[-1] += index.tolist()
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                steps.append([])
+                losses.append(accelerator.step_stats.loss)
+                if not resume and balancer.global_step == 4:
+                    accelerator.save_state(state_dir)
+    # Evaluation as Accelerate does it: the loader sharded, the predictions gathered, none twice.
+    evaluation = accelerator.prepare(torch.utils.data.DataLoader(data(), batch_size=7))
+    with torch.no_grad():
+        gathered = [accelerator.gather_for_metrics(index) for _, _, index in evaluation]
+    return {"params": {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()},
+            "steps": steps[:-1], "losses": losses, "scheduler_steps": scheduler.scheduler.last_epoch,
+            "evaluated": sorted(torch.cat(gathered).tolist())}
+
+
+def one_process(global_batches: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model, (x, y, _) = net(), data().tensors
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for indices in global_batches:
+        loss = nn.functional.mse_loss(model(x[indices]), y[indices])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return dict(model.named_parameters()), losses
+
+
+def global_batches(ranks: list[dict]) -> list[list[int]]:
+    return [sorted(a + b) for a, b in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True)]
+
+
+@pytest.mark.parametrize("shares", [[24, 8], None], ids=["24+8", "auto"])
+def test_accelerates_loop_steps_equal_one_process_over_the_same_global_batches(shares, tmp_path):
+    ranks = run_ranks(train, 2, shares, str(tmp_path / "state"), False, env=ENV, timeout=180)
+    batches = global_batches(ranks)
+    steps = EPOCHS * EXAMPLES // GLOBAL_BATCH
+    assert len(batches) == steps and sorted(i for b in batches[:3] for i in b) == list(range(EXAMPLES))
+    if shares is not None:  # rank 0 ran its 24 in three micro-batches of 8
+        assert [len(s) for s in ranks[0]["steps"]] == [24] * steps
+    expected, losses = one_process(batches)
+    for result in ranks:
+        # Once a global batch, as many times as there are ranks: Accelerate's convention (split_batches=False).
+        assert result["scheduler_steps"] == 2 * steps
+        assert result["losses"] == pytest.approx(losses, rel=1e-5)
+        for name, value in expected.items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6)
+        assert result["evaluated"] == list(range(EXAMPLES)), "gather_for_metrics: every example once"
+
+
+def test_load_state_resumes_where_save_state_stood(tmp_path):
+    straight = run_ranks(train, 2, None, str(tmp_path), False, env=ENV, timeout=180)
+    resumed = run_ranks(train, 2, None, str(tmp_path), True, env=ENV, timeout=180)
+    assert global_batches(resumed) == global_batches(straight)[4:]
+    for before, after in zip(straight, resumed, strict=True):
+        for name, value in before["params"].items():
+            torch.testing.assert_close(after["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def refused(rank: int, world_size: int) -> str:
+    from hsync.integrations.accelerate import Accelerator
+
+    try:
+        Accelerator(cpu=True, gradient_accumulation_steps=2)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_gradient_accumulation_by_count_is_refused_on_every_rank():
+    for message in run_ranks(refused, 2, env=ENV):
+        assert "gradient_accumulation_steps must stay 1" in message, message
