@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from hsync.bench.balancing import mixed_compute, mixed_speeds
 from hsync.bench.comm_path import comm_path
+from hsync.bench.frameworks import framework_mixed
 from hsync.bench.report import environment, report, write_outputs
 from hsync.bench.result import Result
 from hsync.bench.training import time_variants
@@ -71,6 +72,9 @@ def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
                                                                args.steps, args.quick)))
     jobs.append(Job("mixed-compute-2x", 2, partial(mixed_compute, "mixed-compute-2x", device, [1, 2], args.rounds,
                                                    args.steps, args.quick)))
+    for name, framework in (("hf-trainer-mixed-2x", "trainer"), ("accelerate-mixed-2x", "accelerate")):
+        jobs.append(Job(name, 2, partial(framework_mixed, name, framework, device, [1.0, 2.0], args.rounds,
+                                         args.steps, args.quick)))
     return [job for job in jobs if not args.only or any(re.search(pattern, job.name) for pattern in args.only)]
 
 
@@ -181,7 +185,16 @@ def main(argv: list[str] | None = None) -> None:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             path = os.path.join(tmp, f"world-{world}.json")
-            mp.spawn(worker, args=(world, port, args, path), nprocs=world)
+            # As torchrun does, unless set: OpenMP's threads beyond the ranks' share of the cores spin between
+            # parallel regions, and on a core pinned to its rank (balancing.core_per_rank) a spinning thread
+            # slowed Trainer's and Accelerate's steps 70-fold. Read when each rank's OpenMP starts.
+            threads = os.environ.get("OMP_NUM_THREADS")
+            os.environ["OMP_NUM_THREADS"] = threads or str(max(1, (os.cpu_count() or 1) // world))
+            try:
+                mp.spawn(worker, args=(world, port, args, path), nprocs=world)
+            finally:
+                if threads is None:
+                    del os.environ["OMP_NUM_THREADS"]
             with open(path) as f:
                 part = json.load(f)
             if world == args.world_size or output["env"] is None:

@@ -128,13 +128,13 @@ class Trainer(transformers.Trainer):
         else:
             args = (args[0], training_args, *args[2:])
         super().__init__(*args, **kwargs)
-        self.weighted_model: hsync.WeightedDDP | None = None
+        self.weighted_model: nn.Module | None = None  # the WeightedDDP, compiled with torch_compile
         self.balancer: hsync.Balancer | None = None
         self._resume_from: str | None = None
 
     # -- the model -----------------------------------------------------------------------------------
 
-    def _weighted(self) -> hsync.WeightedDDP:
+    def _weighted(self) -> nn.Module:
         if self.weighted_model is None:
             args = self.args
             find_unused = args.ddp_find_unused_parameters
@@ -145,7 +145,11 @@ class Trainer(transformers.Trainer):
                 options["bucket_cap_mb"] = args.ddp_bucket_cap_mb
             if self.model.device.type == "cuda":
                 options["device_ids"] = [self.model.device.index]
-            self.weighted_model = hsync.WeightedDDP(self.model, **options)
+            weighted = hsync.WeightedDDP(self.model, **options)
+            if args.torch_compile:  # what Accelerate's prepare would have done to the model it wrapped
+                weighted = torch.compile(weighted, backend=args.torch_compile_backend or "inductor",
+                                         mode=args.torch_compile_mode)
+            self.weighted_model = weighted
         return self.weighted_model
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: DataLoader | None = None) -> nn.Module:

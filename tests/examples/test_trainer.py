@@ -15,7 +15,7 @@ TRAINER = Path(__file__).parents[2] / "examples" / "trainer.py"
 
 def test_the_demo_task_is_learned_and_saved(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAINER),
-           "--epochs", "2", "--device", "cpu", "--output-dir", str(tmp_path / "run")]
+           "--epochs", "1", "--device", "cpu", "--output-dir", str(tmp_path / "run")]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

@@ -1,0 +1,198 @@
+"""Mixed-speed rows through the frameworks people train with: hsync's transformers.Trainer against
+transformers' own, hsync's Accelerator against Accelerate's, on the same job with rank 1 slowed 2x
+(SimulatedSlowdown), cores pinned a rank each where the machine has them (balancing.core_per_rank).
+
+Each variant runs its framework's own loop (Trainer.train(), an `accelerator.accumulate` loop) in rounds
+of `steps` steps that alternate; a step's time is the interval between two optimizer steps, taken on the
+slowest rank. The hsync variant first runs until its Balancer has a plan from measurements."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import hsync
+from hsync.balance import SimulatedSlowdown
+from hsync.bench.balancing import core_per_rank
+from hsync.bench.result import NAN, Result, slowest_rank_quantiles
+
+VOCAB = 1000
+
+
+def framework_mixed(name: str, framework: str, device: torch.device, slowdowns: list[float], rounds: int,
+                    steps: int, quick: bool) -> Result:
+    """`framework` ("trainer" or "accelerate") with hsync against without, rank r slowed slowdowns[r]x."""
+    with core_per_rank(device) as pinned:
+        result = _framework_mixed(name, framework, device, slowdowns, rounds, steps, quick)
+    result.extra["core_per_rank"] = float(pinned)
+    return result
+
+
+def _framework_mixed(name: str, framework: str, device: torch.device, slowdowns: list[float], rounds: int,
+                     steps: int, quick: bool) -> Result:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hidden, layers, per_rank, seq = (32, 1, 4, 32) if quick else (128, 2, 32, 64)
+    global_batch = per_rank * world
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, VOCAB, (16 * global_batch, seq), generator=g)
+    examples = [{"input_ids": row, "labels": int(row[0] % 2)} for row in ids]
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+                                     num_attention_heads=max(1, hidden // 32), intermediate_size=4 * hidden,
+                                     max_position_embeddings=seq)
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return transformers.BertForSequenceClassification(config).to(device)
+
+    run = _trainer_variants if framework == "trainer" else _accelerate_variants
+    variants, balancer = run(model, examples, per_rank, global_batch, slowdowns[rank], device)
+    while balancer.decisions < 2:  # warm-up, probes and the equal split measured: the plan in force after
+        variants["hsync"](steps)
+    times: dict[str, list[float]] = {"hsync": [], "ddp": []}
+    for _ in range(rounds):
+        for variant in ("hsync", "ddp"):
+            times[variant] += variants[variant](steps)
+    med, p90 = slowest_rank_quantiles(times, device)
+    hs, dd = med["hsync"], med["ddp"]
+    extra = {"hsync_samples_per_s": global_batch / hs, "ddp_samples_per_s": global_batch / dd,
+             "speedup_vs_ddp": dd / hs, "ideal_speedup": max(slowdowns) * sum(1 / f for f in slowdowns) / world}
+    extra |= {f"plan_rank{r}": n for r, n in enumerate(balancer.last_plan)}
+    return Result(name, hs, dd, NAN, p90["hsync"], p90["ddp"], NAN, global_batch, extra=extra)
+
+
+def _collate(features: list[dict]) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.stack([f["input_ids"] for f in features]),
+            "labels": torch.tensor([f["labels"] for f in features])}
+
+
+def _trainer_variants(model: Callable[[], torch.nn.Module], examples: list[dict], per_rank: int, global_batch: int,
+                      slowdown: float, device: torch.device) -> tuple[dict[str, Callable[[int], list[float]]], Any]:
+    import transformers
+
+    from hsync.integrations.transformers import BalancingArguments, Trainer
+
+    def arguments(batch: int) -> transformers.TrainingArguments:
+        return transformers.TrainingArguments(
+            output_dir="/tmp/hsync-bench-trainer", per_device_train_batch_size=batch, learning_rate=1e-4,
+            max_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, logging_strategy="no",
+            use_cpu=device.type == "cpu", dataloader_pin_memory=False)
+
+    class StepClock(transformers.TrainerCallback):
+        """Times the intervals between optimizer steps; slows the plain Trainer's rank with a pause before each
+        step's work, as for torch DDP (SimulatedSlowdown.pause_ahead)."""
+
+        def __init__(self, slowdown: SimulatedSlowdown | None) -> None:
+            self.slowdown, self.intervals, self.last = slowdown, [], 0.0
+
+        def reset(self, balancer: hsync.Balancer | None) -> None:
+            self.intervals, self.last = [], time.perf_counter()
+            for pause in (self.slowdown, balancer.slowdown if balancer is not None else None):
+                if pause is not None:
+                    pause.restart()  # the other variant's work is no part of this one's first step
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.slowdown is not None:
+                self.slowdown.pause_ahead()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.slowdown is not None:
+                self.slowdown.step_done()
+            now = time.perf_counter()
+            self.intervals.append(now - self.last)
+            self.last = now
+
+    plain = transformers.Trainer(model=model(), args=arguments(per_rank), train_dataset=examples,
+                                 data_collator=_collate, callbacks=[StepClock(SimulatedSlowdown(slowdown, device))])
+    # A share of up to the whole global batch in one micro-batch, as plain Trainer's per-rank batch is one.
+    ours = Trainer(model=model(), args=arguments(global_batch), train_dataset=examples, data_collator=_collate,
+                   callbacks=[StepClock(None)],
+                   balancing=BalancingArguments(global_batch_size=global_batch, replan_every=10, by_tokens=False,
+                                                simulate_slowdown=slowdown))
+
+    def run(trainer: transformers.Trainer) -> Callable[[int], list[float]]:
+        def steps(count: int) -> list[float]:
+            trainer.args.max_steps = count + 1  # the first interval carries the switch: not timed
+            balancer = getattr(trainer, "balancer", None)
+            if balancer is not None:
+                # Each train() starts at epoch 0 (Trainer's set_epoch(0)); a Balancer still in epoch 0 would go on
+                # where the last call left it, and its epoch would end before max_steps.
+                balancer.set_epoch(balancer.epoch + 1)
+            clock_of(trainer).reset(balancer)
+            trainer.train()
+            return clock_of(trainer).intervals[1:]
+        return steps
+
+    def clock_of(trainer: transformers.Trainer) -> StepClock:
+        return next(c for c in trainer.callback_handler.callbacks if isinstance(c, StepClock))
+
+    variants = {"ddp": run(plain), "hsync": run(ours)}
+    variants["hsync"](2)  # builds the Balancer
+    return variants, ours.balancer
+
+
+def _accelerate_variants(model: Callable[[], torch.nn.Module], examples: list[dict], per_rank: int,
+                         global_batch: int, slowdown: float,
+                         device: torch.device) -> tuple[dict[str, Callable[[int], list[float]]], Any]:
+    import accelerate
+
+    from hsync.integrations.accelerate import Accelerator
+
+    theirs = accelerate.Accelerator(cpu=device.type == "cpu")
+    plain_model = theirs.prepare(model())
+    plain_optimizer = theirs.prepare(torch.optim.AdamW(plain_model.parameters(), lr=1e-4))
+    plain_loader = theirs.prepare(torch.utils.data.DataLoader(examples, batch_size=per_rank, shuffle=True,
+                                                              collate_fn=_collate))
+    ours = Accelerator(cpu=device.type == "cpu")
+    net = ours.prepare(model())
+    optimizer = ours.prepare(torch.optim.AdamW(net.parameters(), lr=1e-4))
+    balancer = hsync.Balancer(net, len(examples), hsync.BalanceConfig(
+        global_batch_size=global_batch, replan_every=10, simulate_slowdown=slowdown))
+    loader = ours.prepare(torch.utils.data.DataLoader(examples, batch_sampler=balancer, collate_fn=_collate))
+    plain_slowdown = SimulatedSlowdown(slowdown, device)
+
+    def forever(batches: Any) -> Any:
+        while True:
+            yield from batches
+
+    plain_batches, our_batches = forever(plain_loader), forever(loader)
+
+    def plain_step() -> None:
+        with theirs.accumulate(plain_model):
+            loss = plain_model(**next(plain_batches)).loss
+            plain_slowdown.pause_ahead()  # before the backward, which ends with the reduction
+            theirs.backward(loss)
+            plain_optimizer.step()
+            plain_optimizer.zero_grad()
+        plain_slowdown.step_done()
+
+    def our_step() -> None:
+        while True:
+            with ours.accumulate(net):
+                ours.backward(net(**next(our_batches)).loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            if ours.sync_gradients:
+                return
+
+    def timed(step: Callable[[], None], restart: Callable[[], None]) -> Callable[[int], list[float]]:
+        def steps(count: int) -> list[float]:
+            restart()  # the other variant's work is no part of this one's first step
+            step()  # carries the switch: not timed
+            times, started = [], time.perf_counter()
+            for _ in range(count):
+                step()
+                now = time.perf_counter()
+                times.append(now - started)
+                started = now
+            return times
+        return steps
+
+    return ({"ddp": timed(plain_step, plain_slowdown.restart), "hsync": timed(our_step, balancer.slowdown.restart)},
+            balancer)
