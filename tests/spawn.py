@@ -46,12 +46,14 @@ def _entry(rank: int, world_size: int, port: int, backend: str, env: dict[str, s
             dist.destroy_process_group()
 
 
-def _start(fn: Callable, world_size: int, args: tuple, backend: str, env: dict[str, str] | None):
-    ctx = mp.get_context("forkserver")
+def _start(fn: Callable, world_size: int, args: tuple, backend: str, env: dict[str, str] | None,
+           fresh: bool = False):
+    ctx = mp.get_context("spawn" if fresh else "forkserver")
     # The server imports these once; each rank is then forked from it in milliseconds, with nothing
     # started yet that a fork could break (no thread, no process group, no CUDA context). torch._dynamo
     # is what a wrapper's first forward imports: 1.1 s in every rank of every test otherwise.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "hsync"])
+    if not fresh:
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "hsync"])
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, env or {}, fn, args, results))
@@ -65,14 +67,15 @@ _FAILED_RUN_GRACE_S = 5.0
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-              timeout: float = 90.0, env: dict[str, str] | None = None) -> list[Any]:
+              timeout: float = 90.0, env: dict[str, str] | None = None, fresh: bool = False) -> list[Any]:
     """Calls fn(rank, world_size, *args) on each rank; returns the results in rank order.
 
     `env` is set in each rank before fn runs and before its process group starts (the ranks inherit the
     environment of the server they fork from, not the caller's), but after fn's module is imported to
     unpickle fn, which may already have started CUDA: fit for NCCL's variables, too late for
-    CUDA_VISIBLE_DEVICES. "{rank}" in a value becomes the rank."""
-    procs, results = _start(fn, world_size, args, backend, env)
+    CUDA_VISIBLE_DEVICES. "{rank}" in a value becomes the rank. `fresh`: each rank a new interpreter that
+    imports only fn's module (seconds slower), for a test of what a program's first imports do."""
+    procs, results = _start(fn, world_size, args, backend, env, fresh)
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
     finished = False

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import hsync  # in a fresh rank (run_ranks(fresh=True)) imported before its init_process_group, as programs do
 from tests.spawn import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -24,8 +25,6 @@ _kept_until_exit: list = []
 def train_and_keep(rank: int, world_size: int) -> tuple[int, list[str], list[str]]:
     """Models kept alive past destroy_process_group(): the group's gloo threads must end with it (held
     by a model, they ran on into interpreter shutdown, where one could abort the process)."""
-    import hsync
-
     for _ in range(4):
         model = hsync.WeightedDDP(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]))
         for _ in range(3):
@@ -49,8 +48,6 @@ def gloo_threads() -> list[str]:
 
 
 def first_optimizer_after_init(rank: int, world_size: int) -> tuple[bool, list[str], list[str]]:
-    import hsync
-
     dynamo_was_loaded = "torch._dynamo" in sys.modules
     model = hsync.WeightedDDP(nn.Linear(8, 1))
     optimizer = torch.optim.AdamW(model.parameters())  # the process's first: it loads torch._dynamo
@@ -64,8 +61,9 @@ def first_optimizer_after_init(rank: int, world_size: int) -> tuple[bool, list[s
 def test_destroy_process_group_ends_gloo_threads_after_the_first_optimizer():
     # minimal.py's shape: hsync imported, then init_process_group, then the first optimizer. Its
     # imports kept the default group in torch.distributed.nn's defaults, and about one torchrun
-    # exit in four aborted ("terminate called without an active exception").
-    for dynamo_was_loaded, running, after in run_ranks(first_optimizer_after_init, 2):
+    # exit in four aborted ("terminate called without an active exception"). Fresh ranks: those forked
+    # from run_ranks' server have torch._dynamo loaded already.
+    for dynamo_was_loaded, running, after in run_ranks(first_optimizer_after_init, 2, fresh=True):
         assert not dynamo_was_loaded, "the case needs torch._dynamo first loaded after init_process_group"
         assert running, "gloo threads expected while the group lives"
         assert after == []

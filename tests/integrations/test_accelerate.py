@@ -129,3 +129,11 @@ def refused(rank: int, world_size: int) -> str:
 def test_gradient_accumulation_by_count_is_refused_on_every_rank():
     for message in run_ranks(refused, 2, env=ENV):
         assert "gradient_accumulation_steps must stay 1" in message, message
+
+
+def test_an_accelerate_release_outside_the_tested_range_is_refused(monkeypatch):
+    import hsync.integrations.accelerate as integration
+
+    monkeypatch.setattr(integration.accelerate, "__version__", "0.34.2")
+    with pytest.raises(RuntimeError, match="supports accelerate >= 1.1, < 2; found 0.34.2"):
+        integration.Accelerator(cpu=True)

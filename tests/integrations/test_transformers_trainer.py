@@ -229,3 +229,12 @@ def test_what_cannot_work_is_refused_before_any_work(overrides, world, message, 
     with pytest.raises(ValueError, match=message):
         Trainer(model=tiny_model("classify"), args=training_args(str(tmp_path), **overrides),
                 train_dataset=Texts("classify"), data_collator=collate)
+
+
+def test_a_transformers_release_outside_the_tested_range_is_refused(monkeypatch, tmp_path):
+    import hsync.integrations.transformers as integration
+
+    monkeypatch.setattr(integration.transformers, "__version__", "4.46.0")
+    with pytest.raises(RuntimeError, match="supports transformers >= 5.0, < 6; found 4.46.0"):
+        integration.Trainer(model=tiny_model("classify"), args=training_args(str(tmp_path)),
+                            train_dataset=Texts("classify"), data_collator=collate)
