@@ -92,7 +92,7 @@ class _Collated(Dataset):
         return self.collate([self.dataset[i] for i in indices])
 
 
-class BalancedLoader(DataLoader):
+class StepLoader(DataLoader):
     """The train dataloader of the hsync Trainer: one item per optimizer step, this rank's micro-batches."""
 
     def __init__(self, dataset: Dataset, balancer: hsync.Balancer, collate: Any, **kwargs: Any) -> None:
@@ -183,9 +183,9 @@ class Trainer(transformers.Trainer):
             if self._resume_from is not None:
                 self.balancer.load_state_dict(load_balancer_state(self._resume_from))
         workers = args.dataloader_num_workers
-        return BalancedLoader(dataset, self.balancer, collate, num_workers=workers,
-                              pin_memory=args.dataloader_pin_memory, persistent_workers=workers > 0 and
-                              args.dataloader_persistent_workers, prefetch_factor=args.dataloader_prefetch_factor)
+        return StepLoader(dataset, self.balancer, collate, num_workers=workers, pin_memory=args.dataloader_pin_memory,
+                          persistent_workers=workers > 0 and args.dataloader_persistent_workers,
+                          prefetch_factor=args.dataloader_prefetch_factor)
 
     def _example_costs(self, dataset: Dataset) -> int | list[float]:
         """The dataset's size, or each example's tokens where examples are balanced by tokens."""

@@ -114,9 +114,9 @@ def test_auto_balance_follows_a_simulated_slow_rank(tmp_path):
                          "--log-file", str(log), "--comm-dtype", "bf16"))
     plans = [r["plan"] for r in read_log(log)]
     assert plans[0] == [16, 16], "warm-up steps split equally"
-    fast, slow = plans[-1]
+    fast, slow = [plan for plan in plans if sum(plan) == 32][-1]  # an epoch's last step may be short
     # Ideally 24 + 8; on two shared cores the tiny model's timings are noisy, so ask for a clear lean.
-    assert fast + slow == 32 and fast >= 1.5 * slow, plans
+    assert fast >= 1.5 * slow, plans
     assert "measured rank 0:" in result.stderr
 
 
