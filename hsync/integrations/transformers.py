@@ -229,8 +229,8 @@ class Trainer(transformers.Trainer):
             self.optimizer.train()
         stats = None
         for micro_batch in inputs:
+            weight = self._items(micro_batch)  # counted on the host, before the copy: no wait for a GPU
             micro_batch = self._prepare_inputs(micro_batch)
-            weight = self._items(micro_batch)
             with self.accelerator.autocast(), self.compute_loss_context_manager():
                 loss = self.compute_loss(model, micro_batch)
             if self.accelerator.scaler is not None:  # fp16: scaled as accelerator.backward scales it
