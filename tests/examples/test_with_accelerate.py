@@ -1,24 +1,17 @@
 """examples/with_accelerate.py: a pretrained MiniLM fine-tuned in an Accelerate loop through hsync, two ranks."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.distributed
+from tests.examples import torchrun
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "with_accelerate.py"
+pytestmark = pytest.mark.distributed
 
 
 def test_the_demo_task_is_learned_and_saved(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(EXAMPLE),
-           "--epochs", "1", "--device", "cpu", "--save-dir", str(tmp_path / "tuned")]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    result = torchrun("with_accelerate.py", tmp_path, "--epochs", "1", "--device", "cpu", "--save-dir",
+                      str(tmp_path / "tuned"))
     # Printed by the main process only; gather_for_metrics counts each of the 80 held-out texts once.
     found = re.findall(r"epoch 1: train loss [0-9.]+, held-out accuracy ([0-9.]+) on 80 examples, last split "
                        r"\[(\d+), (\d+)\]", result.stdout)
