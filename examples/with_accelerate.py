@@ -1,7 +1,8 @@
 """Fine-tune a pretrained BERT-family classifier in an Accelerate loop, through hsync.
 
     torchrun --nproc_per_node 2 examples/with_accelerate.py                      # the built-in demo task
-    accelerate launch --num_processes 2 examples/with_accelerate.py --data labelled.txt
+    accelerate launch --num_processes 2 --mixed_precision bf16 examples/with_accelerate.py --data labelled.txt
+    accelerate launch --multi_gpu --num_processes 2 examples/with_accelerate.py --device cpu   # CPU ranks
 
 Accelerate's tutorial loop (prepare, accumulate, backward, the prepared optimizer and scheduler,
 gather_for_metrics) with two changes: the Accelerator is hsync.integrations.accelerate's, whose
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
             predictions, labels = accelerator.gather_for_metrics((predictions, batch["labels"]))
             right, count = right + int((predictions == labels).sum()), count + len(labels)
         if accelerator.is_main_process:
-            print(f"epoch {epoch + 1}: train loss {accelerator.step_stats.loss:.4f}, held-out accuracy "
+            print(f"epoch {epoch + 1}: train loss {accelerator.step_loss:.4f}, held-out accuracy "
                   f"{right / count:.3f} on {count} examples, last split {balancer.last_plan}", flush=True)
     if args.save_dir is not None and accelerator.is_main_process:
         accelerator.unwrap_model(model).save_pretrained(args.save_dir)

@@ -11,7 +11,8 @@
 # writes its log into OUT_DIR as it runs; OUT_DIR/report.md grows a section at a time, so a run
 # cut short still leaves what it had. Seven files in all (four logs, the report, the benchmark's
 # JSON and page), and failures.md where a test failed. Uses the python3 on PATH and its torch (no
-# network needed). GPU_CHECK_TESTS, where set, names the tests to run instead of all of tests/gpu.
+# network needed). GPU_CHECK_TESTS, where set, names the tests to run instead of all of tests/gpu;
+# GPU_CHECK_BENCH=0 leaves the benchmark out (a rerun of some tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
@@ -83,7 +84,7 @@ fi
 [ -f "$HSYNC_CHECK_FAILURES" ] && { printf '\n## failures\n'; cat "$HSYNC_CHECK_FAILURES"; } >> "$report"
 # One rank, where nothing overlaps: hsync against the no-sync floor and against DDP, gradients copied
 # and as bucket views (the mode the 1% target is for); the pack kernel against a copy.
-section bench 150 python3 -m hsync.bench --device cuda --world-size 1 \
+[ "${GPU_CHECK_BENCH:-1}" = 0 ] || section bench 150 python3 -m hsync.bench --device cuda --world-size 1 \
   --only '^bert-base$' '^bert-base-bucket-views$' '^comm-path-64MiB' \
   --rounds 5 --steps 8 --json "$out/bench.json" --markdown "$out/bench.md"
 # The GPU targets, read off the benchmark.

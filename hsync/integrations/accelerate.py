@@ -40,6 +40,7 @@ from accelerate.utils import DistributedType, send_to_device
 from packaging.version import Version
 
 import hsync
+from hsync.integrations._world import ensure_process_group
 from hsync.stats import StepStats
 
 SUPPORTED = (Version("1.1"), Version("2"))  # [lowest, first unsupported); tested on 1.15
@@ -82,7 +83,9 @@ class Accelerator(accelerate.Accelerator):
                              "a step ends")
         self.balancer: hsync.Balancer | None = None
         self.step_stats: StepStats | None = None
-        """The last complete step's StepStats (loss and examples over every rank, the non-finite flag)."""
+        """The last complete step's StepStats (examples over every rank, the non-finite flag)."""
+        self.step_loss: float | None = None
+        """The last complete step's loss over every rank (step_stats.loss, less float16's loss scale)."""
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
@@ -91,6 +94,7 @@ class Accelerator(accelerate.Accelerator):
         # Everything Accelerate does to a model but DDP, then hsync's wrapper in its place.
         prepared = super().prepare_model(model, device_placement, evaluation_mode=True)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
+        ensure_process_group(self.device)
         return hsync.WeightedDDP(prepared, device_ids=device_ids)
 
     def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
@@ -119,6 +123,8 @@ class Accelerator(accelerate.Accelerator):
         step = stats is not None
         if step:
             self.step_stats = stats
+            # The scale this step's losses were multiplied by: the scaler changes it only at optimizer.step().
+            self.step_loss = stats.loss / (self.scaler.get_scale() if self.scaler is not None else 1.0)
             if self.scaler is None and not stats.finite:
                 # A non-finite loss or gradient on any rank: every rank skips the step (fp16's scaler skips it
                 # itself, and shrinks its scale).

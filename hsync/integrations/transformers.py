@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 import hsync
+from hsync.integrations._world import ensure_process_group
 
 SUPPORTED = (Version("5.0"), Version("6"))  # [lowest, first unsupported); tested on 5.23
 
@@ -145,6 +146,7 @@ class Trainer(transformers.Trainer):
                 options["bucket_cap_mb"] = args.ddp_bucket_cap_mb
             if self.model.device.type == "cuda":
                 options["device_ids"] = [self.model.device.index]
+            ensure_process_group(self.model.device)
             weighted = hsync.WeightedDDP(self.model, **options)
             if args.torch_compile:  # what Accelerate's prepare would have done to the model it wrapped
                 weighted = torch.compile(weighted, backend=args.torch_compile_backend or "inductor",

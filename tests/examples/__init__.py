@@ -6,12 +6,18 @@ import sys
 from pathlib import Path
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
+    # Accelerate starts CPU ranks through torchrun only when told "multi_gpu"; each rank then runs on the CPU.
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes=2",
+                   "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no"],
+}
 
 
-def torchrun(script: str, cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    """examples/`script` on two CPU ranks under torchrun; fails the test with the output's end if it fails."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(EXAMPLES / script),
-           *args]
+def launch(script: str, cwd: Path, *args: str, launcher: str = "torchrun") -> subprocess.CompletedProcess:
+    """examples/`script` on two CPU ranks under torchrun (or `accelerate launch`); fails the test with the output's
+    end if it fails."""
+    cmd = [*LAUNCHERS[launcher], str(EXAMPLES / script), *args]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.examples import EXAMPLES, torchrun
+from tests.examples import EXAMPLES, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -14,7 +14,7 @@ FINETUNE = EXAMPLES / "finetune.py"
 
 
 def test_demo_task_is_learned_across_two_ranks(tmp_path):
-    result = torchrun("finetune.py", tmp_path, "--epochs", "2", "--save-dir", str(tmp_path / "tuned"))
+    result = launch("finetune.py", tmp_path, "--epochs", "2", "--save-dir", str(tmp_path / "tuned"))
     epochs = re.findall(r"epoch (\d): train loss [0-9.]+, held-out accuracy ([0-9.]+) on (\d+) examples, "
                         r"last split \[(\d+), (\d+)\]", result.stdout)
     assert [e[0] for e in epochs] == ["1", "2"], result.stdout

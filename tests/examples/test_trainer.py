@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.examples import EXAMPLES, torchrun
+from tests.examples import EXAMPLES, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -14,7 +14,7 @@ TRAINER = EXAMPLES / "trainer.py"
 
 
 def test_the_demo_task_is_learned_and_saved(tmp_path):
-    result = torchrun("trainer.py", tmp_path, "--epochs", "1", "--device", "cpu", "--output-dir", str(tmp_path / "run"))
+    result = launch("trainer.py", tmp_path, "--epochs", "1", "--device", "cpu", "--output-dir", str(tmp_path / "run"))
     # Printed once, by rank 0: accuracy over both ranks' shards of the 80 held-out texts.
     found = re.findall(r"held-out accuracy ([0-9.]+) on 80 examples; last split \[(\d+), (\d+)\]", result.stdout)
     assert len(found) == 1, result.stdout[-3000:]

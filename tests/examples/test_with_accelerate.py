@@ -1,17 +1,18 @@
-"""examples/with_accelerate.py: a pretrained MiniLM fine-tuned in an Accelerate loop through hsync, two ranks."""
+"""examples/with_accelerate.py: a pretrained MiniLM fine-tuned in an Accelerate loop through hsync, two ranks
+started by `accelerate launch`."""
 
 import re
 
 import pytest
 
-from tests.examples import torchrun
+from tests.examples import launch
 
 pytestmark = pytest.mark.distributed
 
 
 def test_the_demo_task_is_learned_and_saved(tmp_path):
-    result = torchrun("with_accelerate.py", tmp_path, "--epochs", "1", "--device", "cpu", "--save-dir",
-                      str(tmp_path / "tuned"))
+    result = launch("with_accelerate.py", tmp_path, "--epochs", "1", "--device", "cpu", "--save-dir",
+                      str(tmp_path / "tuned"), launcher="accelerate")
     # Printed by the main process only; gather_for_metrics counts each of the 80 held-out texts once.
     found = re.findall(r"epoch 1: train loss [0-9.]+, held-out accuracy ([0-9.]+) on 80 examples, last split "
                        r"\[(\d+), (\d+)\]", result.stdout)

@@ -4,10 +4,13 @@ batches; save_state / load_state; gather_for_metrics over an evaluation loader p
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
 
+from tests.integrations import assert_near_float32
 from tests.integrations.test_transformers_trainer import ENV
 from tests.spawn import run_ranks
 
@@ -28,12 +31,16 @@ def net() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
-def train(rank: int, world_size: int, shares: list[int] | None, state_dir: str, resume: bool) -> dict:
+def train(rank: int, world_size: int, shares: list[int] | None, state_dir: str, resume: bool,
+          mixed_precision: str = "no", cpu: bool = True) -> dict:
     import hsync
     from hsync.integrations.accelerate import Accelerator
 
-    accelerator = Accelerator(cpu=True)
-    model, optimizer = net(), None
+    accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+    model = net()
+    dtypes = set()  # of every linear layer's output: float32, or bfloat16 under autocast
+    for layer in model:
+        layer.register_forward_hook(lambda module, inputs, output: dtypes.add(str(output.dtype)))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -44,7 +51,7 @@ def train(rank: int, world_size: int, shares: list[int] | None, state_dir: str, 
     if resume:
         accelerator.load_state(state_dir)
     steps: list[list[int]] = [[]]
-    losses = []
+    losses, skipped = [], []
     for epoch in range(balancer.epoch, EPOCHS):
         loader.set_epoch(epoch)
         for x, y, index in loader:
@@ -55,17 +62,27 @@ def train(rank: int, world_size: int, shares: list[int] | None, state_dir: str, 
                 scheduler.step()
                 optimizer.zero_grad()
             if accelerator.sync_gradients:
+                skipped.append(optimizer.step_was_skipped)  # by float16's GradScaler
                 steps.append([])
-                losses.append(accelerator.step_stats.loss)
+                losses.append(accelerator.step_loss)
                 if not resume and balancer.global_step == 4:
                     accelerator.save_state(state_dir)
     # Evaluation as Accelerate does it: the loader sharded, the predictions gathered, none twice.
     evaluation = accelerator.prepare(torch.utils.data.DataLoader(data(), batch_size=7))
     with torch.no_grad():
         gathered = [accelerator.gather_for_metrics(index) for _, _, index in evaluation]
-    return {"params": {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()},
+    return {"params": {n: p.detach().cpu().clone() for n, p in accelerator.unwrap_model(model).named_parameters()},
             "steps": steps[:-1], "losses": losses, "scheduler_steps": scheduler.scheduler.last_epoch,
-            "evaluated": sorted(torch.cat(gathered).tolist())}
+            "evaluated": sorted(torch.cat(gathered).tolist()), "dtypes": sorted(dtypes),
+            "skipped": skipped}
+
+
+def train_alone(rank: int, world_size: int, *args) -> dict:
+    """train as `python train.py` runs it: no launcher's environment, no process group."""
+    torch.distributed.destroy_process_group()
+    for key in ENV:
+        os.environ.pop(key, None)
+    return train(rank, world_size, *args)
 
 
 def one_process(global_batches: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -114,6 +131,27 @@ def test_load_state_resumes_where_save_state_stood(tmp_path):
     for before, after in zip(straight, resumed, strict=True):
         for name, value in before["params"].items():
             torch.testing.assert_close(after["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_one_plain_process_trains_as_with_accelerates_own_prepare(tmp_path):
+    # Accelerate starts no process group for one process; the wrapper gets a group of one.
+    alone = run_ranks(train_alone, 1, None, str(tmp_path), False, timeout=180)[0]
+    assert [len(step) for step in alone["steps"]] == [GLOBAL_BATCH] * (EPOCHS * EXAMPLES // GLOBAL_BATCH)
+    expected, losses = one_process(alone["steps"])
+    assert alone["losses"] == pytest.approx(losses, rel=1e-5)
+    for name, value in expected.items():
+        torch.testing.assert_close(alone["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_runs_the_forward_under_autocast_and_stays_near_float32(tmp_path):
+    exact = run_ranks(train, 2, [24, 8], str(tmp_path), False, env=ENV, timeout=180)[0]
+    mixed = run_ranks(train, 2, [24, 8], str(tmp_path), False, "bf16", env=ENV, timeout=180)
+    assert exact["dtypes"] == ["torch.float32"]
+    for result in mixed:
+        assert result["dtypes"] == ["torch.bfloat16"]
+        assert result["losses"] == pytest.approx(exact["losses"], rel=2e-3)
+        assert_near_float32(result["params"], exact["params"], dict(net().named_parameters()))
+    torch.testing.assert_close(mixed[0]["params"], mixed[1]["params"], rtol=0, atol=0)
 
 
 def refused(rank: int, world_size: int) -> str:

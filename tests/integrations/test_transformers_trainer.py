@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from tests.integrations import assert_near_float32
 from tests.spawn import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -88,31 +89,44 @@ def training_args(output_dir: str, **overrides) -> transformers.TrainingArgument
 
 
 def train_with_hsync(rank: int, world_size: int, task: str, shares: list[int] | None, output_dir: str,
-                     resume_from: str | None = None, overrides: dict | None = None) -> dict:
+                     resume_from: str | None = None, overrides: dict | None = None, global_batch: int | None = None,
+                     callbacks: tuple = ()) -> dict:
     from transformers import TrainerCallback
 
     from hsync.integrations.transformers import BalancingArguments, Trainer
 
     data = Texts(task)
+    model = tiny_model(task)
+    skipped: list[bool] = []
+    dtypes = set()  # of every linear layer's output: float32, or bfloat16 under autocast
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda module, inputs, output: dtypes.add(str(output.dtype)))
 
     class Steps(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             data.recording = True
 
-        def on_step_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
             data.steps.append([])
+            skipped.append(bool(getattr(optimizer, "step_was_skipped", False)))  # by float16's GradScaler
 
-    trainer = Trainer(model=tiny_model(task), args=training_args(output_dir, **(overrides or {})), train_dataset=data,
-                      data_collator=collate, callbacks=[Steps()],
-                      balancing=BalancingArguments(rank_batch_sizes=shares, replan_every=2))
+    trainer = Trainer(model=model, args=training_args(output_dir, **(overrides or {})), train_dataset=data,
+                      eval_dataset=Texts(task), data_collator=collate, callbacks=[Steps(), *callbacks],
+                      balancing=BalancingArguments(global_batch_size=global_batch, rank_batch_sizes=shares,
+                                                   replan_every=2))
     trainer.train(resume_from_checkpoint=resume_from)
     if rank == 0:
         trainer.save_model(os.path.join(output_dir, "final"))
     torch.distributed.barrier()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return {"params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+    return {"params": {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()},
             "steps": data.steps[:-1], "global_step": trainer.state.global_step, "losses": losses,
-            "loader_length": len(trainer.get_train_dataloader()), "plan": trainer.balancer.planned_split()}
+            "loader_length": len(trainer.get_train_dataloader()), "plan": trainer.balancer.planned_split(),
+            "dtypes": sorted(dtypes), "checkpointing": trainer.model.is_gradient_checkpointing,
+            "find_unused": trainer.weighted_model.find_unused_parameters, "log": trainer.state.log_history,
+            "compiled": type(trainer.model_wrapped).__name__,
+            "best_checkpoint": trainer.state.best_model_checkpoint, "skipped": skipped}
 
 
 def one_process(task: str, steps: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -130,13 +144,21 @@ def one_process(task: str, steps: list[list[int]]) -> tuple[dict[str, torch.Tens
 
 
 # Fixed shares with a mean over examples, measured ones with a mean over tokens (both kinds of weight, both
-# kinds of split; the resume test below runs the second again).
-@pytest.mark.parametrize(("task", "shares"), [("classify", [24, 8]), ("mlm", None)], ids=["classify-24+8", "mlm-auto"])
-def test_trainer_steps_equal_one_process_over_the_same_global_batches(task, shares, tmp_path):
-    ranks = run_ranks(train_with_hsync, 2, task, shares, str(tmp_path), env=ENV, timeout=240)
+# kinds of split; the resume test below runs the second again). Gradient checkpointing recomputes the same
+# activations: the same steps, with find_unused_parameters off as TrainingArguments then asks.
+@pytest.mark.parametrize(("task", "shares", "overrides"), [
+    ("classify", [24, 8], {}), ("classify", [24, 8], {"gradient_checkpointing": True}),
+    ("classify", [24, 8], {"torch_compile": True, "torch_compile_backend": "aot_eager"}), ("mlm", None, {})],
+    ids=["classify-24+8", "classify-24+8-checkpointing", "classify-24+8-compiled", "mlm-auto"])
+def test_trainer_steps_equal_one_process_over_the_same_global_batches(task, shares, overrides, tmp_path):
+    ranks = run_ranks(train_with_hsync, 2, task, shares, str(tmp_path), None, overrides, env=ENV, timeout=240)
     steps = EPOCHS * EXAMPLES // (PER_DEVICE * ACCUMULATION * 2)
     for result in ranks:
         assert result["global_step"] == steps and result["loader_length"] == steps // EPOCHS
+        assert result["dtypes"] == ["torch.float32"]
+        checkpointing = overrides.get("gradient_checkpointing", False)
+        assert result["checkpointing"] == checkpointing and result["find_unused"] == (not checkpointing)
+        assert result["compiled"] == ("OptimizedModule" if overrides.get("torch_compile") else "WeightedDDP")
     global_batches = [a + b for a, b in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True)]
     assert len(global_batches) == steps
     for epoch in range(EPOCHS):  # every example once per epoch
@@ -173,6 +195,62 @@ def test_a_resume_through_trainers_checkpoint_ends_as_an_uninterrupted_run(tmp_p
         assert after["global_step"] == 6
         for name, value in before["params"].items():
             torch.testing.assert_close(after["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def train_alone(rank: int, world_size: int, *args) -> dict:
+    """train_with_hsync as `python train.py` runs it: no launcher's environment, no process group."""
+    torch.distributed.destroy_process_group()
+    for key in ENV:
+        os.environ.pop(key, None)
+    return train_with_hsync(rank, world_size, *args)
+
+
+def test_a_resume_in_one_process_goes_on_with_the_same_global_batches(tmp_path):
+    # The global batch is fixed (BalancingArguments.global_batch_size), not derived from the ranks: two ranks
+    # stop at step 4 of 6, one plain process (no torchrun, hence no process group) trains the rest.
+    both = run_ranks(train_with_hsync, 2, "mlm", None, str(tmp_path / "a"), None,
+                     {"save_strategy": "steps", "save_steps": 2}, 32, env=ENV, timeout=240)
+    alone = run_ranks(train_alone, 1, "mlm", None, str(tmp_path / "b"), str(tmp_path / "a" / "checkpoint-4"),
+                      None, 32, timeout=240)[0]
+    assert alone["global_step"] == 6 and alone["loader_length"] == 3
+    global_batches = [sorted(a + b) for a, b in zip(both[0]["steps"], both[1]["steps"], strict=True)]
+    assert [sorted(step) for step in alone["steps"]] == global_batches[4:]
+    for name, value in both[0]["params"].items():
+        torch.testing.assert_close(alone["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bf16_runs_the_forward_under_autocast_and_stays_near_float32(tmp_path):
+    # bfloat16 rounds each rank's micro-batches as it rounds one process's whole batch only to within its 8
+    # bits of mantissa: the steps are compared with a float32 run, within what that rounding allows.
+    exact = run_ranks(train_with_hsync, 2, "classify", [24, 8], str(tmp_path / "a"), env=ENV, timeout=240)[0]
+    mixed = run_ranks(train_with_hsync, 2, "classify", [24, 8], str(tmp_path / "b"), None, {"bf16": True},
+                      env=ENV, timeout=240)
+    for result in mixed:
+        assert result["dtypes"] == ["torch.bfloat16"]
+        assert result["losses"] == pytest.approx(exact["losses"], rel=1e-3)
+        assert_near_float32(result["params"], exact["params"], dict(tiny_model("classify").named_parameters()))
+    torch.testing.assert_close(mixed[0]["params"], mixed[1]["params"], rtol=0, atol=0)  # one update on every rank
+
+
+def test_early_stopping_stops_every_rank_at_the_same_step_with_the_best_model(tmp_path):
+    # Evaluated and saved every step; no gain of 10 in the loss ever counts as one, so the second evaluation
+    # uses up a patience of 1 and training stops at step 2 of 6, then loads the best of the two checkpoints.
+    from transformers import EarlyStoppingCallback
+
+    overrides = {"eval_strategy": "steps", "eval_steps": 1, "save_strategy": "steps", "save_steps": 1,
+                 "load_best_model_at_end": True, "metric_for_best_model": "eval_loss", "per_device_eval_batch_size": 8}
+    stopper = EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=10.0)
+    ranks = run_ranks(train_with_hsync, 2, "classify", [24, 8], str(tmp_path), None, overrides, None, (stopper,),
+                      env=ENV, timeout=240)
+    evaluations = [[entry["eval_loss"] for entry in result["log"] if "eval_loss" in entry] for result in ranks]
+    assert evaluations[0] == evaluations[1] and len(evaluations[0]) == 2  # over every rank, and the same
+    best = 1 + min(range(2), key=lambda i: evaluations[0][i])
+    global_batches = [a + b for a, b in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True)]
+    expected, _ = one_process("classify", global_batches[:best])
+    for result in ranks:
+        assert result["global_step"] == 2 and result["best_checkpoint"].endswith(f"checkpoint-{best}")
+        for name, value in expected.items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def wrapped_in_torch_ddp(rank: int, world_size: int) -> str:
