@@ -287,7 +287,7 @@ class Balancer:
 
     def steps(self) -> Iterator[list[list[int]]]:
         """Iterates as iter(self) does, a step at a time: the list of this rank's micro-batches of each step, for a
-        loader whose one item is a whole optimizer step (hsync.integrations.transformers.StepLoader)."""
+        loader whose one item is a whole optimizer step (hsync.integrations._loaders.StepLoader)."""
         micro_batches: list[list[int]] = []
         for indices in self:
             micro_batches.append(indices)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,9 +38,10 @@ import torch
 import transformers
 from packaging.version import Version
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 import hsync
+from hsync.integrations._loaders import StepLoader
 from hsync.integrations._world import ensure_process_group
 
 SUPPORTED = (Version("5.0"), Version("6"))  # [lowest, first unsupported); tested on 5.23
@@ -65,44 +66,6 @@ class BalancingArguments:
     """A new split is taken only if it predicts steps at least this much shorter (BalanceConfig.min_gain)."""
     simulate_slowdown: float = 1.0
     """For benchmarks and tests: this rank's steps are made this many times longer."""
-
-
-class _StepSampler(Sampler):
-    """The Balancer's micro-batches grouped by step: one list of index lists per optimizer step."""
-
-    def __init__(self, balancer: hsync.Balancer) -> None:
-        self.balancer = balancer
-
-    def __len__(self) -> int:
-        return self.balancer.steps_per_epoch
-
-    def __iter__(self) -> Iterator[list[list[int]]]:
-        return self.balancer.steps()
-
-
-class _Collated(Dataset):
-    """Reads a micro-batch (a list of indices) as one item, collated: the DataLoader's workers collate."""
-
-    def __init__(self, dataset: Dataset, collate: Any) -> None:
-        self.dataset, self.collate = dataset, collate
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, indices: list[int]) -> Any:
-        return self.collate([self.dataset[i] for i in indices])
-
-
-class StepLoader(DataLoader):
-    """The train dataloader of the hsync Trainer: one item per optimizer step, this rank's micro-batches."""
-
-    def __init__(self, dataset: Dataset, balancer: hsync.Balancer, collate: Any, **kwargs: Any) -> None:
-        super().__init__(_Collated(dataset, collate), batch_sampler=_StepSampler(balancer), collate_fn=list, **kwargs)
-        self.balancer = balancer
-
-    def set_epoch(self, epoch: int) -> None:
-        """Trainer calls it at each epoch's start: the Balancer's order of examples is the epoch's."""
-        self.balancer.set_epoch(epoch)
 
 
 class Trainer(transformers.Trainer):

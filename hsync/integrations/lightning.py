@@ -1,0 +1,257 @@
+"""Lightning with hsync: `Trainer(strategy="hsync")` runs a LightningModule unchanged, each rank's share of
+every global batch planned from its measured speed, and the gradient the exact weighted mean over ranks
+(pip install hsync[lightning]).
+
+    import hsync.integrations.lightning                    # registers the strategy "hsync"
+
+    trainer = L.Trainer(strategy="hsync", accelerator="gpu", devices=4)   # or HsyncStrategy(balance=...)
+    trainer.fit(module, datamodule)
+
+Note [Lightning]
+Lightning's DDP strategy wraps the module in torch's DDP, gives every rank the same batch size through a
+DistributedSampler, and counts accumulate_grad_batches batches to a step. HsyncStrategy, a DDPStrategy,
+changes the seams where that happens:
+- _setup_model wraps the module in hsync.WeightedDDP (the same DDP options);
+- process_dataloader replaces the train dataloader by one whose item is a whole optimizer step: this
+  rank's micro-batches of it, as an hsync.Balancer splits the step (the loader's batch_size x
+  accumulate_grad_batches x ranks, or BalanceConfig's global_batch_size; micro-batches of at most
+  batch_size when accumulating), collated by the loader's collate_fn in its workers. Lightning then
+  counts one item as one step (its accumulate_grad_batches is set to 1), so max_steps, epochs, schedulers
+  and the progress bar count optimizer steps;
+- training_step runs the module's training_step on each micro-batch and backward makes each backward a
+  weighted one through the Balancer (the micro-batch's examples, or the "weight" the module's
+  training_step returns beside its "loss", e.g. its tokens for a mean over tokens). The precision plugin
+  scales each loss as it would (16-mixed's GradScaler), and the optimizer steps once, after the last.
+  Lightning zeroes gradients after the training_step whose loss it backpropagates (the last micro-batch's),
+  so the gradients of the others are set aside across that zeroing;
+- self.log(..., sync_dist=True) in a training_step syncs once a step, at the last micro-batch: ranks run
+  different numbers of micro-batches, and a collective per call would pair one rank's first micro-batch
+  with another's last (or wait forever). Lightning's mean over ranks of an integer (a metric's count of
+  examples) truncates, harmless where every rank counts alike; here it is taken in floating point;
+- the train loader is stateful (state_dict / load_state_dict: the Balancer's), which Lightning saves in
+  every checkpoint and restores with ckpt_path=, so a resumed run goes on with the same global batches.
+- evaluation loaders get Lightning's sampler that repeats no example (ranks may run different numbers of
+  batches), and the module evaluates without its wrapper, so self.log(..., sync_dist=True) gives exact
+  metrics over the whole set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning
+import torch
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
+from packaging.version import Version
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+import hsync
+from hsync.integrations._loaders import MicroBatches, StepLoader
+from hsync.stats import StepStats
+
+SUPPORTED = (Version("2.4"), Version("3"))  # [lowest, first unsupported); tested on 2.6
+_DDP_ONLY = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+
+
+def check_version() -> None:
+    """Refuses a Lightning release outside the tested range."""
+    version = Version(lightning.__version__)
+    if not SUPPORTED[0] <= version < SUPPORTED[1]:
+        raise RuntimeError(f"hsync.integrations.lightning supports lightning >= {SUPPORTED[0]}, < {SUPPORTED[1]}; "
+                           f"found {lightning.__version__}")
+
+
+class HsyncStrategy(DDPStrategy):
+    """Lightning's DDP strategy with hsync in DDP's place (Note [Lightning]). `balance`: how each step is split
+    (None: the train loader's batch_size x accumulate_grad_batches x ranks, planned from measured speeds);
+    other keyword arguments are DDPStrategy's, its DDP options (find_unused_parameters, ...) included."""
+
+    strategy_name = "hsync"
+
+    def __init__(self, balance: hsync.BalanceConfig | None = None, **kwargs: Any) -> None:
+        check_version()
+        for option in _DDP_ONLY:
+            if kwargs.get(option) is not None:
+                raise ValueError(f"HsyncStrategy: {option} is torch DDP's; hsync weighs the gradients itself, "
+                                 "so it cannot take it (use strategy='ddp' for it)")
+        if balance is not None and not isinstance(balance, hsync.BalanceConfig):
+            raise TypeError(f"HsyncStrategy(balance=...) takes an hsync.BalanceConfig, got {type(balance).__name__}")
+        super().__init__(**kwargs)
+        self.balance = balance
+        self.balancer: hsync.Balancer | None = None
+        self.step_stats: StepStats | None = None
+        """The last complete step's StepStats (loss and examples over every rank, the non-finite flag)."""
+        self._micro_batches_per_step: int | None = None  # accumulate_grad_batches, before setup() makes it 1
+        self._weight: float | torch.Tensor | None = None
+        self._leading_micro_batch = False  # a micro-batch before the step's last: its logs are not synced
+        self._set_aside: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # see training_step
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="hsync: weighted DDP with balanced batches")
+
+    # -- the model -----------------------------------------------------------------------------------
+
+    def _setup_model(self, model: torch.nn.Module) -> hsync.WeightedDDP:
+        return hsync.WeightedDDP(model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+
+    def setup(self, trainer: Any) -> None:
+        if any(type(callback).__name__ == "GradientAccumulationScheduler" for callback in trainer.callbacks):
+            raise ValueError("HsyncStrategy: a GradientAccumulationScheduler changes accumulate_grad_batches per "
+                             "epoch, but the Balancer's global batch is fixed; set accumulate_grad_batches instead")
+        if self._micro_batches_per_step is None:  # a later fit() on the same Trainer finds 1 here
+            self._micro_batches_per_step = trainer.accumulate_grad_batches
+        # The Balancer cuts each rank's share into micro-batches; Lightning counts one item as one step.
+        trainer.accumulate_grad_batches = 1
+        super().setup(trainer)
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        pass  # DDPStrategy's prepares torch DDP's reducer; WeightedDDP's backward needs nothing before
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        pass  # DDPStrategy's flushes torch DDP's reducer after a static graph's first manual step
+
+    def teardown(self) -> None:
+        if isinstance(self.model, hsync.WeightedDDP):  # DDPStrategy reads torch DDP's logging data: not ours
+            self.model = self.lightning_module
+        super().teardown()
+
+    # -- the data ------------------------------------------------------------------------------------
+
+    def process_dataloader(self, dataloader: object) -> object:
+        stage = self.lightning_module.trainer.state.stage
+        if not isinstance(dataloader, DataLoader):
+            return super().process_dataloader(dataloader)
+        if stage == RunningStage.TRAINING:
+            return self._step_loader(dataloader)
+        if type(dataloader.sampler) is DistributedSampler:  # Lightning's own, which pads with repeated examples
+            unrepeated = UnrepeatedDistributedSampler(dataloader.dataset, num_replicas=self.world_size,
+                                                      rank=self.global_rank, shuffle=False)
+            return _update_dataloader(dataloader, unrepeated, mode=stage)
+        return dataloader
+
+    def _step_loader(self, loader: DataLoader) -> StepLoader:
+        if not isinstance(loader.sampler, DistributedSampler | RandomSampler | SequentialSampler) or (
+                loader.batch_size is None):
+            raise ValueError("HsyncStrategy splits the train dataloader's examples among ranks itself: give it a "
+                             "DataLoader with a batch_size and no sampler or batch_sampler of its own (found "
+                             f"sampler {type(loader.sampler).__name__}, batch_size {loader.batch_size})")
+        world = self.world_size
+        config = self.balance or hsync.BalanceConfig(
+            global_batch_size=loader.batch_size * self._micro_batches_per_step * world,
+            micro_batch_limit=loader.batch_size if self._micro_batches_per_step > 1 else None)
+        if self.balancer is None:
+            self.balancer = hsync.Balancer(self.model, len(loader.dataset), config)
+        workers = loader.num_workers
+        options = dict(num_workers=workers, pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn,
+                       persistent_workers=loader.persistent_workers, timeout=loader.timeout)
+        if workers > 0:
+            options["prefetch_factor"] = loader.prefetch_factor
+        return StepLoader(loader.dataset, self.balancer, loader.collate_fn, **options)
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if isinstance(batch, MicroBatches):  # the module's transfer hooks see each micro-batch as its batch
+            return MicroBatches(super(HsyncStrategy, self).batch_to_device(micro, device, dataloader_idx)
+                                for micro in batch)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    # -- evaluation ----------------------------------------------------------------------------------
+
+    # Ranks evaluate different numbers of batches (no example twice), so no forward may be a collective:
+    # the module runs itself, not through WeightedDDP (whose forward would broadcast rank 0's buffers),
+    # after the buffers are made rank 0's once.
+    def on_validation_start(self) -> None:
+        self._buffers_from_rank_0()
+        super().on_validation_start()
+
+    def on_test_start(self) -> None:
+        self._buffers_from_rank_0()
+        super().on_test_start()
+
+    def on_predict_start(self) -> None:
+        self._buffers_from_rank_0()
+        super().on_predict_start()
+
+    def _buffers_from_rank_0(self) -> None:
+        if isinstance(self.model, hsync.WeightedDDP) and self.model.broadcast_buffers:
+            for buffer in self.model._synced_buffers():
+                torch.distributed.broadcast(buffer, src=0)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self.lightning_module.validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self.lightning_module.test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self.lightning_module.predict_step(*args, **kwargs)
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch, *rest = args
+        if not isinstance(batch, MicroBatches):
+            return super().training_step(*args, **kwargs)
+        *leading, last = batch
+        if leading:  # the zeroing Lightning does after this training_step, brought forward (see below)
+            for p in self.lightning_module.parameters():
+                p.grad = None
+        self._leading_micro_batch = True
+        try:
+            for micro in leading:
+                output = self._take_weight(super().training_step(micro, *rest, **kwargs))
+                loss = output["loss"] if isinstance(output, dict) else output
+                self.backward(loss, None)
+        finally:
+            self._leading_micro_batch = False
+        # Lightning zeroes the gradients between this training_step and the backward of what it returns: the
+        # leading micro-batches' gradients step aside meanwhile (references, not copies) and come back in
+        # backward().
+        self._set_aside = [(p, p.grad) for p in self.lightning_module.parameters() if leading and p.grad is not None]
+        for p, _ in self._set_aside:
+            p.grad = None
+        return self._take_weight(super().training_step(last, *rest, **kwargs))
+
+    def _take_weight(self, output: Any) -> Any:
+        """The module's training_step may return {"loss": ..., "weight": ...}: what its loss is a mean over."""
+        if isinstance(output, dict) and "weight" in output:
+            output = dict(output)
+            self._weight = output.pop("weight")
+        return output
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.balancer is None:  # not a balanced train loader (manual use): Lightning's own
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        for p, grad in self._set_aside:
+            p.grad = grad
+        self._set_aside = []
+        self.pre_backward(closure_loss)
+        scaled = self.precision_plugin.pre_backward(closure_loss, module)
+        weight, self._weight = self._weight, None
+        stats = self.balancer.backward(scaled, weight=weight)
+        if stats is not None:
+            self.step_stats = stats
+        scaled = self.precision_plugin.post_backward(scaled, module)
+        self.post_backward(scaled)
+        return scaled
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if self._leading_micro_batch:  # Note [Lightning]: synced at the step's last micro-batch
+            return tensor
+        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point() and reduce_op in ("mean", "avg"):
+            # Lightning's divides an integer sum by the ranks in integers: a mean metric's count of examples
+            # (its denominator) would lose its fraction where ranks ran different numbers of them.
+            return super().reduce(tensor.double(), group, "sum") / self.world_size
+        return super().reduce(tensor, group, reduce_op)
+
+
+check_version()
+if HsyncStrategy.strategy_name not in StrategyRegistry:
+    HsyncStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,183 @@
+"""hsync.integrations.lightning on two real ranks (gloo): an unchanged LightningModule under
+Trainer(strategy="hsync") against one process over the same global batches, with fixed and measured
+shares, accumulate_grad_batches, sync_dist logging and a resume through ckpt_path; what is refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from tests.integrations.test_accelerate import EPOCHS, EXAMPLES, GLOBAL_BATCH, LR, data, net, one_process
+from tests.integrations.test_transformers_trainer import ENV as TORCHRUN_ENV
+from tests.spawn import run_ranks
+
+pytestmark = pytest.mark.distributed
+lightning = pytest.importorskip("lightning")
+
+ENV = {**TORCHRUN_ENV, "GROUP_RANK": "0"}  # what Lightning reads as torchrun's (TorchElasticEnvironment)
+BATCH = 8  # the train loader's batch_size
+VALIDATION = 33  # examples in the validation set
+
+
+def module_class():
+    import lightning as L
+
+    class Regression(L.LightningModule):
+        """A LightningModule as users write one, recording the examples of each optimizer step."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net()
+            self.steps: list[list[int]] = [[]]
+
+        def training_step(self, batch, batch_idx):
+            x, y, index = batch
+            self.steps[-1] += index.tolist()
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.steps.append([])
+
+        def validation_step(self, batch, batch_idx):
+            x, y, _ = batch
+            self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+            self.log("val_count", float(len(x)), reduce_fx="sum", sync_dist=True)
+
+        def val_dataloader(self):
+            # 33 examples: torch's DistributedSampler would repeat one to give both ranks 17.
+            return torch.utils.data.DataLoader(torch.utils.data.Subset(data(), range(VALIDATION)), batch_size=BATCH)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(data(), batch_size=BATCH, shuffle=True)
+
+    return Regression
+
+
+def fit(rank: int, world_size: int, strategy_options: dict | None, accumulate: int, root: str,
+        resume_from: str | None = None, max_steps: int = -1) -> dict:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import hsync
+    from hsync.integrations.lightning import HsyncStrategy
+
+    torch.manual_seed(0)
+    module = module_class()()
+    strategy = "hsync" if strategy_options is None else HsyncStrategy(**strategy_options)
+    saver = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_epochs=EPOCHS,
+                        max_steps=max_steps, accumulate_grad_batches=accumulate, callbacks=[saver], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                        num_sanity_val_steps=0)
+    trainer.fit(module, ckpt_path=resume_from)
+    assert isinstance(trainer.strategy.model, hsync.WeightedDDP | type(module)), type(trainer.strategy.model)
+    return {"params": {n: p.detach().clone() for n, p in module.net.named_parameters()},
+            "steps": module.steps[:-1], "global_step": trainer.global_step,
+            "logged": float(trainer.callback_metrics["train_loss"]), "batches": trainer.num_training_batches,
+            "loss": trainer.strategy.step_stats.loss, "plan": trainer.strategy.balancer.planned_split(),
+            "val_loss": float(trainer.callback_metrics["val_loss"]),
+            "val_count": float(trainer.callback_metrics["val_count"])}
+
+
+def global_batches(ranks: list[dict]) -> list[list[int]]:
+    return [sorted(a + b) for a, b in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True)]
+
+
+@pytest.mark.parametrize(("options", "accumulate"), [
+    ({"balance": {"global_batch_size": GLOBAL_BATCH, "rank_batch_sizes": [24, 8], "micro_batch_limit": 8}}, 1),
+    (None, 2)], ids=["fixed-24+8", "auto-accumulating"])
+def test_lightning_steps_equal_one_process_over_the_same_global_batches(options, accumulate, tmp_path):
+    # The second: strategy="hsync" by name, each global batch batch_size x accumulate_grad_batches x ranks = 32.
+    import hsync
+
+    if options is not None:
+        options = {"balance": hsync.BalanceConfig(**options["balance"], replan_every=2)}
+    ranks = run_ranks(fit, 2, options, accumulate, str(tmp_path), env=ENV, timeout=240)
+    batches = global_batches(ranks)
+    steps = EPOCHS * EXAMPLES // GLOBAL_BATCH
+    assert len(batches) == steps
+    for epoch in range(EPOCHS):  # every example once per epoch
+        assert sorted(i for b in batches[epoch * 3:(epoch + 1) * 3] for i in b) == list(range(EXAMPLES))
+    if options is not None:
+        assert [len(s) for s in ranks[0]["steps"]] == [24] * steps
+    expected, losses = one_process(batches)
+    for result in ranks:
+        assert result["global_step"] == steps and result["batches"] == steps // EPOCHS
+        assert result["loss"] == pytest.approx(losses[-1], rel=1e-5)  # the last step's loss over every rank
+        for name, value in expected.items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert ranks[0]["logged"] == ranks[1]["logged"]  # sync_dist: one value on every rank
+    # The last epoch's validation: every example once, over both ranks, with the final parameters.
+    x, y, _ = data()[:VALIDATION]
+    model = net()
+    model.load_state_dict(expected)
+    with torch.no_grad():
+        val_loss = float(nn.functional.mse_loss(model(x), y))
+    for result in ranks:
+        assert result["val_count"] == VALIDATION
+        assert result["val_loss"] == pytest.approx(val_loss, rel=1e-5)
+
+
+def test_a_resume_through_ckpt_path_ends_as_an_uninterrupted_run(tmp_path):
+    straight = run_ranks(fit, 2, None, 2, str(tmp_path / "a"), env=ENV, timeout=240)
+    checkpoint = tmp_path / "a" / "step=4.ckpt"
+    # Lightning keeps a stateful loader's state in the checkpoint: the Balancer's, four steps in.
+    saved = torch.load(checkpoint, weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert saved[0]["global_step"] == 4
+    resumed = run_ranks(fit, 2, None, 2, str(tmp_path / "b"), str(checkpoint), env=ENV, timeout=240)
+    assert global_batches(resumed) == global_batches(straight)[4:]
+    for before, after in zip(straight, resumed, strict=True):
+        assert after["global_step"] == before["global_step"]
+        for name, value in before["params"].items():
+            torch.testing.assert_close(after["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def fit_refused(rank: int, world_size: int, case: str) -> str:
+    import lightning as L
+
+    from hsync.integrations.lightning import HsyncStrategy
+
+    try:
+        if case == "comm-hook":
+            HsyncStrategy(ddp_comm_hook=lambda state, bucket: None)
+        else:  # a sampler of the user's own, which the strategy cannot split by speed
+            module = module_class()()
+            sampler = torch.utils.data.WeightedRandomSampler([1.0] * EXAMPLES, EXAMPLES)
+            module.train_dataloader = lambda: torch.utils.data.DataLoader(data(), batch_size=BATCH, sampler=sampler)
+            L.Trainer(strategy="hsync", accelerator="cpu", devices=world_size, max_steps=1, logger=False,
+                      use_distributed_sampler=False, enable_progress_bar=False).fit(module)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("comm-hook", "ddp_comm_hook is torch DDP's"), ("sampler", "no sampler or batch_sampler of its own")])
+def test_what_cannot_work_is_refused_on_every_rank(case, message):
+    for text in run_ranks(fit_refused, 2, case, env=ENV, timeout=120):
+        assert message in text, text
+
+
+def test_a_lightning_release_outside_the_tested_range_is_refused(monkeypatch):
+    import hsync.integrations.lightning as integration
+
+    monkeypatch.setattr(integration.lightning, "__version__", "2.1.0")
+    with pytest.raises(RuntimeError, match="supports lightning >= 2.4, < 3; found 2.1.0"):
+        integration.HsyncStrategy()
+
+
+def test_importing_the_integration_registers_the_strategy():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import hsync.integrations.lightning  # noqa: F401
+
+    assert "hsync" in StrategyRegistry
+    assert os.environ.get("RANK") is None  # nothing launched by the import
