@@ -102,6 +102,10 @@ class HsyncStrategy(DDPStrategy):
         if any(type(callback).__name__ == "GradientAccumulationScheduler" for callback in trainer.callbacks):
             raise ValueError("HsyncStrategy: a GradientAccumulationScheduler changes accumulate_grad_batches per "
                              "epoch, but the Balancer's global batch is fixed; set accumulate_grad_batches instead")
+        if not trainer.lightning_module.automatic_optimization:
+            raise ValueError("HsyncStrategy needs automatic optimization: the Balancer runs each rank's micro-batches "
+                             "of a step through the module's training_step and steps the optimizer once; a module "
+                             "that steps it itself (automatic_optimization = False) would step once a micro-batch")
         if self._micro_batches_per_step is None:  # a later fit() on the same Trainer finds 1 here
             self._micro_batches_per_step = trainer.accumulate_grad_batches
         # The Balancer cuts each rank's share into micro-batches; Lightning counts one item as one step.

@@ -1,11 +1,11 @@
-"""hsync's Trainer and Accelerator with float16 on a GPU: GradScaler's scaled losses through the weighted
-step, two ranks on one GPU (skipped without a GPU)."""
+"""hsync's Trainer, Accelerator and Lightning strategy with float16 on a GPU: GradScaler's scaled losses
+through the weighted step, two ranks on one GPU (skipped without a GPU)."""
 
 import pytest
 import torch
 
 from tests.gpu.test_nccl import SOCKET_ENV
-from tests.integrations import assert_near_float32, test_accelerate
+from tests.integrations import assert_near_float32, test_accelerate, test_lightning
 from tests.integrations import test_transformers_trainer as trainer_tests
 from tests.spawn import run_ranks
 
@@ -26,6 +26,14 @@ def trainer_in_float16(rank: int, world_size: int, output_dir: str) -> dict:
 def accelerate_in_float16(rank: int, world_size: int, state_dir: str) -> dict:
     torch.cuda.set_device(0)
     return test_accelerate.train(rank, world_size, [24, 8], state_dir, False, "fp16", False)
+
+
+def lightning_in_float16(rank: int, world_size: int, root: str) -> dict:
+    import hsync
+
+    torch.cuda.set_device(0)
+    options = {"balance": hsync.BalanceConfig(global_batch_size=32, rank_batch_sizes=[24, 8], micro_batch_limit=8)}
+    return test_lightning.fit(rank, world_size, options, 1, root, None, -1, "fp16")
 
 
 def check_float16_steps(ranks: list[dict], one_process, start: dict[str, torch.Tensor]) -> None:
@@ -52,4 +60,12 @@ def test_the_trainers_float16_steps_go_through_its_grad_scaler(tmp_path):
 
 def test_accelerates_float16_steps_go_through_its_grad_scaler(tmp_path):
     ranks = run_ranks(accelerate_in_float16, 2, str(tmp_path), backend="nccl", env=ENV, timeout=180)
+    check_float16_steps(ranks, test_accelerate.one_process, dict(test_accelerate.net().named_parameters()))
+
+
+def test_lightnings_float16_steps_go_through_its_grad_scaler(tmp_path):
+    # Each rank a node of its own to Lightning (GROUP_RANK), with one GPU: the same one.
+    pytest.importorskip("lightning")
+    env = {**ENV, "GROUP_RANK": "{rank}"}
+    ranks = run_ranks(lightning_in_float16, 2, str(tmp_path), backend="nccl", env=env, timeout=180)
     check_float16_steps(ranks, test_accelerate.one_process, dict(test_accelerate.net().named_parameters()))

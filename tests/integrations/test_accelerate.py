@@ -5,6 +5,7 @@ batches; save_state / load_state; gather_for_metrics over an evaluation loader p
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -85,13 +86,23 @@ def train_alone(rank: int, world_size: int, *args) -> dict:
     return train(rank, world_size, *args)
 
 
-def one_process(global_batches: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[float]]:
-    model, (x, y, _) = net(), data().tensors
+def one_process(global_batches: list[list[int]], clip: float | None = None,
+                weights: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                ) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """SGD over these global batches in one process, each in one forward; with `clip`, gradients clipped to that
+    norm; with `weights` (of the examples' indices), a weighted mean of the examples' squared errors."""
+    model, (x, y, index) = net(), data().tensors
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for indices in global_batches:
-        loss = nn.functional.mse_loss(model(x[indices]), y[indices])
+        if weights is None:
+            loss = nn.functional.mse_loss(model(x[indices]), y[indices])
+        else:
+            w = weights(index[indices])
+            loss = (w * ((model(x[indices]) - y[indices]) ** 2).squeeze(1)).sum() / w.sum()
         loss.backward()
+        if clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.integrations import assert_near_float32
 from tests.integrations.test_accelerate import EPOCHS, EXAMPLES, GLOBAL_BATCH, LR, data, net, one_process
 from tests.integrations.test_transformers_trainer import ENV as TORCHRUN_ENV
 from tests.spawn import run_ranks
@@ -20,28 +21,52 @@ lightning = pytest.importorskip("lightning")
 ENV = {**TORCHRUN_ENV, "GROUP_RANK": "0"}  # what Lightning reads as torchrun's (TorchElasticEnvironment)
 BATCH = 8  # the train loader's batch_size
 VALIDATION = 33  # examples in the validation set
+CLIP = 0.05  # a gradient norm most steps exceed
 
 
-def module_class():
+def example_weights(index: torch.Tensor) -> torch.Tensor:
+    """What each example counts for in the "weighted" module's loss (a mean over tokens would count tokens)."""
+    return 1.0 + (index % 3).float()
+
+
+def module_class(weighted: bool = False):
     import lightning as L
 
     class Regression(L.LightningModule):
-        """A LightningModule as users write one, recording the examples of each optimizer step."""
+        """A LightningModule as users write one, recording the examples of each optimizer step (and the dtype of
+        its layers' outputs). `weighted`: its loss is a weighted mean over the examples, and it says over what."""
 
         def __init__(self) -> None:
             super().__init__()
             self.net = net()
             self.steps: list[list[int]] = [[]]
+            self.losses: list[float] = []  # each step's over every rank
+            self.skipped: list[bool] = []
+            self.dtypes: set[str] = set()
+            for layer in self.net:
+                layer.register_forward_hook(lambda module, inputs, output: self.dtypes.add(str(output.dtype)))
 
         def training_step(self, batch, batch_idx):
             x, y, index = batch
             self.steps[-1] += index.tolist()
-            loss = nn.functional.mse_loss(self.net(x), y)
+            if weighted:
+                w = example_weights(index)
+                loss = (w * ((self.net(x).float() - y) ** 2).squeeze(1)).sum() / w.sum()
+                self.log("train_loss", loss, sync_dist=True)
+                return {"loss": loss, "weight": w.sum()}
+            loss = nn.functional.mse_loss(self.net(x).float(), y)
             self.log("train_loss", loss, sync_dist=True)
             return loss
 
+        def on_before_optimizer_step(self, optimizer):
+            scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # 16-mixed's GradScaler
+            self.scale = scaler.get_scale() if scaler is not None else 1.0  # what this step's losses were scaled by
+
         def on_train_batch_end(self, outputs, batch, batch_idx):
             self.steps.append([])
+            self.losses.append(self.trainer.strategy.step_stats.loss / self.scale)
+            scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+            self.skipped.append(scaler is not None and scaler.get_scale() < self.scale)  # it shrinks on a skip
 
         def validation_step(self, batch, batch_idx):
             x, y, _ = batch
@@ -62,25 +87,31 @@ def module_class():
 
 
 def fit(rank: int, world_size: int, strategy_options: dict | None, accumulate: int, root: str,
-        resume_from: str | None = None, max_steps: int = -1) -> dict:
+        resume_from: str | None = None, max_steps: int = -1, variant: str = "") -> dict:
+    """Trainer.fit on this rank; `variant`: "bf16" (precision bf16-mixed), "clip" (gradient_clip_val 0.05),
+    "compile" (a torch.compile'd module), "weighted" (a module whose loss says its weight) or "fp16" (on the
+    GPU, with precision 16-mixed; every rank on the one GPU, as if each were a node of its own)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    import hsync
     from hsync.integrations.lightning import HsyncStrategy
 
     torch.manual_seed(0)
-    module = module_class()()
+    module = module_class(weighted=variant == "weighted")()
     strategy = "hsync" if strategy_options is None else HsyncStrategy(**strategy_options)
     saver = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}")
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_epochs=EPOCHS,
+    precision = {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(variant, "32-true")
+    hardware = dict(accelerator="gpu", devices=1, num_nodes=world_size) if variant == "fp16" else dict(
+        accelerator="cpu", devices=world_size)
+    trainer = L.Trainer(strategy=strategy, **hardware, max_epochs=EPOCHS,
                         max_steps=max_steps, accumulate_grad_batches=accumulate, callbacks=[saver], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                        num_sanity_val_steps=0)
-    trainer.fit(module, ckpt_path=resume_from)
-    assert isinstance(trainer.strategy.model, hsync.WeightedDDP | type(module)), type(trainer.strategy.model)
-    return {"params": {n: p.detach().clone() for n, p in module.net.named_parameters()},
-            "steps": module.steps[:-1], "global_step": trainer.global_step,
+                        num_sanity_val_steps=0, precision=precision,
+                        gradient_clip_val=CLIP if variant == "clip" else None)
+    trainer.fit(torch.compile(module, backend="aot_eager") if variant == "compile" else module, ckpt_path=resume_from)
+    return {"params": {n: p.detach().cpu().clone() for n, p in module.net.named_parameters()},
+            "dtypes": sorted(module.dtypes), "steps": module.steps[:-1], "losses": module.losses,
+            "skipped": module.skipped, "global_step": trainer.global_step,
             "logged": float(trainer.callback_metrics["train_loss"]), "batches": trainer.num_training_batches,
             "loss": trainer.strategy.step_stats.loss, "plan": trainer.strategy.balancer.planned_split(),
             "val_loss": float(trainer.callback_metrics["val_loss"]),
@@ -126,6 +157,31 @@ def test_lightning_steps_equal_one_process_over_the_same_global_batches(options,
         assert result["val_loss"] == pytest.approx(val_loss, rel=1e-5)
 
 
+@pytest.mark.parametrize("variant", ["clip", "compile", "weighted"])
+def test_lightnings_options_keep_the_steps_exact(variant, tmp_path):
+    # Fixed shares, rank 0's 24 in three micro-batches: clipping acts on the step's whole gradient, after the
+    # last; a compiled module runs the same steps; a loss that gives its weight is weighted by it.
+    import hsync
+
+    options = {"balance": hsync.BalanceConfig(global_batch_size=GLOBAL_BATCH, rank_batch_sizes=[24, 8],
+                                              micro_batch_limit=8)}
+    ranks = run_ranks(fit, 2, options, 1, str(tmp_path), None, -1, variant, env=ENV, timeout=240)
+    expected, losses = one_process(global_batches(ranks), clip=CLIP if variant == "clip" else None,
+                                   weights=example_weights if variant == "weighted" else None)
+    for result in ranks:
+        assert result["dtypes"] == ["torch.float32"]
+        assert result["loss"] == pytest.approx(losses[-1], rel=1e-5)
+        for name, value in expected.items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bf16_mixed_runs_the_forward_under_autocast_and_stays_near_float32(tmp_path):
+    exact = run_ranks(fit, 2, None, 2, str(tmp_path / "a"), env=ENV, timeout=240)[0]
+    for result in run_ranks(fit, 2, None, 2, str(tmp_path / "b"), None, -1, "bf16", env=ENV, timeout=240):
+        assert result["dtypes"] == ["torch.bfloat16"]
+        assert_near_float32(result["params"], exact["params"], dict(net().named_parameters()))
+
+
 def test_a_resume_through_ckpt_path_ends_as_an_uninterrupted_run(tmp_path):
     straight = run_ranks(fit, 2, None, 2, str(tmp_path / "a"), env=ENV, timeout=240)
     checkpoint = tmp_path / "a" / "step=4.ckpt"
@@ -140,14 +196,32 @@ def test_a_resume_through_ckpt_path_ends_as_an_uninterrupted_run(tmp_path):
             torch.testing.assert_close(after["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_a_resume_on_one_rank_goes_on_with_the_same_global_batches(tmp_path):
+    # The global batch is fixed (BalanceConfig), not derived from the ranks: two ranks stop at step 4 of 6, one
+    # goes on from their checkpoint.
+    import hsync
+
+    options = {"balance": hsync.BalanceConfig(global_batch_size=GLOBAL_BATCH, micro_batch_limit=8)}
+    both = run_ranks(fit, 2, options, 1, str(tmp_path / "a"), env=ENV, timeout=240)
+    alone = run_ranks(fit, 1, options, 1, str(tmp_path / "b"), str(tmp_path / "a" / "step=4.ckpt"),
+                      env={**ENV, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}, timeout=240)[0]
+    assert alone["global_step"] == 6
+    assert [sorted(step) for step in alone["steps"]] == global_batches(both)[4:]
+    for name, value in both[0]["params"].items():
+        torch.testing.assert_close(alone["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def fit_refused(rank: int, world_size: int, case: str) -> str:
     import lightning as L
 
-    from hsync.integrations.lightning import HsyncStrategy
+    import hsync.integrations.lightning  # noqa: F401 - registers strategy="hsync"
 
     try:
-        if case == "comm-hook":
-            HsyncStrategy(ddp_comm_hook=lambda state, bucket: None)
+        if case == "manual":
+            module = module_class()()
+            module.automatic_optimization = False
+            L.Trainer(strategy="hsync", accelerator="cpu", devices=world_size, max_steps=1, logger=False,
+                      enable_progress_bar=False).fit(module)
         else:  # a sampler of the user's own, which the strategy cannot split by speed
             module = module_class()()
             sampler = torch.utils.data.WeightedRandomSampler([1.0] * EXAMPLES, EXAMPLES)
@@ -160,10 +234,17 @@ def fit_refused(rank: int, world_size: int, case: str) -> str:
 
 
 @pytest.mark.parametrize(("case", "message"), [
-    ("comm-hook", "ddp_comm_hook is torch DDP's"), ("sampler", "no sampler or batch_sampler of its own")])
+    ("manual", "needs automatic optimization"), ("sampler", "no sampler or batch_sampler of its own")])
 def test_what_cannot_work_is_refused_on_every_rank(case, message):
     for text in run_ranks(fit_refused, 2, case, env=ENV, timeout=120):
         assert message in text, text
+
+
+def test_torch_ddps_own_options_are_refused():
+    from hsync.integrations.lightning import HsyncStrategy
+
+    with pytest.raises(ValueError, match="ddp_comm_hook is torch DDP's"):
+        HsyncStrategy(ddp_comm_hook=lambda state, bucket: None)
 
 
 def test_a_lightning_release_outside_the_tested_range_is_refused(monkeypatch):
