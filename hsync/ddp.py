@@ -495,6 +495,19 @@ class WeightedDDP(DistributedDataParallel):
         return None
 
     @contextlib.contextmanager
+    def waiting_for_peers(self) -> Iterator[None]:
+        """Brackets a collective of the training loop's own (a metric's all-reduce, a framework's broadcast) as a
+        wait for peers: StepStats.busy_seconds, which an hsync.Balancer plans from, leaves it out as it leaves
+        out hsync's own waits. Unbracketed, a fast rank's wait there for a slow one counts as its work, and
+        both look equally slow (Note [Busy time] in csrc/busy_clock.h)."""
+        engine = self._ensure_engine()
+        engine.begin_peer_wait()
+        try:
+            yield
+        finally:
+            engine.end_peer_wait()
+
+    @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally: forwards inside it are not followed by a reduction.
 
@@ -535,13 +548,9 @@ class WeightedDDP(DistributedDataParallel):
         if not joined:
             info[0], info[1], info[2 + self.rank] = float(synced), float(buffers_due), 1.0
         reduced = torch.tensor(info, dtype=torch.float64, device=self.device)
-        engine = self._ensure_engine()
-        engine.begin_peer_wait()  # Note [Busy time] in csrc/busy_clock.h
-        try:
+        with self.waiting_for_peers():
             dist.all_reduce(reduced, group=self.process_group)
             values = reduced.tolist()
-        finally:
-            engine.end_peer_wait()
         active = [r for r in range(self.world_size) if values[2 + r] > 0]
         return values[0] > 0, values[1] > 0, active[0] if active else 0
 

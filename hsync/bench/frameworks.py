@@ -1,10 +1,12 @@
 """Mixed-speed rows through the frameworks people train with: hsync's transformers.Trainer against
-transformers' own, hsync's Accelerator against Accelerate's, on the same job with rank 1 slowed 2x
-(SimulatedSlowdown), cores pinned a rank each where the machine has them (balancing.core_per_rank).
+transformers' own, hsync's Accelerator against Accelerate's, Lightning's strategy "hsync" against its
+"ddp", on the same job with rank 1 slowed 2x (SimulatedSlowdown), cores pinned a rank each where the
+machine has them (balancing.core_per_rank).
 
-Each variant runs its framework's own loop (Trainer.train(), an `accelerator.accumulate` loop) in rounds
-of `steps` steps that alternate; a step's time is the interval between two optimizer steps, taken on the
-slowest rank. The hsync variant first runs until its Balancer has a plan from measurements."""
+Each variant runs its framework's own loop (Trainer.train(), an `accelerator.accumulate` loop,
+Lightning's Trainer.fit()) in rounds of `steps` steps that alternate; a step's time is the interval
+between two optimizer steps, taken on the slowest rank. The hsync variant first runs until its Balancer
+has a plan from measurements."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ VOCAB = 1000
 
 def framework_mixed(name: str, framework: str, device: torch.device, slowdowns: list[float], rounds: int,
                     steps: int, quick: bool) -> Result:
-    """`framework` ("trainer" or "accelerate") with hsync against without, rank r slowed slowdowns[r]x."""
+    """`framework` ("trainer", "accelerate" or "lightning") with hsync against without, rank r slowed
+    slowdowns[r]x."""
     with core_per_rank(device) as pinned:
         result = _framework_mixed(name, framework, device, slowdowns, rounds, steps, quick)
     result.extra["core_per_rank"] = float(pinned)
@@ -51,9 +54,9 @@ def _framework_mixed(name: str, framework: str, device: torch.device, slowdowns:
         torch.manual_seed(0)
         return transformers.BertForSequenceClassification(config).to(device)
 
-    run = _trainer_variants if framework == "trainer" else _accelerate_variants
-    variants, balancer = run(model, examples, per_rank, global_batch, slowdowns[rank], device)
-    while balancer.decisions < 2:  # warm-up, probes and the equal split measured: the plan in force after
+    run = {"trainer": _trainer_variants, "accelerate": _accelerate_variants, "lightning": _lightning_variants}
+    variants, balancer_now = run[framework](model, examples, per_rank, global_batch, slowdowns[rank], device)
+    while balancer_now().decisions < 2:  # warm-up, probes and the equal split measured: the plan in force after
         variants["hsync"](steps)
     times: dict[str, list[float]] = {"hsync": [], "ddp": []}
     for _ in range(rounds):
@@ -63,7 +66,7 @@ def _framework_mixed(name: str, framework: str, device: torch.device, slowdowns:
     hs, dd = med["hsync"], med["ddp"]
     extra = {"hsync_samples_per_s": global_batch / hs, "ddp_samples_per_s": global_batch / dd,
              "speedup_vs_ddp": dd / hs, "ideal_speedup": max(slowdowns) * sum(1 / f for f in slowdowns) / world}
-    extra |= {f"plan_rank{r}": n for r, n in enumerate(balancer.last_plan)}
+    extra |= {f"plan_rank{r}": n for r, n in enumerate(balancer_now().last_plan)}
     return Result(name, hs, dd, NAN, p90["hsync"], p90["ddp"], NAN, global_batch, extra=extra)
 
 
@@ -134,7 +137,7 @@ def _trainer_variants(model: Callable[[], torch.nn.Module], examples: list[dict]
 
     variants = {"ddp": run(plain), "hsync": run(ours)}
     variants["hsync"](2)  # builds the Balancer
-    return variants, ours.balancer
+    return variants, lambda: ours.balancer
 
 
 def _accelerate_variants(model: Callable[[], torch.nn.Module], examples: list[dict], per_rank: int,
@@ -195,4 +198,71 @@ def _accelerate_variants(model: Callable[[], torch.nn.Module], examples: list[di
         return steps
 
     return ({"ddp": timed(plain_step, plain_slowdown.restart), "hsync": timed(our_step, balancer.slowdown.restart)},
-            balancer)
+            lambda: balancer)
+
+
+def _lightning_variants(model: Callable[[], torch.nn.Module], examples: list[dict], per_rank: int,
+                        global_batch: int, slowdown: float,
+                        device: torch.device) -> tuple[dict[str, Callable[[int], list[float]]], Any]:
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from hsync.integrations.lightning import HsyncStrategy
+
+    class Classifier(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model()
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            return self.model(**batch).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(examples, batch_size=per_rank, shuffle=True, collate_fn=_collate)
+
+    class StepClock(L.Callback):
+        """Times the intervals between optimizer steps; slows the plain strategy's rank with a pause before each
+        step's work, as for torch DDP (SimulatedSlowdown.pause_ahead)."""
+
+        def __init__(self, slowdown: SimulatedSlowdown | None) -> None:
+            self.slowdown, self.intervals, self.last = slowdown, [], 0.0
+
+        def reset(self) -> None:
+            self.intervals, self.last = [], time.perf_counter()
+            if self.slowdown is not None:
+                self.slowdown.restart()  # the other variant's work is no part of this one's first step
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            if self.slowdown is not None:
+                self.slowdown.pause_ahead()
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if self.slowdown is not None:
+                self.slowdown.step_done()
+            now = time.perf_counter()
+            self.intervals.append(now - self.last)
+            self.last = now
+
+    def variant(strategy: Any, clock: StepClock) -> Callable[[int], list[float]]:
+        trainer = L.Trainer(strategy=strategy, accelerator="gpu" if device.type == "cuda" else "cpu",
+                            devices=dist.get_world_size(), max_epochs=-1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
+        module = Classifier()
+
+        def steps(count: int) -> list[float]:
+            trainer.fit_loop.epoch_loop.max_steps = trainer.global_step + count + 1  # the first interval: the switch
+            clock.reset()
+            trainer.fit(module)  # each call goes on where the last stopped (a Balancer's plan included)
+            return clock.intervals[1:]
+        return steps
+
+    # A rank's share in one micro-batch, as plain DDP's per-rank batch is one.
+    ours = HsyncStrategy(balance=hsync.BalanceConfig(global_batch_size=global_batch, replan_every=10,
+                                                     simulate_slowdown=slowdown))
+    variants = {"ddp": variant(DDPStrategy(), StepClock(SimulatedSlowdown(slowdown, device))),
+                "hsync": variant(ours, StepClock(None))}
+    variants["hsync"](2)  # builds the Balancer
+    return variants, lambda: ours.balancer

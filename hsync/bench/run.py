@@ -72,7 +72,8 @@ def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
                                                                args.steps, args.quick)))
     jobs.append(Job("mixed-compute-2x", 2, partial(mixed_compute, "mixed-compute-2x", device, [1, 2], args.rounds,
                                                    args.steps, args.quick)))
-    for name, framework in (("hf-trainer-mixed-2x", "trainer"), ("accelerate-mixed-2x", "accelerate")):
+    for name, framework in (("hf-trainer-mixed-2x", "trainer"), ("accelerate-mixed-2x", "accelerate"),
+                            ("lightning-mixed-2x", "lightning")):
         jobs.append(Job(name, 2, partial(framework_mixed, name, framework, device, [1.0, 2.0], args.rounds,
                                          args.steps, args.quick)))
     return [job for job in jobs if not args.only or any(re.search(pattern, job.name) for pattern in args.only)]
@@ -102,8 +103,9 @@ def run_jobs(args: argparse.Namespace) -> dict:
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    # torchrun's environment for one node (Lightning reads GROUP_RANK and LOCAL_WORLD_SIZE too).
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:

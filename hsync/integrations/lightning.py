@@ -37,10 +37,12 @@ changes the seams where that happens:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import lightning
 import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
@@ -82,6 +84,7 @@ class HsyncStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.balance = balance
         self.balancer: hsync.Balancer | None = None
+        self._weighted: hsync.WeightedDDP | None = None
         self.step_stats: StepStats | None = None
         """The last complete step's StepStats (loss and examples over every rank, the non-finite flag)."""
         self._micro_batches_per_step: int | None = None  # accumulate_grad_batches, before setup() makes it 1
@@ -96,21 +99,43 @@ class HsyncStrategy(DDPStrategy):
     # -- the model -----------------------------------------------------------------------------------
 
     def _setup_model(self, model: torch.nn.Module) -> hsync.WeightedDDP:
-        return hsync.WeightedDDP(model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+        # A later fit() of the same module keeps its wrapper, and with it the Balancer and what it measured.
+        if self._weighted is None or self._weighted.module is not model:
+            self._weighted = hsync.WeightedDDP(model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+        return self._weighted
 
     def setup(self, trainer: Any) -> None:
-        if any(type(callback).__name__ == "GradientAccumulationScheduler" for callback in trainer.callbacks):
+        if any(isinstance(callback, GradientAccumulationScheduler) for callback in trainer.callbacks):
             raise ValueError("HsyncStrategy: a GradientAccumulationScheduler changes accumulate_grad_batches per "
                              "epoch, but the Balancer's global batch is fixed; set accumulate_grad_batches instead")
         if not trainer.lightning_module.automatic_optimization:
             raise ValueError("HsyncStrategy needs automatic optimization: the Balancer runs each rank's micro-batches "
                              "of a step through the module's training_step and steps the optimizer once; a module "
                              "that steps it itself (automatic_optimization = False) would step once a micro-batch")
+        self._bracket_the_sigterm_broadcast(trainer)
         if self._micro_batches_per_step is None:  # a later fit() on the same Trainer finds 1 here
             self._micro_batches_per_step = trainer.accumulate_grad_batches
         # The Balancer cuts each rank's share into micro-batches; Lightning counts one item as one step.
         trainer.accumulate_grad_batches = 1
         super().setup(trainer)
+
+    def _bracket_the_sigterm_broadcast(self, trainer: Any) -> None:
+        """Lightning broadcasts rank 0's SIGTERM flag before every training batch, past the strategy: bracketed as
+        a wait for peers (WeightedDDP.waiting_for_peers), or the fast ranks' waits there count as their work."""
+        loop = trainer.fit_loop.epoch_loop
+        broadcast = getattr(loop, "_broadcast_sigterm_tensor", None)
+        if broadcast is None or getattr(broadcast, "_bracketed", False):
+            return
+
+        def bracketed() -> None:
+            with self._waiting_for_peers():
+                broadcast()
+
+        bracketed._bracketed = True
+        loop._broadcast_sigterm_tensor = bracketed
+
+    def _waiting_for_peers(self) -> Any:
+        return self.model.waiting_for_peers() if isinstance(self.model, hsync.WeightedDDP) else nullcontext()
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         pass  # DDPStrategy's prepares torch DDP's reducer; WeightedDDP's backward needs nothing before
@@ -147,7 +172,7 @@ class HsyncStrategy(DDPStrategy):
         config = self.balance or hsync.BalanceConfig(
             global_batch_size=loader.batch_size * self._micro_batches_per_step * world,
             micro_batch_limit=loader.batch_size if self._micro_batches_per_step > 1 else None)
-        if self.balancer is None:
+        if self.balancer is None or self.balancer.model is not self.model:  # a first fit(), or another module
             self.balancer = hsync.Balancer(self.model, len(loader.dataset), config)
         workers = loader.num_workers
         options = dict(num_workers=workers, pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn,
@@ -249,11 +274,12 @@ class HsyncStrategy(DDPStrategy):
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if self._leading_micro_batch:  # Note [Lightning]: synced at the step's last micro-batch
             return tensor
-        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point() and reduce_op in ("mean", "avg"):
-            # Lightning's divides an integer sum by the ranks in integers: a mean metric's count of examples
-            # (its denominator) would lose its fraction where ranks ran different numbers of them.
-            return super().reduce(tensor.double(), group, "sum") / self.world_size
-        return super().reduce(tensor, group, reduce_op)
+        with self._waiting_for_peers():  # a log's sync_dist: not the rank's own work
+            if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point() and reduce_op in ("mean", "avg"):
+                # Lightning's divides an integer sum by the ranks in integers: a mean metric's count of examples
+                # (its denominator) would lose its fraction where ranks ran different numbers of them.
+                return super().reduce(tensor.double(), group, "sum") / self.world_size
+            return super().reduce(tensor, group, reduce_op)
 
 
 check_version()

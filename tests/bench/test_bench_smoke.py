@@ -22,9 +22,9 @@ def test_quick_benchmark_writes_results(tmp_path):
     names = [r["workload"] for r in data["results"]]
     assert names[:2] == ["bert-micro", "gradient-mover-50"]
     assert any(n.startswith("bucket-cap-") for n in names) and any(n.startswith("comm-path-") for n in names)
-    assert names[-6:] == ["mixed-speeds-2x", "equal-speeds-auto", "mixed-compute-2x", "hf-trainer-mixed-2x",
-                          "accelerate-mixed-2x", "mixed-speeds-1-1-2-4"], names
-    assert [r["world_size"] for r in data["results"][-6:]] == [2, 2, 2, 2, 2, 4]
+    assert names[-7:] == ["mixed-speeds-2x", "equal-speeds-auto", "mixed-compute-2x", "hf-trainer-mixed-2x",
+                          "accelerate-mixed-2x", "lightning-mixed-2x", "mixed-speeds-1-1-2-4"], names
+    assert [r["world_size"] for r in data["results"][-7:]] == [2, 2, 2, 2, 2, 2, 4]
     assert "bert-micro-bucket-views" in names
     for r in data["results"]:
         assert r["hsync_step_s"] > 0 and r["ddp_step_s"] > 0
@@ -38,8 +38,8 @@ def test_quick_benchmark_writes_results(tmp_path):
         assert math.isclose(extra["pack_vs_copy"], extra["pack_gb_per_s"] / extra["copy_gb_per_s"]), extra
     # Which rank gets more depends on timings, which this test does not judge (a loaded machine can
     # measure two equal speeds); every plan must still split the whole global batch.
-    *slowed, compute, trainer, accelerate, four = data["results"][-6:]
-    for row in (trainer, accelerate):  # transformers.Trainer and Accelerate, with hsync and without
+    *slowed, compute, trainer, accelerate, lightning, four = data["results"][-7:]
+    for row in (trainer, accelerate, lightning):  # transformers.Trainer, Accelerate, Lightning: hsync and without
         extra = row["extra"]
         assert extra["plan_rank0"] + extra["plan_rank1"] == 8 and extra["speedup_vs_ddp"] > 0, extra
     for row in (*slowed, four):

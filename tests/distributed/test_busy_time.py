@@ -69,6 +69,31 @@ def test_a_fast_rank_does_not_count_its_waits_for_a_slow_one(case):
     check_busy_times(run_ranks(busy_times, 2, "cpu", slow_rank, sleep_at, views), slow_rank)
 
 
+def with_a_collective_of_the_loops_own(rank: int, world_size: int, bracketed: bool) -> list[float | None]:
+    import contextlib
+
+    import hsync
+
+    model = hsync.WeightedDDP(nn.Linear(4, 1))
+    x, busy = torch.randn(8, 4), []
+    for _ in range(3):
+        if rank == 1:
+            time.sleep(SLEEP_S)
+        # A metric's all-reduce between steps, where rank 0 waits for rank 1.
+        with model.waiting_for_peers() if bracketed else contextlib.nullcontext():
+            torch.distributed.all_reduce(torch.ones(1))
+        busy.append(model.backward(model(x).square().mean(), weight=len(x)).busy_seconds)
+    return busy
+
+
+def test_a_collective_of_the_loops_own_bracketed_is_a_wait_for_peers():
+    bracketed = run_ranks(with_a_collective_of_the_loops_own, 2, True)
+    check_busy_times(bracketed, slow_rank=1)
+    # Unbracketed, the fast rank's wait there is its own time as far as the clock can tell.
+    fast, _ = run_ranks(with_a_collective_of_the_loops_own, 2, False)
+    assert min(fast[1:]) >= 0.9 * SLEEP_S, fast
+
+
 def busy_so_far(rank: int, world_size: int) -> tuple[float | None, float, float]:
     import hsync
     from hsync.ddp import BalancedSteps
