@@ -562,9 +562,20 @@ class WeightedDDP(DistributedDataParallel):
             engine.broadcast_coalesced(self._synced_buffers(), root)
         self.require_forward_param_sync = synced
         if synced:
-            window = self._open_window()
-            engine.begin_weighted_step(window.local, window.ref)
-            engine.finalize_if_pending()
+            # The step's collectives with nothing of this rank's in them, and its gradients left as they are, as
+            # DDP leaves a joined rank's (a loop that joined with gradients still to use, say for a
+            # ZeroRedundancyOptimizer's last step, reads its own): set aside, copied where they are bucket views.
+            kept = [(p, p.grad if p.grad is None or not self.gradient_as_bucket_view else p.grad.clone())
+                    for p in self.module.parameters()]
+            for p, _ in kept:
+                p.grad = None
+            try:
+                window = self._open_window()
+                engine.begin_weighted_step(window.local, window.ref)
+                engine.finalize_if_pending()
+            finally:
+                for p, grad in kept:
+                    p.grad = grad
             host = engine.step_scalars()
             if host[BAD_RANKS] > 0:
                 raise ValueError(bad_input_message(host, None, self.rank))

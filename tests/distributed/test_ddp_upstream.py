@@ -665,6 +665,53 @@ def grad_div_uneven_inputs(rank, world_size, wrap, divide_by_initial_world_size:
     return torch.tensor(grads)
 
 
+def grad_div_uneven_inputs_across_joins(rank, world_size, wrap, views: bool):
+    """test_ddp_grad_div_uneven_inputs, as upstream runs it: two join blocks in a row on one model, zero_grad
+    after each iteration. Rank 0 joins two iterations early in the first, and its gradient must then stay as
+    its last zero_grad left it: were the shadowed steps' averages written into it, the second block's first
+    gradient would read 75 instead of 50."""
+    dim, grad_scale = 5, 50
+    net = wrap(nn.Linear(dim, dim, bias=False), bucket_cap_mb=1, gradient_as_bucket_view=views)
+    inp = torch.ones(1, dim) * grad_scale
+    iterations = 3 + 2 * (rank > 0)
+    seen = []
+    with net.join(divide_by_initial_world_size=False):
+        for _ in range(iterations):
+            net(inp).sum().backward()
+            # Divided by the ranks still running, and joined ranks add zero: always the one-rank gradient.
+            torch.testing.assert_close(net.module.weight.grad, torch.ones(dim, dim) * grad_scale)
+            net.zero_grad()
+    seen.append(net.module.weight.grad)
+    with net.join(divide_by_initial_world_size=True):
+        for i in range(iterations):
+            net(inp).sum().backward()
+            running = world_size - (1 if i >= 3 else 0)
+            torch.testing.assert_close(net.module.weight.grad, torch.ones(dim, dim) * grad_scale * running / world_size)
+            net.zero_grad()
+    seen.append(net.module.weight.grad)
+    return {"after_each_join": [g is None for g in seen], "weight": net.module.weight.detach().clone()}
+
+
+def zero_redundancy_under_join(rank, world_size, wrap):
+    """test_join_kwargs / test_zero_join (test_zero_redundancy_optimizer.py), on CPU: DDP and a
+    ZeroRedundancyOptimizer under one Join, rank 1 with two more batches; the joined rank still steps its
+    shard with its own last gradient, so every rank ends with the same weights, DDP's."""
+    from torch.distributed.algorithms.join import Join
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = wrap(nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2)))
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    torch.manual_seed(1)
+    inputs = [torch.randn(4, 3) for _ in range(3 + 2 * rank)]
+    with Join([model, optimizer]):
+        for x in inputs:
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def uneven_inputs_model_equivalence(rank, world_size, wrap):
     """test_ddp_uneven_inputs / test_ddp_join_model_equivalence: training with uneven inputs under
     join ends with the same model on every rank (the last joiner's), and the steps taken while all
@@ -878,6 +925,19 @@ def test_accumulate_gradients_no_sync():
 @pytest.mark.parametrize("divide", [True, False], ids=["initial_world_size", "effective_world_size"])
 def test_ddp_grad_div_uneven_inputs(divide):
     run_both(grad_div_uneven_inputs, divide)
+
+
+@pytest.mark.parametrize("views", [False, True], ids=["copied", "bucket-views"])
+def test_ddp_grad_div_uneven_inputs_across_joins(views):
+    for result in run_both(grad_div_uneven_inputs_across_joins, views):
+        assert result["hsync"]["after_each_join"] == [True, True], result
+
+
+def test_zero_redundancy_optimizer_under_join():
+    results = run_both(zero_redundancy_under_join)
+    for name in ("ddp", "hsync"):  # every rank the same weights
+        for ours, theirs in zip(results[0][name], results[1][name], strict=True):
+            torch.testing.assert_close(ours, theirs)
 
 
 def test_ddp_join_model_equivalence():
