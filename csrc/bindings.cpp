@@ -1,5 +1,6 @@
 // The only PYBIND11_MODULE of hsync._C. Calls that may block on other ranks release the GIL.
 #include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/python_comm_hook.h>
 
 #include "bucket.h"
 #include "checks.h"
@@ -87,6 +88,11 @@ PYBIND11_MODULE(_C, m) {
       .def("abandon_step", &Engine::abandon_step, py::arg("why"), release_gil())
       .def("expect_gradients", &Engine::expect_gradients, py::arg("expected"))
       .def("begin_backward", &Engine::begin_backward, release_gil())
+      .def("set_comm_hook",
+           [](Engine& e, py::object state, py::object hook) {
+             e.set_comm_hook(std::make_shared<c10d::PythonCommHook>(std::move(state), std::move(hook)));
+           },
+           py::arg("state"), py::arg("hook"))
       .def("set_join_plain_step", &Engine::set_join_plain_step, py::arg("scalars"),
            py::arg("divide_by_world_size"))
       .def("broadcast_coalesced", &Engine::broadcast_coalesced, py::arg("tensors"), py::arg("root"),

@@ -231,9 +231,9 @@ void Engine::resolve_pack_scale() {
   const at::Tensor total = step_.scalars.select(0, 0);
   if (step_.normalise_at_write_back) {
     const double n = *total.const_data_ptr<double>();  // on the host: Note [Deferred normalisation]
-    step_.write_back_scale = n > 0 ? 1.0 / n : 0.0;
+    step_.write_back_scale = n > 0 ? hook_factor_ / n : 0.0;
   } else {
-    step_.pack_scale = at::where(total > 0, step_.ref_weight / total, at::zeros_like(total));
+    step_.pack_scale = at::where(total > 0, step_.ref_weight * hook_factor_ / total, at::zeros_like(total));
   }
   if (device_.is_cuda()) {
     step_.scalars_host = at::empty(step_.scalars.sizes(), step_.scalars.options().device(at::kCPU).pinned_memory(true));
@@ -376,9 +376,67 @@ void Engine::launch_complete_buckets() {
       step_.scalars_due = false;
     }
     Bucket& bucket = buckets_[step_.next_bucket];
-    bucket.seq = comm_->all_reduce_sum(bucket.buffer, Purpose::kBucket, static_cast<int64_t>(step_.next_bucket));
+    if (comm_hook_) {  // the flags and used marks stay hsync's, the values go to the hook
+      bucket.seq = comm_->all_reduce_sum(bucket.tail, Purpose::kBucket, static_cast<int64_t>(step_.next_bucket));
+      bucket.hook_result = run_comm_hook(step_.next_bucket);
+    } else {
+      bucket.seq = comm_->all_reduce_sum(bucket.buffer, Purpose::kBucket, static_cast<int64_t>(step_.next_bucket));
+    }
     ++step_.next_bucket;
   }
+}
+
+// Note [Communication hooks]
+// DDP's register_comm_hook contract: each bucket, once complete, goes to the hook as a
+// c10d::GradBucket (its values: every gradient of the bucket, flat; index, is_last, parameters,
+// gradients as views), the hook returns a Future of the reduced values, and those are written back
+// into the gradients. hsync keeps its own part of each bucket, the tail of non-finite and used
+// flags, and all-reduces it itself just before calling the hook, so every rank issues the same
+// collectives in the same order. DDP's hooks divide by the world size (allreduce_hook sums
+// tensor / world_size): so that such a hook yields sum_r n_r g_r / N, every scale is multiplied by
+// the world size here (hook_factor_): a weighted step packs world_size * n_r / N * g_r (or, when
+// normalising at write-back, ref_r * g_r, with world_size / N applied on the way out), and a plain
+// step packs the raw gradient, as DDP hands it to its hooks. The hook's result is checked to have
+// the bucket's size on every rank, before anything is written back. A hook runs Python: the GIL is
+// taken by c10d's PythonCommHook, and every caller of launch and finalize has released it.
+void Engine::set_comm_hook(std::shared_ptr<c10d::CommHookInterface> hook) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  HSYNC_CHECK(!step_.active && !comm_hook_, "a communication hook is registered once, before the first step");
+  comm_hook_ = std::move(hook);
+  hook_factor_ = static_cast<double>(comm_->world_size());
+  plain_scale_ = at::ones_like(plain_scale_);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Engine::run_comm_hook(size_t index) {
+  const Bucket& bucket = buckets_[index];
+  std::vector<size_t> offsets;
+  std::vector<size_t> lengths;
+  std::vector<c10::IntArrayRef> sizes;
+  std::vector<at::Tensor> params;
+  for (size_t k = 0; k < bucket.params.size(); ++k) {
+    const at::Tensor& slot = bucket.slots[k];
+    offsets.push_back(static_cast<size_t>(slot.storage_offset() - bucket.buffer.storage_offset()));
+    lengths.push_back(static_cast<size_t>(slot.numel()));
+    sizes.push_back(params_[bucket.params[k]].sizes());
+    params.push_back(params_[bucket.params[k]]);
+  }
+  const int64_t values = bucket.buffer.numel() - bucket.tail.numel();
+  c10d::GradBucket grad_bucket(index, buckets_.size(), bucket.buffer.narrow(0, 0, values), std::move(offsets),
+                               std::move(lengths), std::move(sizes), std::move(params), std::nullopt);
+  return comm_hook_->runHook(grad_bucket);
+}
+
+void Engine::take_hook_result(Bucket& bucket, size_t index) {
+  const auto future = std::move(bucket.hook_result);
+  future->wait();
+  HSYNC_CHECK(!future->hasError(), "the communication hook failed on bucket ", index, ": ",
+              future->tryRetrieveErrorMessage());
+  const at::Tensor result = comm_hook_->parseHookResult(future->value());
+  const at::Tensor values = bucket.buffer.narrow(0, 0, bucket.buffer.numel() - bucket.tail.numel());
+  HSYNC_CHECK(result.numel() == values.numel(), "the communication hook returned ", result.numel(),
+              " values for bucket ", index, " of ", values.numel(),
+              ": a hook's future must hold its bucket's buffer, reduced (as DDP's do)");
+  if (!result.is_same(values)) values.copy_(result.reshape({-1}));
 }
 
 void Engine::finalize_if_pending() {
@@ -430,9 +488,10 @@ void Engine::finalize() {
                " was not launched with every gradient packed");
   resolve_pack_scale();  // when normalising at write-back: N's all-reduce went before every bucket's
   step_.tails_on_host = at::Tensor();
-  for (const Bucket& bucket : buckets_) {
-    comm_->synchronize_through(bucket.seq);
-    write_back(bucket);
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    comm_->synchronize_through(buckets_[b].seq);
+    if (comm_hook_) take_hook_result(buckets_[b], b);
+    write_back(buckets_[b]);
   }
 
   std::vector<at::Tensor> flags;

@@ -24,11 +24,13 @@
 // backward returns. Which graph tasks may feed a step: Note [Nested backwards]. The other Notes
 // of the engine stand in engine.cpp beside the code they explain: [Deferred normalisation],
 // [Gradients as bucket views], [Which backward synchronises], [Nested backwards], [A backward
-// that fails], [Join].
+// that fails], [Join], [Communication hooks].
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <c10/core/Event.h>
 
@@ -58,7 +60,8 @@ struct Bucket {
   at::Tensor tail;                 // nonfinite flag and used flags, zeroed at each step
   int64_t tail_offset = 0;         // where the tail starts among all buckets' tails, in bucket order
   size_t pending = 0;              // params not packed yet in this step
-  uint64_t seq = 0;                // its all-reduce's sequence number in this step
+  uint64_t seq = 0;                // its all-reduce's sequence number in this step (of the tail alone with a hook)
+  c10::intrusive_ptr<c10::ivalue::Future> hook_result;  // a communication hook's, for its values
 };
 
 // The state of the step in progress, or of the last one until the next begins (its scalars are read
@@ -116,6 +119,10 @@ class Engine {
   // Called when backward reaches an output of the wrapper's forward: Note [Nested backwards].
   void begin_backward();
 
+  // Each bucket's values go through `hook` instead of hsync's all-reduce: Note [Communication hooks].
+  // Before the first step only.
+  void set_comm_hook(std::shared_ptr<c10d::CommHookInterface> hook);
+
   // Under Join, plain steps all-reduce `scalars` (this rank's, weight 1) as weighted steps do;
   // an undefined tensor turns that off. Note [Join].
   void set_join_plain_step(const std::optional<at::Tensor>& scalars, bool divide_by_world_size);
@@ -150,6 +157,8 @@ class Engine {
   void resolve_pack_scale();               // caller holds mutex_
   void pack(size_t index, const at::Tensor& grad);
   void launch_complete_buckets();
+  c10::intrusive_ptr<c10::ivalue::Future> run_comm_hook(size_t index);  // Note [Communication hooks]
+  void take_hook_result(Bucket& bucket, size_t index);
   void finalize();
   // 1 if a float16 bucket's all-reduce overflowed; a one-element float64 tensor on the device.
   static at::Tensor sum_overflowed(const Bucket& bucket);
@@ -184,7 +193,9 @@ class Engine {
   std::atomic<int> nested_step_task_{-1};  // the last step's task, if a gradient hook began it
   std::vector<int64_t> ready_order_;        // recorded until the buckets are rebuilt
   bool rebuilt_ = false;
-  at::Tensor plain_scale_;                  // 1 / world_size
+  at::Tensor plain_scale_;                  // 1 / world_size (1 with a communication hook)
+  std::shared_ptr<c10d::CommHookInterface> comm_hook_;  // Note [Communication hooks]
+  double hook_factor_ = 1.0;                // world_size with a hook: it divides by the world size
   at::Tensor last_grad_nonfinite_;
   BusyClock clock_;
 };

@@ -185,6 +185,7 @@ class WeightedDDP(DistributedDataParallel):
             isinstance(m, nn.SyncBatchNorm) for m in module.modules())
         self._uses_default_group = process_group is None or process_group == dist.group.WORLD
         self._hook_registered = False  # register_comm_hook was called
+        self._comm_hook: tuple[object, Callable] | None = None  # a hook of the user's: Note [Communication hooks]
         self._balanced = False  # an hsync.Balancer declared its metrics: it plans for these ranks
         self._steps_begun = False  # a synchronised forward ran: too late for register_comm_hook
         self.require_backward_grad_sync = True  # public: nanoGPT-style loops set it per micro-step
@@ -233,6 +234,8 @@ class WeightedDDP(DistributedDataParallel):
             self.gradient_as_bucket_view,
             self.comm_dtype,
         )
+        if self._comm_hook is not None:  # an engine built anew (a copy, a new group) keeps the user's hook
+            self._engine.set_comm_hook(*self._comm_hook)
         # Weakly, like the engine: destroy_process_group() must be able to free the group (and join
         # its threads) while the model lives on; a group freed at interpreter exit aborts it.
         self._group = weakref.ref(group)
@@ -242,7 +245,8 @@ class WeightedDDP(DistributedDataParallel):
 
     def _settings_that_must_agree(self) -> dict[str, object]:
         """What shapes the collectives: ranks that disagree would send buckets that don't match."""
-        return dict(comm_dtype=self.comm_dtype, bucket_cap_mb=self._bucket_bytes_cap / _MIB,
+        return dict(comm_dtype=self.comm_dtype, communication_hook="the user's" if self._comm_hook else "hsync's",
+                    bucket_cap_mb=self._bucket_bytes_cap / _MIB,
                     first_bucket_cap_mb=self._first_bucket_bytes_cap / _MIB,
                     cross_rank_backward=self.cross_rank_backward)
 
@@ -461,33 +465,40 @@ class WeightedDDP(DistributedDataParallel):
             DistributedDataParallel._active_ddp_module = previous
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
-        """DDP's, for torch's hooks whose arithmetic hsync's pack does itself: `bf16_compress_hook` and
-        `fp16_compress_hook`, or `bf16_compress_wrapper` / `fp16_compress_wrapper` around `allreduce_hook`,
-        set `comm_dtype` (the cast then rides in the pack); `allreduce_hook` alone, the full-precision
-        mean, sets comm_dtype=None. Any other hook is refused: hsync runs none.
+        """DDP's: `hook(state, bucket)` gets each bucket as a torch.distributed.GradBucket and returns a
+        torch.futures.Future of its buffer reduced, which is written back into the gradients (PowerSGD,
+        a compression of your own, torch's hooks and their wrappers). A weighted step hands it every
+        gradient scaled by world_size * n_r / N, so a hook that sums and divides by the world size, as
+        DDP's do, yields the weighted mean (Note [Communication hooks] in csrc/engine.cpp).
+
+        torch's hooks whose arithmetic hsync's pack does itself take the fast path instead:
+        `bf16_compress_hook` and `fp16_compress_hook`, or `bf16_compress_wrapper` / `fp16_compress_wrapper`
+        around `allreduce_hook`, set `comm_dtype` (the cast rides in the pack); `allreduce_hook` alone, the
+        full-precision mean, sets comm_dtype=None.
 
         As with DDP, call it once, on every rank, before the first backward."""
         known, comm_dtype = hook_comm_dtype(hook)
         refusal = self._comm_hook_refusal(state, hook, known)
-        previous = self.comm_dtype
-        if refusal is None:
+        previous = self.comm_dtype, self._comm_hook
+        if refusal is None and known:
             self.comm_dtype = comm_dtype
+        elif refusal is None:
+            self._comm_hook = (state, hook)
         try:
-            # A collective on every rank, refused or not: a rank's refusal is then raised on every rank.
+            # A collective on every rank, refused or not: a rank's refusal is then raised on every rank, and
+            # so is a hook of the user's on some ranks only (their buckets would travel differently).
             self._build_engine(self.process_group or dist.group.WORLD, refusal)
         except BaseException:
-            self.comm_dtype = previous
+            self.comm_dtype, self._comm_hook = previous
             raise
         self._hook_registered = True
 
     def _comm_hook_refusal(self, state: object, hook: Callable, known: bool) -> Exception | None:
-        if not known:
-            return ValueError(f"hsync.WeightedDDP runs no communication hooks, got {describe(hook)}; torch's "
-                              "bf16_compress_hook and fp16_compress_hook are taken as comm_dtype=torch.bfloat16 / "
-                              "torch.float16, and allreduce_hook as comm_dtype=None (see docs/ddp-compat.md)")
-        if state is not None and state is not self.process_group:
-            return ValueError("hsync.WeightedDDP.register_comm_hook: the hook's state must be None or the "
-                              "wrapper's own process group")
+        if not callable(hook):
+            return TypeError(f"register_comm_hook takes a callable hook(state, bucket), got {describe(hook)}")
+        if known and state is not None and state is not self.process_group:
+            return ValueError("hsync.WeightedDDP.register_comm_hook: the state of torch's allreduce and compress "
+                              "hooks must be None or the wrapper's own process group")
         if self._hook_registered:
             return RuntimeError("register_comm_hook can only be called once, as with DDP")
         if self._steps_begun:

@@ -6,7 +6,7 @@ with upstream's assertions and tolerances, to CPU, gloo and two ranks. A case is
 case(rank, world_size, wrap) once with `wrap` = torch's DistributedDataParallel and once with
 WeightedDDP, in the same processes; both must pass upstream's checks, and where a case returns
 numbers (parameters, gradients), the two wrappers must agree. Cases of DDP-only APIs that hsync
-does not offer (communication hooks, sparse gradients) are marked `ddp_only` and check that hsync
+does not offer (sparse gradients) are marked `ddp_only` and check that hsync
 refuses them clearly.
 """
 
@@ -736,6 +736,33 @@ def uneven_inputs_model_equivalence(rank, world_size, wrap):
     return params
 
 
+def uneven_inputs_with_powersgd(rank, world_size, wrap):
+    """test_ddp_uneven_inputs with the PowerSGD hook: under join, with a rank that runs out early, the joined
+    rank's shadow steps run the hook too (on zeros), and every rank ends with the same model."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    torch.manual_seed(0)
+    model = wrap(Net())
+    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                   min_compression_rate=0.5, random_seed=0)
+    model.register_comm_hook(state, powersgd.powerSGD_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(world_size, per_rank=12)
+    with model.join():
+        for i in range(3 + 2 * rank):
+            rows = slice(rank * 12 + 2 * i, rank * 12 + 2 * i + 2)
+            opt.zero_grad()
+            F.cross_entropy(model(x[rows]), y[rows]).backward()
+            opt.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    for p in params:
+        gathered = [torch.zeros_like(p) for _ in range(world_size)]
+        dist.all_gather(gathered, p)
+        for other in gathered:
+            torch.testing.assert_close(other, gathered[0])
+    return params
+
+
 def uneven_input_join_disable(rank, world_size, wrap):
     """test_ddp_uneven_input_join_disable: join(enable=False) with even inputs trains as without it."""
     torch.manual_seed(0)
@@ -802,22 +829,48 @@ def sparse_gradients(rank, world_size, wrap):
     return "reduced"
 
 
+class ModuleForDdpCommHook(nn.Module):
+    """test_c10d_common.ModuleForDdpCommHook (with its Task)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.p = nn.Parameter(torch.randn(2, 2))
+
+    def forward(self, x, rank):
+        return self.p + (x + rank)
+
+
 def comm_hook_future_passing(rank, world_size, wrap):
-    """test_ddp_comm_hook_future_passing_cpu: DDP's register_comm_hook; hsync runs no hooks of the user's
-    (torch's compression hooks are taken as its comm_dtype, tests/distributed/test_comm_dtype.py)."""
-    model = wrap(Net())
+    """test_ddp_comm_hook_future_passing_cpu: the hook's Future, chained with then(), is what lands in the
+    gradients (without the hook they would be 0.25)."""
+    model = wrap(ModuleForDdpCommHook())
+
+    def simple_hook(state, bucket):
+        future = torch.futures.Future()
+        future.set_result(torch.ones_like(bucket.buffer()))
+        return future.then(lambda f: f.value() + torch.ones_like(f.value()))
+
+    model.register_comm_hook(None, simple_hook)
+    model(8, rank).mean().backward()
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad, 2 * torch.ones(2, 2))
+    return [p.grad for p in model.parameters()]
+
+
+def comm_hook_allreduce(rank, world_size, wrap):
+    """test_ddp_comm_hook_allreduce_hook_nccl (test_c10d_nccl.py), on gloo: a hook of the user's that sums and
+    divides by the world size gives DDP's gradients, through several buckets and steps."""
+    torch.manual_seed(0)
+    local = Net()
+    model = wrap(copy.deepcopy(local), bucket_cap_mb=0.0005)  # several buckets
 
     def allreduce_hook(state, bucket):
-        return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0] / 2)
+        tensor = bucket.buffer() / dist.get_world_size()
+        return dist.all_reduce(tensor, async_op=True).get_future().then(lambda f: f.value()[0])
 
-    try:
-        model.register_comm_hook(None, allreduce_hook)
-    except ValueError as error:
-        assert "runs no communication hooks" in str(error), error
-        return "refused"
-    x, y = batch(world_size)
-    F.cross_entropy(model(x), y).backward()
-    return "used"
+    model.register_comm_hook(None, allreduce_hook)
+    return local_step_matches(model, local, rank, world_size, *batch(world_size))
 
 
 # --- the tests ---------------------------------------------------------------------------------------
@@ -968,7 +1021,13 @@ def test_sparse_gradients():
         assert result == {"ddp": "reduced", "hsync": "refused"}
 
 
-@pytest.mark.ddp_only
 def test_ddp_comm_hook_future_passing_cpu():
-    for result in run_both(comm_hook_future_passing, compare=False):
-        assert result == {"ddp": "used", "hsync": "refused"}
+    run_both(comm_hook_future_passing)
+
+
+def test_ddp_uneven_inputs_with_powersgd():
+    run_both(uneven_inputs_with_powersgd)
+
+
+def test_ddp_comm_hook_allreduce_hook():
+    run_both(comm_hook_allreduce)
