@@ -712,44 +712,24 @@ def zero_redundancy_under_join(rank, world_size, wrap):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def uneven_inputs_model_equivalence(rank, world_size, wrap):
+def uneven_inputs_model_equivalence(rank, world_size, wrap, powersgd: bool = False):
     """test_ddp_uneven_inputs / test_ddp_join_model_equivalence: training with uneven inputs under
     join ends with the same model on every rank (the last joiner's), and the steps taken while all
-    ranks ran equal local training."""
+    ranks ran equal local training. `powersgd`: upstream's variant with the PowerSGD hook, whose
+    joined rank runs the hook too (on zeros)."""
     torch.manual_seed(0)
     model = wrap(Net())
+    if powersgd:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                            min_compression_rate=0.5, random_seed=0)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = batch(world_size, per_rank=12)
     batches = 3 + 2 * rank
     with model.join():
         for i in range(batches):
-            rows = slice(rank * 12 + 2 * i, rank * 12 + 2 * i + 2)
-            opt.zero_grad()
-            F.cross_entropy(model(x[rows]), y[rows]).backward()
-            opt.step()
-    params = [p.detach().clone() for p in model.parameters()]
-    for p in params:
-        gathered = [torch.zeros_like(p) for _ in range(world_size)]
-        dist.all_gather(gathered, p)
-        for other in gathered:
-            torch.testing.assert_close(other, gathered[0])
-    return params
-
-
-def uneven_inputs_with_powersgd(rank, world_size, wrap):
-    """test_ddp_uneven_inputs with the PowerSGD hook: under join, with a rank that runs out early, the joined
-    rank's shadow steps run the hook too (on zeros), and every rank ends with the same model."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-
-    torch.manual_seed(0)
-    model = wrap(Net())
-    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
-                                   min_compression_rate=0.5, random_seed=0)
-    model.register_comm_hook(state, powersgd.powerSGD_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = batch(world_size, per_rank=12)
-    with model.join():
-        for i in range(3 + 2 * rank):
             rows = slice(rank * 12 + 2 * i, rank * 12 + 2 * i + 2)
             opt.zero_grad()
             F.cross_entropy(model(x[rows]), y[rows]).backward()
@@ -1026,7 +1006,7 @@ def test_ddp_comm_hook_future_passing_cpu():
 
 
 def test_ddp_uneven_inputs_with_powersgd():
-    run_both(uneven_inputs_with_powersgd)
+    run_both(uneven_inputs_model_equivalence, True)
 
 
 def test_ddp_comm_hook_allreduce_hook():
