@@ -233,7 +233,8 @@ void Engine::resolve_pack_scale() {
     const double n = *total.const_data_ptr<double>();  // on the host: Note [Deferred normalisation]
     step_.write_back_scale = n > 0 ? hook_factor_ / n : 0.0;
   } else {
-    step_.pack_scale = at::where(total > 0, step_.ref_weight * hook_factor_ / total, at::zeros_like(total));
+    const at::Tensor ref = comm_hook_ ? step_.ref_weight * hook_factor_ : step_.ref_weight;
+    step_.pack_scale = at::where(total > 0, ref / total, at::zeros_like(total));
   }
   if (device_.is_cuda()) {
     step_.scalars_host = at::empty(step_.scalars.sizes(), step_.scalars.options().device(at::kCPU).pinned_memory(true));

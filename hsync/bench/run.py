@@ -35,14 +35,16 @@ def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
     if args.quick:
         plan = [("bert", dict(name="bert-micro", hidden=32, layers=1, batch=4, seq=32)), ("mover", 50),
                 ("bert", dict(name="bert-micro-bucket-views", hidden=32, layers=1, batch=4, seq=32,
-                              bucket_views=True))]
+                              bucket_views=True)),
+                ("bert", dict(name="powersgd-hook", hidden=32, layers=1, batch=4, seq=32, powersgd=True))]
         caps, comm_mb = [1.0], [1.0]
     elif device.type == "cuda":
         base = dict(hidden=768, layers=12, batch=32, seq=128)
         plan = [("bert", dict(name="bert-base", **base)), ("mover", 600),
                 ("bert", dict(name="bert-base-bucket-views", bucket_views=True, **base)),
                 ("bert", dict(name="bert-base-bf16", comm_dtype=torch.bfloat16, **base)),
-                ("bert", dict(name="bert-base-compiled", compiled=True, **base))]
+                ("bert", dict(name="bert-base-compiled", compiled=True, **base)),
+                ("bert", dict(name="powersgd-hook", powersgd=True, **base))]
         caps, comm_mb = [1, 5, 25, 100], [64.0, 256.0]
     else:
         mini = dict(hidden=256, layers=4, batch=8, seq=64)
@@ -50,7 +52,8 @@ def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
                 ("bert", dict(name="bert-mini", **mini)), ("mover", 600),
                 ("bert", dict(name="bert-mini-bucket-views", bucket_views=True, **mini)),
                 ("bert", dict(name="bert-mini-bf16", comm_dtype=torch.bfloat16, **mini)),
-                ("bert", dict(name="bert-mini-compiled", compiled=True, **mini))]
+                ("bert", dict(name="bert-mini-compiled", compiled=True, **mini)),
+                ("bert", dict(name="powersgd-hook", powersgd=True, **mini))]
         caps, comm_mb = [1, 5, 25, 100], [16.0]
     sweep_spec = dict(plan[0][1]) if args.quick else (dict(hidden=256, layers=4, batch=8, seq=64)
                                                        if device.type == "cpu" else dict(plan[0][1]))

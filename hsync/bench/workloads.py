@@ -8,7 +8,7 @@ from functools import cache
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from transformers import BertConfig, BertForPreTraining
 
@@ -30,6 +30,9 @@ class Workload:
     comm_dtype: torch.dtype | None = None
     """Gradients travel in this dtype: hsync's comm_dtype against DDP with torch's matching compression
     hook (bf16_compress_hook / fp16_compress_hook)."""
+    powersgd: bool = False
+    """hsync and DDP each with torch's PowerSGD hook (rank 4, from the third step, error feedback), a state of
+    their own: a hook of the user's, through hsync's hook path against DDP's."""
     compiled: bool = False
     """Every variant under torch.compile, the wrapper compiled as torch advises (the floor: the bare model).
     dynamo splits the graphs of hsync and DDP at bucket boundaries, so that reductions start during the
@@ -38,7 +41,7 @@ class Workload:
 
 def bert_workload(name: str, hidden: int, layers: int, batch: int, seq: int, device: torch.device,
                   bucket_cap_mb: float = 25.0, bucket_views: bool = False,
-                  comm_dtype: torch.dtype | None = None, compiled: bool = False) -> Workload:
+                  comm_dtype: torch.dtype | None = None, compiled: bool = False, powersgd: bool = False) -> Workload:
     vocab = 8000
     config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                         num_attention_heads=max(1, hidden // 64), intermediate_size=4 * hidden,
@@ -55,7 +58,7 @@ def bert_workload(name: str, hidden: int, layers: int, batch: int, seq: int, dev
         return mlm + nn.functional.cross_entropy(out.seq_relationship_logits.float(), b[2])
 
     return Workload(name, lambda: BertForPreTraining(config).to(device), make_batch, loss, batch, bucket_cap_mb,
-                    bucket_views, comm_dtype, compiled)
+                    bucket_views, comm_dtype, powersgd, compiled)
 
 
 def masked_batch(g: torch.Generator, batch: int, seq: int, vocab: int, device: torch.device) -> tuple:
@@ -116,14 +119,20 @@ def variant_class(cls: type[nn.Module], variant: str) -> type[nn.Module]:
 
 def sync_wrapper(variant: str, net: nn.Module, workload: Workload, device: torch.device) -> nn.Module:
     if variant in ("hsync", "hsync_plain"):
-        return hsync.WeightedDDP(net, bucket_cap_mb=workload.bucket_cap_mb,
-                                 gradient_as_bucket_view=workload.bucket_views, comm_dtype=workload.comm_dtype)
-    if variant == "ddp":
-        return ddp_with_hook(DistributedDataParallel(net, bucket_cap_mb=workload.bucket_cap_mb,
-                                                     device_ids=[device.index] if device.type == "cuda" else None,
-                                                     gradient_as_bucket_view=workload.bucket_views),
-                             workload.comm_dtype)
-    return net
+        wrapped = hsync.WeightedDDP(net, bucket_cap_mb=workload.bucket_cap_mb,
+                                    gradient_as_bucket_view=workload.bucket_views, comm_dtype=workload.comm_dtype)
+    elif variant == "ddp":
+        wrapped = ddp_with_hook(DistributedDataParallel(net, bucket_cap_mb=workload.bucket_cap_mb,
+                                                        device_ids=[device.index] if device.type == "cuda" else None,
+                                                        gradient_as_bucket_view=workload.bucket_views),
+                                workload.comm_dtype)
+    else:
+        return net
+    if workload.powersgd:
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
+                                            random_seed=0)
+        wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return wrapped
 
 
 def ddp_with_hook(model: DistributedDataParallel, comm_dtype: torch.dtype | None) -> DistributedDataParallel:
