@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import shlex
+import sys
 import time
 
 import torch
@@ -118,6 +119,10 @@ def plot(output: dict, path: str) -> None:
 
     # Training steps only: the comm path and mixed-speed rows measure other things.
     rows = [r for r in output["results"] if r["samples_per_step"] and not _missing(r["nosync_step_s"])]
+    if not rows:
+        print(f"no plot written to {path}: it shows training rows against the no-sync floor, and none ran",
+              file=sys.stderr)
+        return
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
     width = 0.8 / len(VARIANTS)
     for i, variant in enumerate(VARIANTS):

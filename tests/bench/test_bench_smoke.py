@@ -11,24 +11,37 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 
-def test_quick_benchmark_writes_results(tmp_path):
+FRAMEWORK_ROWS = "^(hf-trainer|accelerate|lightning)-mixed-2x$"  # each its framework's own loop
+
+
+def quick_bench(tmp_path, *only: str) -> tuple[dict, subprocess.CompletedProcess]:
+    """`python -m hsync.bench --quick` on two CPU ranks, the rows `only` selects: its JSON and its run."""
     out, png = tmp_path / "results.json", tmp_path / "results.png"
     cmd = [sys.executable, "-m", "hsync.bench", "--device", "cpu", "--world-size", "2", "--quick", "--rounds", "2",
-           "--steps", "2", "--json", str(out), "--plot", str(png)]
+           "--steps", "2", "--json", str(out), "--plot", str(png), "--only", *only]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "| workload |" in result.stdout
     data = json.loads(out.read_text())
     assert {"torch", "hsync", "cpu", "world_size", "backend"} <= set(data["env"])
-    names = [r["workload"] for r in data["results"]]
-    assert names[:2] == ["bert-micro", "gradient-mover-50"]
-    assert any(n.startswith("bucket-cap-") for n in names) and any(n.startswith("comm-path-") for n in names)
-    assert names[-7:] == ["mixed-speeds-2x", "equal-speeds-auto", "mixed-compute-2x", "hf-trainer-mixed-2x",
-                          "accelerate-mixed-2x", "lightning-mixed-2x", "mixed-speeds-1-1-2-4"], names
-    assert [r["world_size"] for r in data["results"][-7:]] == [2, 2, 2, 2, 2, 2, 4]
-    assert "bert-micro-bucket-views" in names
     for r in data["results"]:
         assert r["hsync_step_s"] > 0 and r["ddp_step_s"] > 0
         assert math.isclose(r["ratio_vs_ddp"], r["hsync_step_s"] / r["ddp_step_s"])
+    return data, result
+
+
+def test_quick_benchmark_writes_results(tmp_path):
+    # Every quick row but the frameworks' (the next test's: the two run side by side).
+    data, _ = quick_bench(tmp_path, "^bert-micro", "^gradient-mover", "^bucket-cap-", "^comm-path-", "^mixed-",
+                          "^equal-speeds", "^powersgd-hook$")
+    assert (tmp_path / "results.png").stat().st_size > 1000
+    names = [r["workload"] for r in data["results"]]
+    assert names[:2] == ["bert-micro", "gradient-mover-50"]
+    assert any(n.startswith("bucket-cap-") for n in names) and any(n.startswith("comm-path-") for n in names)
+    assert names[-4:] == ["mixed-speeds-2x", "equal-speeds-auto", "mixed-compute-2x", "mixed-speeds-1-1-2-4"], names
+    assert [r["world_size"] for r in data["results"][-4:]] == [2, 2, 2, 4]
+    assert "bert-micro-bucket-views" in names and "powersgd-hook" in names
+    for r in data["results"]:
         if r["nosync_step_s"] is not None and r["samples_per_step"]:  # a training workload: memory measured too
             assert set(r["peak_memory_mb"]) == {"hsync", "ddp", "nosync"}
             assert all(mb > 0 for mb in r["peak_memory_mb"].values()), r["peak_memory_mb"]
@@ -38,10 +51,7 @@ def test_quick_benchmark_writes_results(tmp_path):
         assert math.isclose(extra["pack_vs_copy"], extra["pack_gb_per_s"] / extra["copy_gb_per_s"]), extra
     # Which rank gets more depends on timings, which this test does not judge (a loaded machine can
     # measure two equal speeds); every plan must still split the whole global batch.
-    *slowed, compute, trainer, accelerate, lightning, four = data["results"][-7:]
-    for row in (trainer, accelerate, lightning):  # transformers.Trainer, Accelerate, Lightning: hsync and without
-        extra = row["extra"]
-        assert extra["plan_rank0"] + extra["plan_rank1"] == 8 and extra["speedup_vs_ddp"] > 0, extra
+    *slowed, compute, four = data["results"][-4:]
     for row in (*slowed, four):
         extra, ranks = row["extra"], row["world_size"]
         assert sum(extra[f"plan_rank{r}"] for r in range(ranks)) == 4 * ranks, extra
@@ -53,5 +63,15 @@ def test_quick_benchmark_writes_results(tmp_path):
     sweep = {key: value for key, value in extra.items() if key.startswith("fixed-")}
     assert len(sweep) >= 2 and extra["oracle_samples_per_s"] == max(sweep.values()), extra
     assert extra["auto_vs_oracle"] > 0 and extra["plan_rank0"] + extra["plan_rank1"] == 8, extra
-    assert png.stat().st_size > 1000
-    assert "| workload |" in result.stdout
+
+
+def test_quick_framework_rows_write_results(tmp_path):
+    data, result = quick_bench(tmp_path, FRAMEWORK_ROWS)
+    # The plot shows training rows against the no-sync floor: none here, said in one line.
+    assert not (tmp_path / "results.png").exists() and "no plot written to" in result.stderr
+    rows = data["results"]
+    assert [r["workload"] for r in rows] == ["hf-trainer-mixed-2x", "accelerate-mixed-2x", "lightning-mixed-2x"]
+    for row in rows:  # transformers.Trainer, Accelerate, Lightning: hsync and without
+        extra = row["extra"]
+        assert row["world_size"] == 2
+        assert extra["plan_rank0"] + extra["plan_rank1"] == 8 and extra["speedup_vs_ddp"] > 0, extra

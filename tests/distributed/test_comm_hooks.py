@@ -3,6 +3,8 @@ one process, PowerSGD beside DDP's, torch's compression wrappers around a hook, 
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -49,14 +51,15 @@ HOOKS = {
 }
 
 
-def weighted_steps(rank: int, world_size: int, hook: str, views: bool, micro: bool) -> list[torch.Tensor]:
+def weighted_steps(rank: int, world_size: int, hook: str, views: bool, micro: bool,
+                   device: str = "cpu") -> list[torch.Tensor]:
     import hsync
 
-    model = hsync.WeightedDDP(net(), bucket_cap_mb=0.001, gradient_as_bucket_view=views)  # several buckets
+    model = hsync.WeightedDDP(net().to(device), bucket_cap_mb=0.001, gradient_as_bucket_view=views)  # several buckets
     model.register_comm_hook(*HOOKS[hook]())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for x, y in data(3):
-        x, y = x[rows(rank)], y[rows(rank)]
+        x, y = x[rows(rank)].to(device), y[rows(rank)].to(device)
         if micro:  # this rank's share in two micro-batches, the first under no_sync
             half = len(x) // 2
             with model.no_sync():
@@ -65,7 +68,7 @@ def weighted_steps(rank: int, world_size: int, hook: str, views: bool, micro: bo
         model.backward(nn.functional.mse_loss(model(x), y), weight=len(x))
         optimizer.step()
         optimizer.zero_grad(set_to_none=not views)
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().cpu().clone() for p in model.parameters()]
 
 
 def one_process(steps: int) -> list[torch.Tensor]:
@@ -123,6 +126,11 @@ def powersgd_training(rank: int, world_size: int, weighted: bool) -> dict[str, l
             with torch.no_grad():
                 whole.append(nn.functional.mse_loss(model.module(x), y).item())
         losses[name] = whole
+        # Freed here, on this thread: left to the garbage collector, DDP's wrapper was once collected inside a
+        # PowerSGD callback on one of gloo's threads, during the next wrapper's steps, and its rank ended with
+        # "terminate called ... Resource deadlock avoided" (a thread joining itself) while its peer waited.
+        del model, optimizer
+        gc.collect()
     return losses
 
 
