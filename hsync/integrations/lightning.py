@@ -43,7 +43,7 @@ from typing import Any
 import lightning
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler, _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
@@ -55,7 +55,7 @@ from hsync.integrations._loaders import MicroBatches, StepLoader
 from hsync.stats import StepStats
 
 SUPPORTED = (Version("2.4"), Version("3"))  # [lowest, first unsupported); tested on 2.6
-_DDP_ONLY = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+_DDP_ONLY = ("model_averaging_period",)
 
 
 def check_version() -> None:
@@ -77,8 +77,8 @@ class HsyncStrategy(DDPStrategy):
         check_version()
         for option in _DDP_ONLY:
             if kwargs.get(option) is not None:
-                raise ValueError(f"HsyncStrategy: {option} is torch DDP's; hsync weighs the gradients itself, "
-                                 "so it cannot take it (use strategy='ddp' for it)")
+                raise ValueError(f"HsyncStrategy: {option} averages the ranks' models every few steps, which "
+                                 "weighted steps do not need and hsync does not run (use strategy='ddp' for it)")
         if balance is not None and not isinstance(balance, hsync.BalanceConfig):
             raise TypeError(f"HsyncStrategy(balance=...) takes an hsync.BalanceConfig, got {type(balance).__name__}")
         super().__init__(**kwargs)
@@ -103,6 +103,13 @@ class HsyncStrategy(DDPStrategy):
         if self._weighted is None or self._weighted.module is not model:
             self._weighted = hsync.WeightedDDP(model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
         return self._weighted
+
+    def _register_ddp_hooks(self) -> None:
+        # DDPStrategy registers a ddp_comm_hook on GPUs only; hsync runs one on the CPU too, once per wrapper
+        # (a later fit() keeps it).
+        if self._ddp_comm_hook is not None and not self.model._hook_registered:
+            _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state,
+                                    ddp_comm_hook=self._ddp_comm_hook, ddp_comm_wrapper=self._ddp_comm_wrapper)
 
     def setup(self, trainer: Any) -> None:
         if any(isinstance(callback, GradientAccumulationScheduler) for callback in trainer.callbacks):

@@ -116,7 +116,8 @@ def fit(rank: int, world_size: int, strategy_options: dict | None, accumulate: i
             "logged": float(trainer.callback_metrics["train_loss"]), "batches": trainer.num_training_batches,
             "loss": trainer.strategy.step_stats.loss, "plan": trainer.strategy.balancer.planned_split(),
             "val_loss": float(trainer.callback_metrics["val_loss"]),
-            "val_count": float(trainer.callback_metrics["val_count"])}
+            "val_count": float(trainer.callback_metrics["val_count"]),
+            "comm_hook": trainer.strategy._weighted._comm_hook is not None}
 
 
 def global_batches(ranks: list[dict]) -> list[list[int]]:
@@ -158,20 +159,23 @@ def test_lightning_steps_equal_one_process_over_the_same_global_batches(options,
         assert result["val_loss"] == pytest.approx(val_loss, rel=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["clip-compiled", "weighted"])
+@pytest.mark.parametrize("variant", ["clip-compiled", "weighted", "comm-hook"])
 def test_lightnings_options_keep_the_steps_exact(variant, tmp_path):
     # Fixed shares, rank 0's 24 in three micro-batches: clipping acts on the step's whole gradient, after the
     # last, and a compiled module runs the same steps (both in one run); a loss that gives its weight is
-    # weighted by it.
+    # weighted by it; a ddp_comm_hook of the user's (an all-reduce divided by the world size) runs on the CPU.
     import hsync
+    from tests.distributed.test_comm_hooks import mean_allreduce_hook
 
     options = {"balance": hsync.BalanceConfig(global_batch_size=GLOBAL_BATCH, rank_batch_sizes=[24, 8],
                                               micro_batch_limit=8)}
+    if variant == "comm-hook":
+        options["ddp_comm_hook"] = mean_allreduce_hook
     ranks = run_ranks(fit, 2, options, 1, str(tmp_path), None, -1, variant, env=ENV, timeout=240)
     expected, losses = one_process(global_batches(ranks), clip=CLIP if variant == "clip-compiled" else None,
                                    weights=example_weights if variant == "weighted" else None)
     for result in ranks:
-        assert result["dtypes"] == ["torch.float32"]
+        assert result["dtypes"] == ["torch.float32"] and result["comm_hook"] == (variant == "comm-hook")
         assert result["loss"] == pytest.approx(losses[-1], rel=1e-5)
         for name, value in expected.items():
             torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -245,8 +249,8 @@ def test_what_cannot_work_is_refused_on_every_rank(case, message):
 def test_torch_ddps_own_options_are_refused():
     from hsync.integrations.lightning import HsyncStrategy
 
-    with pytest.raises(ValueError, match="ddp_comm_hook is torch DDP's"):
-        HsyncStrategy(ddp_comm_hook=lambda state, bucket: None)
+    with pytest.raises(ValueError, match="model_averaging_period averages the ranks' models"):
+        HsyncStrategy(model_averaging_period=4)
 
 
 def test_a_lightning_release_outside_the_tested_range_is_refused(monkeypatch):
