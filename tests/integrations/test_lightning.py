@@ -182,39 +182,34 @@ def test_lightnings_options_keep_the_steps_exact(variant, tmp_path):
 
 
 def test_bf16_mixed_runs_the_forward_under_autocast_and_stays_near_float32(tmp_path):
-    exact = run_ranks(fit, 2, None, 2, str(tmp_path / "a"), env=ENV, timeout=240)[0]
-    for result in run_ranks(fit, 2, None, 2, str(tmp_path / "b"), None, -1, "bf16", env=ENV, timeout=240):
+    # Against one float32 process over the same global batches, which a float32 run equals (above).
+    mixed = run_ranks(fit, 2, None, 2, str(tmp_path), None, -1, "bf16", env=ENV, timeout=240)
+    expected, _ = one_process(global_batches(mixed))
+    for result in mixed:
         assert result["dtypes"] == ["torch.bfloat16"]
-        assert_near_float32(result["params"], exact["params"], dict(net().named_parameters()))
+        assert_near_float32(result["params"], expected, dict(net().named_parameters()))
 
 
-def test_a_resume_through_ckpt_path_ends_as_an_uninterrupted_run(tmp_path):
-    straight = run_ranks(fit, 2, None, 2, str(tmp_path / "a"), env=ENV, timeout=240)
+def test_a_resume_through_ckpt_path_ends_as_an_uninterrupted_run_on_as_many_ranks_or_one(tmp_path):
+    # The global batch fixed (BalanceConfig), not derived from the ranks: two ranks checkpoint every 2 steps of
+    # 6; from step 4, two ranks and then one alone go on with the same global batches.
+    import hsync
+
+    options = {"balance": hsync.BalanceConfig(global_batch_size=GLOBAL_BATCH, micro_batch_limit=8)}
+    straight = run_ranks(fit, 2, options, 1, str(tmp_path / "a"), env=ENV, timeout=240)
     checkpoint = tmp_path / "a" / "step=4.ckpt"
     # Lightning keeps a stateful loader's state in the checkpoint: the Balancer's, four steps in.
     saved = torch.load(checkpoint, weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     assert saved[0]["global_step"] == 4
-    resumed = run_ranks(fit, 2, None, 2, str(tmp_path / "b"), str(checkpoint), env=ENV, timeout=240)
+    resumed = run_ranks(fit, 2, options, 1, str(tmp_path / "b"), str(checkpoint), env=ENV, timeout=240)
+    alone = run_ranks(fit, 1, options, 1, str(tmp_path / "c"), str(checkpoint),
+                      env={**ENV, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}, timeout=240)
     assert global_batches(resumed) == global_batches(straight)[4:]
-    for before, after in zip(straight, resumed, strict=True):
-        assert after["global_step"] == before["global_step"]
-        for name, value in before["params"].items():
+    assert [sorted(step) for step in alone[0]["steps"]] == global_batches(straight)[4:]
+    for after in (*resumed, *alone):
+        assert after["global_step"] == 6
+        for name, value in straight[0]["params"].items():
             torch.testing.assert_close(after["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
-
-
-def test_a_resume_on_one_rank_goes_on_with_the_same_global_batches(tmp_path):
-    # The global batch is fixed (BalanceConfig), not derived from the ranks: two ranks stop at step 4 of 6, one
-    # goes on from their checkpoint.
-    import hsync
-
-    options = {"balance": hsync.BalanceConfig(global_batch_size=GLOBAL_BATCH, micro_batch_limit=8)}
-    both = run_ranks(fit, 2, options, 1, str(tmp_path / "a"), env=ENV, timeout=240)
-    alone = run_ranks(fit, 1, options, 1, str(tmp_path / "b"), str(tmp_path / "a" / "step=4.ckpt"),
-                      env={**ENV, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}, timeout=240)[0]
-    assert alone["global_step"] == 6
-    assert [sorted(step) for step in alone["steps"]] == global_batches(both)[4:]
-    for name, value in both[0]["params"].items():
-        torch.testing.assert_close(alone["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def fit_refused(rank: int, world_size: int, case: str) -> str:
