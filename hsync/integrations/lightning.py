@@ -28,8 +28,12 @@ changes the seams where that happens:
   different numbers of micro-batches, and a collective per call would pair one rank's first micro-batch
   with another's last (or wait forever). Lightning's mean over ranks of an integer (a metric's count of
   examples) truncates, harmless where every rank counts alike; here it is taken in floating point;
+- those syncs, and the SIGTERM flag Lightning broadcasts before every batch, are waits for peers
+  (WeightedDDP.waiting_for_peers): counted as work, a fast rank's wait there would make it look as slow
+  as the slowest, and the Balancer would keep an equal split;
+- a ddp_comm_hook (PowerSGD, the user's own) is registered on the WeightedDDP, on the CPU too;
 - the train loader is stateful (state_dict / load_state_dict: the Balancer's), which Lightning saves in
-  every checkpoint and restores with ckpt_path=, so a resumed run goes on with the same global batches.
+  every checkpoint and restores with ckpt_path=, so a resumed run goes on with the same global batches;
 - evaluation loaders get Lightning's sampler that repeats no example (ranks may run different numbers of
   batches), and the module evaluates without its wrapper, so self.log(..., sync_dist=True) gives exact
   metrics over the whole set.
