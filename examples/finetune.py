@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 import hsync
 from hsync.apps import labelled
-from hsync.apps.cli import Parser, at_least, device_flag, init_distributed, positive_float
+from hsync.apps.cli import Parser, at_least, init_distributed
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.Rows, labelled.Rows, int, list[str]]:
@@ -33,12 +33,10 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.R
     with one line, before any work."""
     parser = Parser(description=__doc__)
     labelled.add_flags(parser)
-    parser.add_argument("--epochs", type=at_least(1), default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=at_least(1), default=16, help="examples per step over all ranks")
-    parser.add_argument("--lr", type=positive_float, default=1e-4, help="peak AdamW learning rate")
     parser.add_argument("--warmup-fraction", type=float, default=0.1,
                         help="share of the steps over which the learning rate rises linearly, before it decays to 0")
-    parser.add_argument("--device", type=device_flag, default="auto", help="cpu, cuda or auto (cuda when available)")
+    labelled.add_run_flags(parser, save_dir_help=None)
     parser.add_argument("--save-dir", type=Path, help="where rank 0 saves the fine-tuned model and its tokenizer "
                                                       "(save_pretrained), for from_pretrained to load")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from hsync.apps import labelled
-from hsync.apps.cli import Parser, at_least, device_flag, positive_float
+from hsync.apps.cli import Parser, at_least
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.Rows, labelled.Rows, int, list[str]]:
@@ -26,13 +26,11 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.R
     with one line, before any work."""
     parser = Parser(description=__doc__)
     labelled.add_flags(parser)
-    parser.add_argument("--epochs", type=at_least(1), default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=at_least(1), default=4,
                         help="examples per micro-batch on a rank (per_device_train_batch_size): the starting share")
     parser.add_argument("--accumulation", type=at_least(1), default=2,
                         help="micro-batches per step on a rank at the starting share (gradient_accumulation_steps)")
-    parser.add_argument("--lr", type=positive_float, default=1e-4, help="peak AdamW learning rate")
-    parser.add_argument("--device", type=device_flag, default="auto", help="cpu, cuda or auto (cuda when available)")
+    labelled.add_run_flags(parser, save_dir_help=None)
     parser.add_argument("--output-dir", type=Path, default=Path("runs/trainer"),
                         help="Trainer's output_dir; the fine-tuned model goes to its final/")
 

