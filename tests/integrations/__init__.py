@@ -1,6 +1,22 @@
 """The integrations with the frameworks people train with, each run on real ranks."""
 
+import os
+from collections.abc import Callable
+
 import torch
+
+# A launch's environment, as torchrun sets it for two ranks (the process group already runs: never dialled).
+LAUNCH_ENV = {"RANK": "{rank}", "LOCAL_RANK": "{rank}", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+
+
+def alone(rank: int, world_size: int, train: Callable, *args) -> dict:
+    """train(rank, world_size, *args) as `python train.py` runs it: no launcher's environment, no process
+    group. For tests.spawn.run_ranks with one rank."""
+    torch.distributed.destroy_process_group()
+    for key in LAUNCH_ENV:
+        os.environ.pop(key, None)
+    return train(rank, world_size, *args)
 
 
 def assert_near_float32(params: dict[str, torch.Tensor], exact: dict[str, torch.Tensor],

@@ -4,15 +4,15 @@ batches; save_state / load_state; gather_for_metrics over an evaluation loader p
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
+from tests import integrations
+from tests.integrations import LAUNCH_ENV as ENV
 from tests.integrations import assert_near_float32
-from tests.integrations.test_transformers_trainer import ENV
 from tests.spawn import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -78,14 +78,6 @@ def train(rank: int, world_size: int, shares: list[int] | None, state_dir: str, 
             "skipped": skipped}
 
 
-def train_alone(rank: int, world_size: int, *args) -> dict:
-    """train as `python train.py` runs it: no launcher's environment, no process group."""
-    torch.distributed.destroy_process_group()
-    for key in ENV:
-        os.environ.pop(key, None)
-    return train(rank, world_size, *args)
-
-
 def one_process(global_batches: list[list[int]], clip: float | None = None,
                 weights: Callable[[torch.Tensor], torch.Tensor] | None = None,
                 ) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -146,7 +138,7 @@ def test_load_state_resumes_where_save_state_stood(tmp_path):
 
 def test_one_plain_process_trains_as_with_accelerates_own_prepare(tmp_path):
     # Accelerate starts no process group for one process; the wrapper gets a group of one.
-    alone = run_ranks(train_alone, 1, None, str(tmp_path), False, timeout=180)[0]
+    alone = run_ranks(integrations.alone, 1, train, None, str(tmp_path), False, timeout=180)[0]
     assert [len(step) for step in alone["steps"]] == [GLOBAL_BATCH] * (EPOCHS * EXAMPLES // GLOBAL_BATCH)
     expected, losses = one_process(alone["steps"])
     assert alone["losses"] == pytest.approx(losses, rel=1e-5)

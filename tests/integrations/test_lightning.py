@@ -10,15 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from tests.integrations import assert_near_float32
+from tests.integrations import LAUNCH_ENV, assert_near_float32
 from tests.integrations.test_accelerate import EPOCHS, EXAMPLES, GLOBAL_BATCH, LR, data, net, one_process
-from tests.integrations.test_transformers_trainer import ENV as TORCHRUN_ENV
 from tests.spawn import run_ranks
 
 pytestmark = pytest.mark.distributed
 lightning = pytest.importorskip("lightning")
 
-ENV = {**TORCHRUN_ENV, "GROUP_RANK": "0"}  # what Lightning reads as torchrun's (TorchElasticEnvironment)
+ENV = {**LAUNCH_ENV, "GROUP_RANK": "0"}  # what Lightning reads as torchrun's (TorchElasticEnvironment)
 BATCH = 8  # the train loader's batch_size
 VALIDATION = 33  # examples in the validation set
 CLIP = 0.05  # a gradient norm most steps exceed

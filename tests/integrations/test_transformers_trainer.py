@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from tests.integrations import assert_near_float32
+from tests import integrations
+from tests.integrations import LAUNCH_ENV, assert_near_float32
 from tests.spawn import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -20,8 +21,7 @@ PER_DEVICE = 8
 ACCUMULATION = 2  # micro-batches per step: a global batch of 8 x 2 x 2 ranks = 32
 EPOCHS = 2
 LR = 0.5
-ENV = {"RANK": "{rank}", "LOCAL_RANK": "{rank}", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}  # the process group already runs: never dialled
+ENV = LAUNCH_ENV
 
 
 def tiny_model(task: str) -> torch.nn.Module:
@@ -198,21 +198,13 @@ def test_a_resume_through_trainers_checkpoint_ends_as_an_uninterrupted_run(tmp_p
             torch.testing.assert_close(after["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def train_alone(rank: int, world_size: int, *args) -> dict:
-    """train_with_hsync as `python train.py` runs it: no launcher's environment, no process group."""
-    torch.distributed.destroy_process_group()
-    for key in ENV:
-        os.environ.pop(key, None)
-    return train_with_hsync(rank, world_size, *args)
-
-
 def test_a_resume_in_one_process_goes_on_with_the_same_global_batches(tmp_path):
     # The global batch is fixed (BalancingArguments.global_batch_size), not derived from the ranks: two ranks
     # stop at step 4 of 6, one plain process (no torchrun, hence no process group) trains the rest.
     both = run_ranks(train_with_hsync, 2, "mlm", None, str(tmp_path / "a"), None,
                      {"save_strategy": "steps", "save_steps": 2}, 32, env=ENV, timeout=240)
-    alone = run_ranks(train_alone, 1, "mlm", None, str(tmp_path / "b"), str(tmp_path / "a" / "checkpoint-4"),
-                      None, 32, timeout=240)[0]
+    alone = run_ranks(integrations.alone, 1, train_with_hsync, "mlm", None, str(tmp_path / "b"),
+                      str(tmp_path / "a" / "checkpoint-4"), None, 32, timeout=240)[0]
     assert alone["global_step"] == 6 and alone["loader_length"] == 3
     global_batches = [sorted(a + b) for a, b in zip(both[0]["steps"], both[1]["steps"], strict=True)]
     assert [sorted(step) for step in alone["steps"]] == global_batches[4:]
