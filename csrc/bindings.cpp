@@ -60,7 +60,21 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("world_size", &Communicator::world_size)
       .def_property_readonly("backend", &Communicator::backend)
-      .def_property_readonly("timeout_s", [](const Communicator& c) { return c.timeout().count() / 1000.0; });
+      .def_property_readonly("timeout_s", [](const Communicator& c) { return c.timeout().count() / 1000.0; })
+      .def("all_reduce_sum",
+           [](Communicator& c, const at::Tensor& tensor, std::string label) {
+             c.all_reduce_sum(tensor, hsync::Purpose::kHost, -1, std::move(label));
+           },
+           py::arg("tensor"), py::arg("label"), release_gil(),
+           "Enqueues an in-place SUM all-reduce; `label` names it in errors (hsync/collectives.py).")
+      .def("broadcast",
+           [](Communicator& c, const at::Tensor& tensor, int root, std::string label) {
+             c.broadcast(tensor, root, hsync::Purpose::kHost, std::move(label));
+           },
+           py::arg("tensor"), py::arg("root"), py::arg("label"), release_gil())
+      .def("synchronize", &Communicator::synchronize, release_gil(),
+           "Orders the caller after every collective issued: the host waits on CPU, the current stream on GPU.")
+      .def("check", &Communicator::check, "Throws if a collective failed here or on a peer.");
 
   py::class_<hsync::ProcessGroupComm, Communicator, std::shared_ptr<hsync::ProcessGroupComm>>(
       m, "ProcessGroupComm")
@@ -99,6 +113,7 @@ PYBIND11_MODULE(_C, m) {
            release_gil())
       .def("last_grad_nonfinite", &Engine::last_grad_nonfinite)
       .def("check", &Engine::check)
+      .def_property_readonly("comm", &Engine::comm)
       .def("bucket_params", &Engine::bucket_params)
       .def("start_busy_interval", [](Engine& e) { e.clock().start(); })
       .def("end_busy_interval", [](Engine& e) { return e.clock().stop(); })

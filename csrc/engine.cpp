@@ -78,6 +78,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<std::string> names,
 }
 
 Engine::~Engine() {
+  if (hook_chain_) hook_chain_->abandon();
   for (size_t i = 0; i < accumulators_.size(); ++i) {
     accumulators_[i]->del_post_hook(hook_keys_[i]);
   }
@@ -140,6 +141,7 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
     bucket.tail_offset = buckets_.empty() ? 0 : buckets_.back().tail_offset + buckets_.back().tail.numel();
     buckets_.push_back(std::move(bucket));
   }
+  if (hook_chain_) set_hooked_buckets();
 }
 
 std::vector<std::vector<int64_t>> Engine::bucket_params() const {
@@ -233,7 +235,7 @@ void Engine::resolve_pack_scale() {
     const double n = *total.const_data_ptr<double>();  // on the host: Note [Deferred normalisation]
     step_.write_back_scale = n > 0 ? hook_factor_ / n : 0.0;
   } else {
-    const at::Tensor ref = comm_hook_ ? step_.ref_weight * hook_factor_ : step_.ref_weight;
+    const at::Tensor ref = hook_chain_ ? step_.ref_weight * hook_factor_ : step_.ref_weight;
     step_.pack_scale = at::where(total > 0, ref / total, at::zeros_like(total));
   }
   if (device_.is_cuda()) {
@@ -377,9 +379,8 @@ void Engine::launch_complete_buckets() {
       step_.scalars_due = false;
     }
     Bucket& bucket = buckets_[step_.next_bucket];
-    if (comm_hook_) {  // the flags and used marks stay hsync's, the values go to the hook
-      bucket.seq = comm_->all_reduce_sum(bucket.tail, Purpose::kBucket, static_cast<int64_t>(step_.next_bucket));
-      bucket.hook_result = run_comm_hook(step_.next_bucket);
+    if (hook_chain_) {  // the flags and used marks stay hsync's, the values go to the hook: Note [Hook order]
+      hook_chain_->submit(step_.next_bucket);
     } else {
       bucket.seq = comm_->all_reduce_sum(bucket.buffer, Purpose::kBucket, static_cast<int64_t>(step_.next_bucket));
     }
@@ -392,8 +393,8 @@ void Engine::launch_complete_buckets() {
 // c10d::GradBucket (its values: every gradient of the bucket, flat; index, is_last, parameters,
 // gradients as views), the hook returns a Future of the reduced values, and those are written back
 // into the gradients. hsync keeps its own part of each bucket, the tail of non-finite and used
-// flags, and all-reduces it itself just before calling the hook, so every rank issues the same
-// collectives in the same order. DDP's hooks divide by the world size (allreduce_hook sums
+// flags, and all-reduces it itself just before calling the hook, one bucket after another (Note
+// [Hook order] in hook_chain.h), so every rank issues the same collectives in the same order. DDP's hooks divide by the world size (allreduce_hook sums
 // tensor / world_size): so that such a hook yields sum_r n_r g_r / N, every scale is multiplied by
 // the world size here (hook_factor_): a weighted step packs world_size * n_r / N * g_r (or, when
 // normalising at write-back, ref_r * g_r, with world_size / N applied on the way out), and a plain
@@ -402,37 +403,37 @@ void Engine::launch_complete_buckets() {
 // taken by c10d's PythonCommHook, and every caller of launch and finalize has released it.
 void Engine::set_comm_hook(std::shared_ptr<c10d::CommHookInterface> hook) {
   std::lock_guard<std::mutex> lock(mutex_);
-  HSYNC_CHECK(!step_.active && !comm_hook_, "a communication hook is registered once, before the first step");
-  comm_hook_ = std::move(hook);
+  HSYNC_CHECK(!step_.active && !hook_chain_, "a communication hook is registered once, before the first step");
+  hook_chain_ = std::make_shared<HookChain>(comm_, std::move(hook));
+  set_hooked_buckets();
   hook_factor_ = static_cast<double>(comm_->world_size());
   plain_scale_ = at::ones_like(plain_scale_);
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> Engine::run_comm_hook(size_t index) {
-  const Bucket& bucket = buckets_[index];
-  std::vector<size_t> offsets;
-  std::vector<size_t> lengths;
-  std::vector<c10::IntArrayRef> sizes;
-  std::vector<at::Tensor> params;
-  for (size_t k = 0; k < bucket.params.size(); ++k) {
-    const at::Tensor& slot = bucket.slots[k];
-    offsets.push_back(static_cast<size_t>(slot.storage_offset() - bucket.buffer.storage_offset()));
-    lengths.push_back(static_cast<size_t>(slot.numel()));
-    sizes.push_back(params_[bucket.params[k]].sizes());
-    params.push_back(params_[bucket.params[k]]);
+void Engine::set_hooked_buckets() {
+  std::vector<HookedBucket> hooked;
+  for (const Bucket& bucket : buckets_) {
+    HookedBucket h;
+    h.values = bucket.buffer.narrow(0, 0, bucket.buffer.numel() - bucket.tail.numel());
+    h.tail = bucket.tail;
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      const at::Tensor& slot = bucket.slots[k];
+      h.offsets.push_back(static_cast<size_t>(slot.storage_offset() - bucket.buffer.storage_offset()));
+      h.lengths.push_back(static_cast<size_t>(slot.numel()));
+      h.params.push_back(params_[bucket.params[k]]);
+    }
+    hooked.push_back(std::move(h));
   }
-  const int64_t values = bucket.buffer.numel() - bucket.tail.numel();
-  c10d::GradBucket grad_bucket(index, buckets_.size(), bucket.buffer.narrow(0, 0, values), std::move(offsets),
-                               std::move(lengths), std::move(sizes), std::move(params), std::nullopt);
-  return comm_hook_->runHook(grad_bucket);
+  hook_chain_->set_buckets(std::move(hooked));
 }
 
-void Engine::take_hook_result(Bucket& bucket, size_t index) {
-  const auto future = std::move(bucket.hook_result);
-  future->wait();
+void Engine::take_hook_result(size_t index) {
+  const auto& future = hook_chain_->result(index);
+  future->wait();  // complete already (HookChain::wait); on a GPU this orders the current stream after it
   HSYNC_CHECK(!future->hasError(), "the communication hook failed on bucket ", index, ": ",
               future->tryRetrieveErrorMessage());
-  const at::Tensor result = comm_hook_->parseHookResult(future->value());
+  const at::Tensor result = hook_chain_->parse(future->value());
+  const Bucket& bucket = buckets_[index];
   const at::Tensor values = bucket.buffer.narrow(0, 0, bucket.buffer.numel() - bucket.tail.numel());
   HSYNC_CHECK(result.numel() == values.numel(), "the communication hook returned ", result.numel(),
               " values for bucket ", index, " of ", values.numel(),
@@ -487,11 +488,12 @@ void Engine::finalize() {
   launch_complete_buckets();
   HSYNC_ASSERT(step_.next_bucket == buckets_.size(), "bucket ", step_.next_bucket, " of ", buckets_.size(),
                " was not launched with every gradient packed");
+  if (hook_chain_) hook_chain_->wait();  // the communicator is the chain's until then: Note [Hook order]
   resolve_pack_scale();  // when normalising at write-back: N's all-reduce went before every bucket's
   step_.tails_on_host = at::Tensor();
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    comm_->synchronize_through(buckets_[b].seq);
-    if (comm_hook_) take_hook_result(buckets_[b], b);
+    comm_->synchronize_through(hook_chain_ ? hook_chain_->seq(b) : buckets_[b].seq);
+    if (hook_chain_) take_hook_result(b);
     write_back(buckets_[b]);
   }
 

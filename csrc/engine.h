@@ -44,6 +44,7 @@
 #include "bucket.h"
 #include "busy_clock.h"
 #include "comm/communicator.h"
+#include "hook_chain.h"
 
 namespace hsync {
 
@@ -60,8 +61,7 @@ struct Bucket {
   at::Tensor tail;                 // nonfinite flag and used flags, zeroed at each step
   int64_t tail_offset = 0;         // where the tail starts among all buckets' tails, in bucket order
   size_t pending = 0;              // params not packed yet in this step
-  uint64_t seq = 0;                // its all-reduce's sequence number in this step (of the tail alone with a hook)
-  c10::intrusive_ptr<c10::ivalue::Future> hook_result;  // a communication hook's, for its values
+  uint64_t seq = 0;                // its all-reduce's sequence number in this step (none with a hook)
 };
 
 // The state of the step in progress, or of the last one until the next begins (its scalars are read
@@ -143,6 +143,9 @@ class Engine {
   // the host has waited for the step (StepStats.finite does): call this after such a wait.
   void check() const { comm_->check(); }
 
+  // The communicator, for the wrapper's own collectives between steps (hsync/collectives.py).
+  const std::shared_ptr<Communicator>& comm() const { return comm_; }
+
  private:
   at::ScalarType bucket_dtype(size_t index) const;
   bool grad_is_slot(size_t index) const;   // Note [Gradients as bucket views]
@@ -157,8 +160,8 @@ class Engine {
   void resolve_pack_scale();               // caller holds mutex_
   void pack(size_t index, const at::Tensor& grad);
   void launch_complete_buckets();
-  c10::intrusive_ptr<c10::ivalue::Future> run_comm_hook(size_t index);  // Note [Communication hooks]
-  void take_hook_result(Bucket& bucket, size_t index);
+  void set_hooked_buckets();               // Note [Hook order]
+  void take_hook_result(size_t index);     // Note [Communication hooks]
   void finalize();
   // 1 if a float16 bucket's all-reduce overflowed; a one-element float64 tensor on the device.
   static at::Tensor sum_overflowed(const Bucket& bucket);
@@ -194,7 +197,7 @@ class Engine {
   std::vector<int64_t> ready_order_;        // recorded until the buckets are rebuilt
   bool rebuilt_ = false;
   at::Tensor plain_scale_;                  // 1 / world_size (1 with a communication hook)
-  std::shared_ptr<c10d::CommHookInterface> comm_hook_;  // Note [Communication hooks]
+  std::shared_ptr<HookChain> hook_chain_;   // with a hook: Notes [Communication hooks], [Hook order]
   double hook_factor_ = 1.0;                // world_size with a hook: it divides by the world size
   at::Tensor last_grad_nonfinite_;
   BusyClock clock_;

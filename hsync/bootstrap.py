@@ -1,68 +1,35 @@
 """What wrapping a model takes across its ranks: the check that every rank wraps the same model with the
-same settings, the collective deadline, and the engine's communicator."""
+same settings, and the key of the engine's communicator."""
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import datetime
-import math
-import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from hsync._extension import _C
+from hsync.collectives import Channels
 from hsync.compat import ignored_names, reduced_parameters
-from hsync.errors import describe
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
-"""Collective deadline unless WeightedDDP(timeout=...) or HSYNC_TIMEOUT (seconds) says otherwise: longer
-than any sane step or checkpoint write, half of torch's NCCL default, and a dead peer is usually seen
-far sooner (its sockets close, or a peer posts the failure)."""
-
-_MAX_TIMEOUT = datetime.timedelta(days=365)  # the engine's clocks count nanoseconds in 64 bits
 # Per group, the index of the next engine built over it: with the group's name, names an engine's store
 # keys. The ranks agree on it as they build one (the largest any proposes), so a rank outside a group,
 # which skips that group's engines, or a process that replaced a failed one, uses the same keys.
 _engines_built: collections.defaultdict[str, int] = collections.defaultdict(int)
 
 
-def resolve_timeout(timeout: datetime.timedelta | None) -> float:
-    """The collective deadline in seconds, from the argument, else HSYNC_TIMEOUT, else DEFAULT_TIMEOUT."""
-    if timeout is None:
-        text = os.environ.get("HSYNC_TIMEOUT")
-        try:
-            seconds = float(text) if text else DEFAULT_TIMEOUT.total_seconds()
-        except ValueError:
-            raise ValueError(f"HSYNC_TIMEOUT must be a number of seconds, got {text!r}") from None
-    elif isinstance(timeout, datetime.timedelta):
-        seconds = timeout.total_seconds()
-    else:
-        raise TypeError(f"timeout must be a datetime.timedelta, got {describe(timeout)}")
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"the collective timeout must be positive and finite, got {seconds} s")
-    if seconds > _MAX_TIMEOUT.total_seconds():
-        raise ValueError(f"the collective timeout must be at most {_MAX_TIMEOUT.days} days, got {seconds} s")
-    return seconds
-
-
-def make_comm(group: dist.ProcessGroup, device: torch.device, timeout_s: float, engine_key: str):
-    """The engine's communicator: NCCL of our own on GPU (Note [NCCL bootstrap]), the process group on CPU.
-    `engine_key`: the same on every rank of the group, and used by no other engine over it."""
-    # Keys unique to this engine and this attempt: torchrun may restart workers on the same store.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefix = f"hsync/{attempt}/{engine_key}"
-    store = dist.distributed_c10d._get_default_store()
-    debug = os.environ.get("HSYNC_DEBUG_COLLECTIVES", "0") not in ("", "0")
-    faults = _C.FaultOptions(store, f"{prefix}/failure", timeout_s, debug)
-    if device.type != "cuda":
-        return _C.ProcessGroupComm(group, faults)
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    if rank == 0:
-        store.set(f"{prefix}/nccl-id", _C.nccl_unique_id())
-    return _C.NcclComm(bytes(store.get(f"{prefix}/nccl-id")), rank, world_size, device.index, faults)
+def wrapper_kind(module: nn.Module) -> str | None:
+    """The data-parallel wrapper `module` is, if any: torch's DistributedDataParallel (hsync's own included),
+    DataParallel, or FSDP (FSDP1's class, or FSDP2's fully_shard, which changes the module's class)."""
+    if isinstance(module, DistributedDataParallel):
+        return f"a {type(module).__name__}"
+    if isinstance(module, nn.DataParallel):
+        return "a torch DataParallel"
+    for cls in type(module).__mro__:
+        if cls.__name__ in ("FullyShardedDataParallel", "FSDPModule"):
+            return f"torch's {cls.__name__} (FSDP)"
+    return None
 
 
 def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
@@ -73,6 +40,10 @@ def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
     signature += [("buffer", name, tuple(b.shape), str(b.dtype), False)
                   for name, b in module.named_buffers() if name not in ignored]
     problems = []
+    wrapping = wrapper_kind(module)
+    if wrapping:
+        problems.append(f"it is already wrapped in {wrapping}, whose own collectives would run beside hsync's; "
+                        "pass the module inside it (its .module)")
     devices = sorted({str(p.device) for p in reduced_parameters(module)})
     if len(devices) > 1:
         problems.append(f"parameters on several devices ({', '.join(devices)}); wrap a single-device module")
@@ -90,31 +61,24 @@ def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
 
 
 def engine_key(group: dist.ProcessGroup, device: torch.device, module: nn.Module, settings: dict[str, object],
-               refusal: Exception | None) -> str:
+               refusal: Exception | None, timeout_s: float) -> str:
     """Checks the model across the group's ranks (verify_same_model); returns the key of the new engine's
     store entries: the same on every rank of the group, and used by no other engine over it."""
     name = dist.distributed_c10d._get_process_group_name(group)
-    index = verify_same_model(group, device, module, settings, refusal, _engines_built[name])
+    index = verify_same_model(group, device, module, settings, refusal, _engines_built[name], timeout_s)
     _engines_built[name] = index + 1
     return f"{name}/{index}"
 
 
-def gather_objects(obj: object, group: dist.ProcessGroup | None, device: torch.device) -> list:
-    """dist.all_gather_object with `device` as the current CUDA device, where NCCL carries it: torch's
-    uses the current one, cuda:0 on every rank of a program that never called torch.cuda.set_device
-    (as DDP's users need not), which NCCL refuses as one GPU used twice."""
-    gathered: list = [None] * dist.get_world_size(group)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        dist.all_gather_object(gathered, obj, group=group)
-    return gathered
-
-
 def verify_same_model(group: dist.ProcessGroup, device: torch.device, module: nn.Module,
-                       settings: dict[str, object], refusal: Exception | None, engine_index: int) -> int:
+                       settings: dict[str, object], refusal: Exception | None, engine_index: int,
+                       timeout_s: float) -> int:
     """Raises the same error on every rank if a rank refused (its `refusal`, naming the rank), the ranks'
     models or `settings` differ (RuntimeError, as DDP's) or one cannot be wrapped (ValueError); else
     returns the engine index the ranks agree on (the largest `engine_index` proposed)."""
-    gathered = gather_objects((*_model_signature(module), settings, refusal, engine_index), group, device)
+    channel = Channels.of_group(group, device, timeout_s)
+    gathered = channel.gather_objects((*_model_signature(module), settings, refusal, engine_index),
+                                      "the model check at wrap time")
     for rank, (*_, theirs, _) in enumerate(gathered):
         if theirs is not None:
             raise type(theirs)(f"{theirs} (on rank {rank})")

@@ -23,7 +23,8 @@ from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel import DistributedDataParallel
 
 from hsync._extension import _C
-from hsync.bootstrap import engine_key, make_comm, resolve_timeout
+from hsync.bootstrap import engine_key
+from hsync.collectives import Channels, make_comm, resolve_timeout
 from hsync.compat import (
     BUILTIN_HOOKS,
     DDP_DEPRECATES_BROADCAST_BUFFERS,
@@ -57,7 +58,7 @@ class WeightedDDP(DistributedDataParallel):
         first_bucket_cap_mb: cap of the first bucket, kept small so communication starts early.
         metric_names: names of the extra sums that backward(..., metrics={...}) may report.
         timeout: how long any one collective may take before this rank gives up with an error naming it
-            (default: HSYNC_TIMEOUT seconds, else hsync.bootstrap.DEFAULT_TIMEOUT). It spans the skew between ranks,
+            (default: HSYNC_TIMEOUT seconds, else hsync.collectives.DEFAULT_TIMEOUT). It spans the skew between ranks,
             so it must exceed the longest time one rank may run ahead of another.
         comm_dtype: the dtype gradients travel in: torch.bfloat16 or torch.float16 halve the bytes on the
             wire (as DDP's bf16_compress_hook / fp16_compress_hook, with the cast fused into the
@@ -224,7 +225,7 @@ class WeightedDDP(DistributedDataParallel):
         Nothing changes unless every check passes."""
         named = [(name, p) for name, p in reduced_parameters(self.module, named=True) if p.requires_grad]
         device = named[0][1].device
-        key = engine_key(group, device, self.module, self._settings_that_must_agree(), refusal)
+        key = engine_key(group, device, self.module, self._settings_that_must_agree(), refusal, self._timeout_s)
         self._engine = _C.Engine(
             [p for _, p in named],
             [name for name, _ in named],
@@ -362,6 +363,13 @@ class WeightedDDP(DistributedDataParallel):
         self.metric_names = (*self.metric_names, *(n for n in metric_names if n not in self.metric_names))
         self._before_sync = before_sync
         return BalancedSteps(self)
+
+    def sync_buffers(self) -> None:
+        """Makes every rank's buffers rank 0's, as the next synchronised forward would (a collective, under the
+        deadline): for a framework's evaluation, which runs the module directly on each rank's own batches."""
+        buffers = self._synced_buffers()
+        if buffers:
+            self._ensure_engine().broadcast_coalesced(buffers, 0)
 
     def _synced_buffers(self) -> list[torch.Tensor]:
         # Looked up each time: a buffer reassigned since wrap time is the one to send.
@@ -558,10 +566,9 @@ class WeightedDDP(DistributedDataParallel):
         info = [0.0] * (2 + self.world_size)
         if not joined:
             info[0], info[1], info[2 + self.rank] = float(synced), float(buffers_due), 1.0
-        reduced = torch.tensor(info, dtype=torch.float64, device=self.device)
         with self.waiting_for_peers():
-            dist.all_reduce(reduced, group=self.process_group)
-            values = reduced.tolist()
+            values = Channels.of_model(self).all_reduce_sum(torch.tensor(info, dtype=torch.float64),
+                                                            "the Join state of a forward").tolist()
         active = [r for r in range(self.world_size) if values[2 + r] > 0]
         return values[0] > 0, values[1] > 0, active[0] if active else 0
 
@@ -593,11 +600,12 @@ class WeightedDDP(DistributedDataParallel):
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         """After Join: every rank takes the model of the highest-ranked last joiner."""
-        candidate = torch.tensor([self.rank if is_last_joiner else -1], device=self.device)
-        dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=self.process_group)
+        last_joiners = Channels.of_model(self).gather(torch.tensor([float(is_last_joiner)], dtype=torch.float64),
+                                                      "the last joiners after Join")
+        root = max(r for r in range(self.world_size) if last_joiners[r, 0] > 0)
         tensors = [p.detach() for p in reduced_parameters(self.module)]
         tensors += self._synced_buffers() if self.forward_sync_buffers else []
-        self._ensure_engine().broadcast_coalesced(tensors, int(candidate.item()))
+        self._ensure_engine().broadcast_coalesced(tensors, root)
 
     def backward(
         self,

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from hsync.collectives import Channels
+
 
 class ShardSampler(Sampler[list[int]]):
     """A batch sampler over this rank's contiguous share of `num_examples`: every example on exactly one
@@ -49,14 +51,14 @@ class ShardSampler(Sampler[list[int]]):
 def sum_over_ranks(values: Mapping[str, float | torch.Tensor],
                    group: dist.ProcessGroup | None = None) -> dict[str, float]:
     """Each value summed over every rank of `group` in float64 (counts stay exact up to 2**53). Every rank
-    must pass the same names in the same order, each with one number; otherwise every rank raises."""
+    must pass the same names in the same order, each with one number; otherwise every rank raises. Under
+    hsync's collective deadline (HSYNC_TIMEOUT): a peer that froze or died is an error naming it."""
     names = list(values)
-    device = _device_of(group)
     slots: list[torch.Tensor] = []
     problem = None
     for name in names:
         try:
-            slot = torch.as_tensor(values[name], dtype=torch.float64, device=device).detach()
+            slot = torch.as_tensor(values[name], dtype=torch.float64).detach().cpu()
         except (TypeError, ValueError, RuntimeError):
             problem = f"'{name}' is a {type(values[name]).__name__}"
             break
@@ -64,30 +66,20 @@ def sum_over_ranks(values: Mapping[str, float | torch.Tensor],
             problem = f"'{name}' has shape {tuple(slot.shape)}"
             break
         slots.append(slot.reshape(()))
-    # Agreement first, in a small all-reduce of its own, so that ranks naming different numbers of
-    # metrics never meet in a reduction of different sizes: names and count equal everywhere exactly
-    # when their maxima and minima (the maxima of their negatives) agree.
+    channel = Channels.of_group(group)
+    # Agreement first, in a small collective of its own, so that ranks naming different numbers of metrics
+    # never meet in a reduction of different sizes.
     checksum = float(zlib.crc32("\0".join(names).encode()))
-    rank = dist.get_rank(group)
-    header = torch.tensor([len(names), -len(names), checksum, -checksum, rank + 1 if problem else 0],
-                          dtype=torch.float64, device=device)
-    dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group)
-    count_max, neg_count_min, sum_max, neg_sum_min, refused = header.tolist()
+    header = torch.tensor([len(names), checksum, 1.0 if problem else 0.0], dtype=torch.float64)
+    headers = channel.gather(header, "hsync.sum_over_ranks's names")
+    refused = [r for r in range(channel.world_size) if headers[r, 2] > 0]
     if refused:
-        culprit = int(refused) - 1  # the highest rank that refused; its own message says what it passed
+        culprit = refused[-1]  # its own message says what it passed
         raise ValueError(f"hsync.sum_over_ranks: rank {culprit} passed a value that is not one number"
-                         + (f": {problem}" if culprit == rank else ""))
-    if count_max != -neg_count_min or sum_max != -neg_sum_min:
+                         + (f": {problem}" if culprit == channel.rank else ""))
+    if not bool((headers[:, :2] == headers[0, :2]).all()):
         raise ValueError(f"hsync.sum_over_ranks: ranks passed different metric names (this rank: {names})")
     if not names:
         return {}
-    local = torch.stack(slots)
-    dist.all_reduce(local, group=group)
-    return dict(zip(names, local.tolist(), strict=True))
-
-
-def _device_of(group: dist.ProcessGroup | None) -> torch.device:
-    """Where the reduction runs: NCCL needs the current GPU; gloo, the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    totals = channel.all_reduce_sum(torch.stack(slots), "hsync.sum_over_ranks's sums")
+    return dict(zip(names, totals.tolist(), strict=True))

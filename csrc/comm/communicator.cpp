@@ -39,13 +39,13 @@ Communicator::Communicator(int rank, int world_size, std::string backend, const 
   HSYNC_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " is outside world size ", world_size);
 }
 
-uint64_t Communicator::all_reduce_sum(const at::Tensor& tensor, Purpose purpose, int64_t index) {
-  return issue(tensor, -1, purpose, index);
+uint64_t Communicator::all_reduce_sum(const at::Tensor& tensor, Purpose purpose, int64_t index, std::string label) {
+  return issue(tensor, -1, purpose, index, std::move(label));
 }
 
-void Communicator::broadcast(const at::Tensor& tensor, int root, Purpose purpose) {
+void Communicator::broadcast(const at::Tensor& tensor, int root, Purpose purpose, std::string label) {
   HSYNC_CHECK(root >= 0 && root < world_size_, "broadcast root ", root, " is outside world size ", world_size_);
-  issue(tensor, root, purpose, -1);
+  issue(tensor, root, purpose, -1, std::move(label));
 }
 
 void Communicator::give_up(const std::string& why) {
@@ -64,7 +64,7 @@ void Communicator::synchronize() {
   }
 }
 
-uint64_t Communicator::issue(const at::Tensor& tensor, int root, Purpose purpose, int64_t index) {
+uint64_t Communicator::issue(const at::Tensor& tensor, int root, Purpose purpose, int64_t index, std::string label) {
   monitor_->check();
   Collective collective;
   collective.seq = next_seq_++;
@@ -73,6 +73,7 @@ uint64_t Communicator::issue(const at::Tensor& tensor, int root, Purpose purpose
   collective.index = index;
   collective.numel = tensor.numel();
   collective.dtype = tensor.scalar_type();
+  collective.label = std::move(label);
   if (debug_) verify_fingerprint(tensor, collective);
   collective.issued = Clock::now();
   launch(tensor, collective);

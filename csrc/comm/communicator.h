@@ -46,10 +46,11 @@ class Communicator {
   // Enqueues an in-place SUM all-reduce of `tensor` and returns its sequence number. Returns at
   // once; collectives run in the order they were issued, overlapping the caller's work. `tensor`
   // must stay untouched until a synchronize covers it. `index` is the bucket, for Purpose::kBucket.
-  uint64_t all_reduce_sum(const at::Tensor& tensor, Purpose purpose, int64_t index = -1);
+  // `label` names a kHost collective in errors.
+  uint64_t all_reduce_sum(const at::Tensor& tensor, Purpose purpose, int64_t index = -1, std::string label = {});
 
   // Enqueues an in-place broadcast of `tensor` from `root`.
-  void broadcast(const at::Tensor& tensor, int root, Purpose purpose);
+  void broadcast(const at::Tensor& tensor, int root, Purpose purpose, std::string label = {});
 
   // Orders the caller after the collective numbered `seq` and every one issued before it: blocks
   // the calling thread on CPU, makes the current CUDA stream wait on GPU (no host
@@ -66,6 +67,13 @@ class Communicator {
   // refuses further collectives, as after a failed one; does not throw.
   void give_up(const std::string& why);
 
+  // The same for a wait of the caller's own that ran out (Note [Hook order]); throws it.
+  [[noreturn]] void fail(const std::string& why) { monitor_->fail(why); }
+
+  // Marks this rank waiting for its peers since `since`, for the scope's life, so that a failure a
+  // peer posts ends the wait (check() throws it) as it ends a wait for a collective.
+  WaitingScope waiting_since(Clock::time_point since) { return WaitingScope(*monitor_, since); }
+
  protected:
   // Issues `collective` on `tensor`.
   virtual void launch(const at::Tensor& tensor, const Collective& collective) = 0;
@@ -73,7 +81,7 @@ class Communicator {
   FaultMonitor& monitor() { return *monitor_; }
 
  private:
-  uint64_t issue(const at::Tensor& tensor, int root, Purpose purpose, int64_t index);
+  uint64_t issue(const at::Tensor& tensor, int root, Purpose purpose, int64_t index, std::string label);
   void verify_fingerprint(const at::Tensor& tensor, const Collective& collective);
 
   int rank_;

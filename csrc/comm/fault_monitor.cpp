@@ -15,6 +15,7 @@ std::string Collective::describe() const {
     case Purpose::kBucketOrder: what = "the bucket order"; break;
     case Purpose::kBroadcast: what = "parameters and buffers"; break;
     case Purpose::kFingerprint: what = "the debug fingerprints of collective #" + std::to_string(seq); break;
+    case Purpose::kHost: what = label; break;
   }
   const std::string from = root >= 0 ? " from rank " + std::to_string(root) : "";
   return std::string(root >= 0 ? "broadcast" : "all-reduce") + " #" + std::to_string(seq) + " of " + what +

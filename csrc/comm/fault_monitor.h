@@ -29,7 +29,14 @@ namespace hsync {
 using Clock = std::chrono::steady_clock;
 
 // What a collective is for; named in errors and compared across ranks in debug mode.
-enum class Purpose : int { kStepScalars = 1, kBucket = 2, kBucketOrder = 3, kBroadcast = 4, kFingerprint = 5 };
+enum class Purpose : int {
+  kStepScalars = 1,
+  kBucket = 2,
+  kBucketOrder = 3,
+  kBroadcast = 4,
+  kFingerprint = 5,
+  kHost = 6,  // a decision of hsync's Python side (hsync/collectives.py), named by its label
+};
 
 // One collective as issued by this rank.
 struct Collective {
@@ -39,6 +46,7 @@ struct Collective {
   int64_t index = -1;        // the bucket, for kBucket
   int64_t numel = 0;
   at::ScalarType dtype = at::kFloat;
+  std::string label;         // what a kHost collective is for, as its caller names it
   Clock::time_point issued;
 
   // For example "all-reduce #12 of bucket 3 (262144 x Float)".

@@ -60,7 +60,7 @@ from hsync.balance.planner import (
 from hsync.balance.policy import Policy, PolicyConfig
 from hsync.balance.retry import GradientBackup, halves, rows_of
 from hsync.balance.simulate import SimulatedSlowdown
-from hsync.bootstrap import gather_objects
+from hsync.collectives import Channels
 from hsync.ddp import WeightedDDP
 from hsync.stats import StepStats
 
@@ -620,7 +620,7 @@ class Balancer:
             len(self._costs), _digest(self._costs), config.global_batch_size, config.seed, config.shuffle,
             config.rank_batch_sizes and list(config.rank_batch_sizes), self._limits, config.replan_every,
             config.warmup_steps, config.probe_steps, config.min_gain, self._memory is not None)
-        everyone = gather_objects(mine, self.model.process_group, self.model.device)
+        everyone = Channels.of_model(self.model).gather_objects(mine, "the Balancer's settings")
         refused = [r for r, theirs in enumerate(everyone) if isinstance(theirs, str)]
         if refused:
             raise ValueError(f"{everyone[refused[0]]} (rank {refused[0]}; refused on ranks {refused})")

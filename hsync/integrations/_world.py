@@ -1,4 +1,5 @@
-"""The process group hsync's wrapper syncs over, where a framework runs without one."""
+"""What every integration checks before wrapping: a model that is not wrapped already, and the process group
+hsync's wrapper syncs over, where a framework runs without one."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from hsync.bootstrap import wrapper_kind
 
 
 def ensure_process_group(device: torch.device) -> None:
@@ -19,3 +23,12 @@ def ensure_process_group(device: torch.device) -> None:
                            "the ranks with torchrun (or accelerate launch)")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                             world_size=1, device_id=device if device.type == "cuda" else None)
+
+
+def refuse_a_wrapped_model(model: nn.Module | None, who: str) -> None:
+    """One line, before any work, for a model already wrapped in DDP, DataParallel or FSDP: hsync wraps the
+    bare module itself, and the inner wrapper's collectives would wait on ranks that run other micro-batches."""
+    wrapping = wrapper_kind(model) if isinstance(model, nn.Module) else None
+    if wrapping:
+        raise TypeError(f"{who}: the model is already wrapped in {wrapping}; pass the module inside it (its "
+                        ".module): hsync wraps it itself")

@@ -40,7 +40,7 @@ from accelerate.utils import DistributedType, send_to_device
 from packaging.version import Version
 
 import hsync
-from hsync.integrations._world import ensure_process_group
+from hsync.integrations._world import ensure_process_group, refuse_a_wrapped_model
 from hsync.stats import StepStats
 
 SUPPORTED = (Version("1.1"), Version("2"))  # [lowest, first unsupported); tested on 1.15
@@ -91,6 +91,7 @@ class Accelerator(accelerate.Accelerator):
                       evaluation_mode: bool = False) -> torch.nn.Module:
         if evaluation_mode or isinstance(model, hsync.WeightedDDP):
             return super().prepare_model(model, device_placement, evaluation_mode)
+        refuse_a_wrapped_model(model, "hsync.integrations.accelerate.Accelerator.prepare")
         # Everything Accelerate does to a model but DDP, then hsync's wrapper in its place.
         prepared = super().prepare_model(model, device_placement, evaluation_mode=True)
         device_ids = [self.device.index] if self.device.type == "cuda" else None

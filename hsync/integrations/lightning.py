@@ -55,6 +55,7 @@ from packaging.version import Version
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 import hsync
+from hsync.collectives import Channels
 from hsync.integrations._loaders import MicroBatches, StepLoader
 from hsync.stats import StepStats
 
@@ -217,8 +218,7 @@ class HsyncStrategy(DDPStrategy):
 
     def _buffers_from_rank_0(self) -> None:
         if isinstance(self.model, hsync.WeightedDDP) and self.model.broadcast_buffers:
-            for buffer in self.model._synced_buffers():
-                torch.distributed.broadcast(buffer, src=0)
+            self.model.sync_buffers()
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
@@ -285,12 +285,20 @@ class HsyncStrategy(DDPStrategy):
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if self._leading_micro_batch:  # Note [Lightning]: synced at the step's last micro-batch
             return tensor
+        op = str(reduce_op).lower().rsplit(".", 1)[-1]  # "mean", or ReduceOp.SUM's "RedOpType.SUM"
+        if not (isinstance(tensor, torch.Tensor) and isinstance(self.model, hsync.WeightedDDP)
+                and op in ("sum", "mean", "avg") and group is None):
+            with self._waiting_for_peers():
+                return super().reduce(tensor, group, reduce_op)
         with self._waiting_for_peers():  # a log's sync_dist: not the rank's own work
-            if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point() and reduce_op in ("mean", "avg"):
-                # Lightning's divides an integer sum by the ranks in integers: a mean metric's count of examples
-                # (its denominator) would lose its fraction where ranks ran different numbers of them.
-                return super().reduce(tensor.double(), group, "sum") / self.world_size
-            return super().reduce(tensor, group, reduce_op)
+            # Through hsync's channel, under its deadline; summed in float64: Lightning's divides an integer sum
+            # by the ranks in integers, and a mean metric's count of examples (its denominator) would lose its
+            # fraction where ranks ran different numbers of them.
+            total = Channels.of_model(self.model).all_reduce_sum(tensor.double(), "a logged value's sync_dist")
+        if op == "sum":
+            return total.to(tensor.device, tensor.dtype)
+        mean = total / self.world_size
+        return mean.to(tensor.device, tensor.dtype if tensor.is_floating_point() else torch.float64)
 
 
 check_version()

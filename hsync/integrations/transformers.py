@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import hsync
 from hsync.integrations._loaders import StepLoader
-from hsync.integrations._world import ensure_process_group
+from hsync.integrations._world import ensure_process_group, refuse_a_wrapped_model
 
 SUPPORTED = (Version("5.0"), Version("6"))  # [lowest, first unsupported); tested on 5.23
 
@@ -78,6 +78,8 @@ class Trainer(transformers.Trainer):
         if training_args is None:
             raise ValueError("hsync.integrations.transformers.Trainer needs its TrainingArguments (args=...)")
         refuse_what_cannot_weigh(training_args)
+        refuse_a_wrapped_model(kwargs.get("model", args[0] if args else None),
+                               "hsync.integrations.transformers.Trainer")
         self.balancing = balancing or BalancingArguments()
         # Trainer counts one dataloader item as one step (Note [Trainer]); the accumulation steps become
         # micro-batches of the Balancer's.

@@ -4,15 +4,15 @@ import datetime
 
 import pytest
 
-from hsync import bootstrap
+from hsync import collectives
 
 
 def test_the_argument_wins_then_the_environment_then_the_default(monkeypatch):
     monkeypatch.setenv("HSYNC_TIMEOUT", "12.5")
-    assert bootstrap.resolve_timeout(datetime.timedelta(seconds=3)) == 3.0
-    assert bootstrap.resolve_timeout(None) == 12.5
+    assert collectives.resolve_timeout(datetime.timedelta(seconds=3)) == 3.0
+    assert collectives.resolve_timeout(None) == 12.5
     monkeypatch.delenv("HSYNC_TIMEOUT")
-    assert bootstrap.resolve_timeout(None) == bootstrap.DEFAULT_TIMEOUT.total_seconds()
+    assert collectives.resolve_timeout(None) == collectives.DEFAULT_TIMEOUT.total_seconds()
 
 
 @pytest.mark.parametrize(("timeout", "env", "message"), [
@@ -26,9 +26,9 @@ def test_bad_deadlines_are_refused_with_the_value(monkeypatch, timeout, env, mes
     if env is not None:
         monkeypatch.setenv("HSYNC_TIMEOUT", env)
     with pytest.raises(ValueError, match=message):
-        bootstrap.resolve_timeout(timeout)
+        collectives.resolve_timeout(timeout)
 
 
 def test_a_number_is_not_taken_for_a_duration():
     with pytest.raises(TypeError, match="timeout must be a datetime.timedelta, got int 60"):
-        bootstrap.resolve_timeout(60)
+        collectives.resolve_timeout(60)

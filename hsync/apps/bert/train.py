@@ -14,6 +14,7 @@ and over however many ranks (up to the order of floating-point sums).
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -47,6 +48,8 @@ from hsync.balance import split_proportionally
 def main(argv: list[str] | None = None) -> None:
     cfg, preset = parse_args(argv, description=__doc__, world_size=world_size_from_env())
     import_transformers()
+    if cfg.collective_timeout:  # every collective's deadline: the model's, and those of the run's decisions
+        os.environ["HSYNC_TIMEOUT"] = str(cfg.collective_timeout)
     device = init_distributed(cfg.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     fail_together(unwritable_outputs(cfg) if rank == 0 else None, "cannot write the run's outputs")

@@ -1,0 +1,162 @@
+"""hsync's collectives besides the gradient reduction: the model check at wrap time, Join's, sum_over_ranks,
+the applications' decisions. Each goes through a communicator of hsync's, with the deadline and the failure
+board of the engine's (Note [Failing fast] in csrc/comm/fault_monitor.h): a peer that froze or died ends it
+with an error naming the collective and the rank, never a hang. None is written with torch.distributed's
+collectives, which wait for their process group's own timeout (30 minutes by default) instead.
+
+    channel = Channels.of_group(group)          # or Channels.of_model(model): the engine's communicator
+    totals = channel.all_reduce_sum(torch.tensor([correct, count]), "the evaluation's totals")
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import math
+import os
+import pickle
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hsync._extension import _C
+from hsync.errors import describe
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+"""Collective deadline unless WeightedDDP(timeout=...) or HSYNC_TIMEOUT (seconds) says otherwise: longer
+than any sane step or checkpoint write, half of torch's NCCL default, and a dead peer is usually seen
+far sooner (its sockets close, or a peer posts the failure)."""
+
+_MAX_TIMEOUT = datetime.timedelta(days=365)  # the engine's clocks count nanoseconds in 64 bits
+
+# Per group name, how many channels were built over it: with the name, names a channel's store keys. Every
+# rank of a group builds its channels in the same order (each build is collective).
+_channels_built: collections.defaultdict[str, int] = collections.defaultdict(int)
+# Per group, its channels by device type and deadline: built once, used by every later call.
+_channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def resolve_timeout(timeout: datetime.timedelta | None) -> float:
+    """The collective deadline in seconds, from the argument, else HSYNC_TIMEOUT, else DEFAULT_TIMEOUT."""
+    if timeout is None:
+        text = os.environ.get("HSYNC_TIMEOUT")
+        try:
+            seconds = float(text) if text else DEFAULT_TIMEOUT.total_seconds()
+        except ValueError:
+            raise ValueError(f"HSYNC_TIMEOUT must be a number of seconds, got {text!r}") from None
+    elif isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    else:
+        raise TypeError(f"timeout must be a datetime.timedelta, got {describe(timeout)}")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"the collective timeout must be positive and finite, got {seconds} s")
+    if seconds > _MAX_TIMEOUT.total_seconds():
+        raise ValueError(f"the collective timeout must be at most {_MAX_TIMEOUT.days} days, got {seconds} s")
+    return seconds
+
+
+def make_comm(group: dist.ProcessGroup, device: torch.device, timeout_s: float, engine_key: str):
+    """The engine's communicator: NCCL of our own on GPU (Note [NCCL bootstrap]), the process group on CPU.
+    `engine_key`: the same on every rank of the group, and used by no other engine over it."""
+    # Keys unique to this engine and this attempt: torchrun may restart workers on the same store.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"hsync/{attempt}/{engine_key}"
+    store = dist.distributed_c10d._get_default_store()
+    debug = os.environ.get("HSYNC_DEBUG_COLLECTIVES", "0") not in ("", "0")
+    faults = _C.FaultOptions(store, f"{prefix}/failure", timeout_s, debug)
+    if device.type != "cuda":
+        return _C.ProcessGroupComm(group, faults)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    if rank == 0:
+        store.set(f"{prefix}/nccl-id", _C.nccl_unique_id())
+    return _C.NcclComm(bytes(store.get(f"{prefix}/nccl-id")), rank, world_size, device.index, faults)
+
+
+@dataclass(frozen=True)
+class Channel:
+    """A communicator of hsync's and the device its tensors live on. Every method is a collective: every rank
+    of the group calls it, in the same order, with tensors of the same shape and dtype."""
+
+    comm: _C.Communicator
+    device: torch.device
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def all_reduce_sum(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
+        """The sum over ranks of `tensor`, on the host; `label` names the collective in errors."""
+        on_device = tensor.detach().to(self.device, copy=True).contiguous()
+        self.comm.all_reduce_sum(on_device, label)
+        return self._to_host(on_device)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, label: str) -> torch.Tensor:
+        """`root`'s `tensor` on every rank, on the host."""
+        on_device = tensor.detach().to(self.device, copy=True).contiguous()
+        self.comm.broadcast(on_device, root, label)
+        return self._to_host(on_device)
+
+    def gather(self, row: torch.Tensor, label: str) -> torch.Tensor:
+        """Every rank's `row`, stacked in rank order: one all-reduce of a table in which each rank fills its own."""
+        table = torch.zeros((self.world_size, *row.shape), dtype=row.dtype)
+        table[self.rank] = row
+        return self.all_reduce_sum(table, label)
+
+    def gather_objects(self, obj: object, label: str) -> list:
+        """Every rank's picklable `obj`, in rank order."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.gather(torch.tensor([payload.numel()], dtype=torch.int64), f"{label} (sizes)")[:, 0].tolist()
+        row = torch.zeros(max(sizes), dtype=torch.uint8)
+        row[:payload.numel()] = payload
+        table = self.gather(row, label)
+        return [pickle.loads(table[r, :size].numpy().tobytes()) for r, size in enumerate(sizes)]
+
+    def broadcast_object(self, obj: object, root: int, label: str) -> object:
+        """`root`'s picklable `obj` on every rank (what the others pass is not sent)."""
+        return self.gather_objects(obj if self.rank == root else None, label)[root]
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        # On a GPU the copy waits for the collective on the device; a failure meanwhile leaves garbage there
+        # (hsync's NCCL watchdog aborts a stuck collective at the deadline), which check() reports.
+        self.comm.synchronize()
+        host = tensor.cpu()
+        self.comm.check()
+        return host
+
+
+class Channels:
+    """Where hsync's own collectives go."""
+
+    @staticmethod
+    def of_group(group: dist.ProcessGroup | None = None, device: torch.device | None = None,
+                 timeout_s: float | None = None) -> Channel:
+        """A channel over `group` (default: the world), built on its first use on every rank of the group. Its
+        tensors live on the CPU where the group has gloo, else on `device` (default: the current GPU). Its
+        deadline: `timeout_s`, else HSYNC_TIMEOUT, else hsync.bootstrap.DEFAULT_TIMEOUT."""
+        group = group or dist.group.WORLD
+        if group is None:
+            raise RuntimeError("hsync needs torch.distributed.init_process_group() first")
+        if "gloo" in str(dist.get_backend(group)):
+            device = torch.device("cpu")
+        elif device is None or device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        timeout_s = resolve_timeout(None) if timeout_s is None else timeout_s
+        built = _channels.setdefault(group, {})
+        key = (device.type, timeout_s)
+        if key not in built:
+            name = dist.distributed_c10d._get_process_group_name(group)
+            index = _channels_built[name]
+            _channels_built[name] = index + 1
+            built[key] = Channel(make_comm(group, device, timeout_s, f"{name}/channel/{index}"), device)
+        return built[key]
+
+    @staticmethod
+    def of_model(model) -> Channel:
+        """The channel of a WeightedDDP's engine: its collectives keep their order with the engine's."""
+        return Channel(model._ensure_engine().comm, model.device)
