@@ -320,7 +320,7 @@ std::optional<std::string> NcclComm::poll() {
   if (!first_of_its_size && waited > timeout()) {
     return oldest->describe() + " did not complete within the " + seconds(timeout()) + " deadline (" +
            seconds(waited) + " since it was issued): a peer is stopped, hung, or far slower than this rank. "
-           "If steps legitimately differ this much, raise WeightedDDP(timeout=...)";
+           "If steps legitimately differ this much, raise WeightedDDP(timeout=...) or HSYNC_TIMEOUT";
   }
   return std::nullopt;
 }

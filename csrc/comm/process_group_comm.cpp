@@ -83,7 +83,7 @@ void ProcessGroupComm::wait(const Pending& p) {
         lock.unlock();
         monitor().fail(p.collective.describe() + " did not complete within the " + seconds(timeout()) +
                        " deadline: a peer is stopped, hung, or far slower than this rank. If steps "
-                       "legitimately differ this much, raise WeightedDDP(timeout=...)");
+                       "legitimately differ this much, raise WeightedDDP(timeout=...) or HSYNC_TIMEOUT");
       }
       completion_->done.wait_for(lock, std::min<Clock::duration>(FaultMonitor::kPollInterval, deadline - now));
     }

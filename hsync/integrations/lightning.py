@@ -41,6 +41,7 @@ changes the seams where that happens:
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 from typing import Any
 
@@ -125,6 +126,10 @@ class HsyncStrategy(DDPStrategy):
                              "of a step through the module's training_step and steps the optimizer once; a module "
                              "that steps it itself (automatic_optimization = False) would step once a micro-batch")
         self._bracket_the_sigterm_broadcast(trainer)
+        # Lightning warns, at trainer.validate() and test(), that the DistributedSampler it puts in the loader
+        # repeats examples; process_dataloader replaces that sampler with an unrepeated one, so here it is false.
+        warnings.filterwarnings("ignore", message=r"Using `DistributedSampler` with the dataloaders\. During "
+                                                  r"`trainer\.(validate|test)\(\)`")
         if self._micro_batches_per_step is None:  # a later fit() on the same Trainer finds 1 here
             self._micro_batches_per_step = trainer.accumulate_grad_batches
         # The Balancer cuts each rank's share into micro-batches; Lightning counts one item as one step.

@@ -92,6 +92,10 @@ def wrap(rank: int, world_size: int, variant: str) -> None:
         net.embed = nn.Embedding(10, 3, sparse=True)
     elif rank == 1 and variant == "devices":
         net.out.to("meta")
+    elif variant == "in torch DDP":
+        net = nn.parallel.DistributedDataParallel(net)  # collective: on every rank
+    elif rank == 1 and variant == "in DataParallel":
+        net = nn.DataParallel(net)
     settings = {
         "comm_dtype differs": dict(comm_dtype=torch.bfloat16 if rank == 1 else None),
         "bucket cap differs": dict(bucket_cap_mb=25 + rank),
@@ -112,6 +116,10 @@ def wrap(rank: int, world_size: int, variant: str) -> None:
                   "'extra.weight'"),
         ("sparse", "on rank 0, 'embed' produces sparse gradients"),
         ("devices", "on rank 1, parameters on several devices (cpu, meta)"),
+        ("in torch DDP", "hsync: cannot wrap the model: on rank 0, it is already wrapped in a "
+                         "DistributedDataParallel, whose own collectives would run beside hsync's; pass the module "
+                         "inside it (its .module)"),
+        ("in DataParallel", "on rank 1, it is already wrapped in a torch DataParallel"),  # said on every rank
         ("comm_dtype differs", "comm_dtype differs across ranks: None on rank 0, torch.bfloat16 on rank 1"),
         ("bucket cap differs", "bucket_cap_mb differs across ranks: 25.0 on rank 0, 26.0 on rank 1"),
         ("comm_dtype int", "ValueError: hsync.WeightedDDP: comm_dtype must be None or one of torch.float32, "

@@ -178,3 +178,23 @@ def test_an_accelerate_release_outside_the_tested_range_is_refused(monkeypatch):
     monkeypatch.setattr(integration.accelerate, "__version__", "0.34.2")
     with pytest.raises(RuntimeError, match="supports accelerate >= 1.1, < 2; found 0.34.2"):
         integration.Accelerator(cpu=True)
+
+
+def prepare_a_wrapped_model(rank: int, world_size: int, wrapper: str) -> str:
+    from hsync.integrations.accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = (torch.nn.parallel.DistributedDataParallel if wrapper == "ddp" else torch.nn.DataParallel)(net())
+    try:
+        accelerator.prepare(model)
+    except TypeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(("wrapper", "named"), [("ddp", "a DistributedDataParallel"),
+                                                ("data-parallel", "a torch DataParallel")])
+def test_a_model_already_wrapped_is_refused_in_one_line_on_every_rank(wrapper, named):
+    for message in run_ranks(prepare_a_wrapped_model, 2, wrapper, env=ENV):
+        assert message == (f"hsync.integrations.accelerate.Accelerator.prepare: the model is already wrapped in "
+                           f"{named}; pass the module inside it (its .module): hsync wraps it itself"), message

@@ -5,6 +5,7 @@ shares, accumulate_grad_batches, sync_dist logging and a resume through ckpt_pat
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -109,7 +110,7 @@ def fit(rank: int, world_size: int, strategy_options: dict | None, accumulate: i
                         gradient_clip_val=CLIP if variant == "clip-compiled" else None)
     compiled = variant == "clip-compiled"
     trainer.fit(torch.compile(module, backend="aot_eager") if compiled else module, ckpt_path=resume_from)
-    return {"params": {n: p.detach().cpu().clone() for n, p in module.net.named_parameters()},
+    result = {"params": {n: p.detach().cpu().clone() for n, p in module.net.named_parameters()},
             "dtypes": sorted(module.dtypes), "steps": module.steps[:-1], "losses": module.losses,
             "skipped": module.skipped, "global_step": trainer.global_step,
             "logged": float(trainer.callback_metrics["train_loss"]), "batches": trainer.num_training_batches,
@@ -117,6 +118,11 @@ def fit(rank: int, world_size: int, strategy_options: dict | None, accumulate: i
             "val_loss": float(trainer.callback_metrics["val_loss"]),
             "val_count": float(trainer.callback_metrics["val_count"]),
             "comm_hook": trainer.strategy._weighted._comm_hook is not None}
+    with warnings.catch_warnings(record=True) as caught:  # Lightning's about repeated examples would be false
+        warnings.simplefilter("always")
+        result["validated_count"] = trainer.validate(module, verbose=False)[0]["val_count"]
+    result["warned"] = [str(w.message) for w in caught if "DistributedSampler" in str(w.message)]
+    return result
 
 
 def global_batches(ranks: list[dict]) -> list[list[int]]:
@@ -156,6 +162,9 @@ def test_lightning_steps_equal_one_process_over_the_same_global_batches(options,
     for result in ranks:
         assert result["val_count"] == VALIDATION
         assert result["val_loss"] == pytest.approx(val_loss, rel=1e-5)
+        # trainer.validate() after fit: unrepeated too, and without Lightning's warning that examples repeat.
+        assert result["validated_count"] == VALIDATION
+        assert result["warned"] == []
 
 
 @pytest.mark.parametrize("variant", ["clip-compiled", "weighted", "comm-hook"])

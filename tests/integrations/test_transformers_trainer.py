@@ -311,3 +311,21 @@ def test_a_transformers_release_outside_the_tested_range_is_refused(monkeypatch,
     with pytest.raises(RuntimeError, match="supports transformers >= 5.0, < 6; found 4.46.0"):
         integration.Trainer(model=tiny_model("classify"), args=training_args(str(tmp_path)),
                             train_dataset=Texts("classify"), data_collator=collate)
+
+
+def handed_a_torch_ddp(rank: int, world_size: int, root: str) -> str:
+    from hsync.integrations.transformers import Trainer
+
+    model = torch.nn.parallel.DistributedDataParallel(tiny_model("classify"))
+    try:  # Trainer's defaults: remove_unused_columns reads the forward's signature, DDP's (*inputs, **kwargs)
+        Trainer(model=model, args=training_args(root), train_dataset=Texts("classify"), data_collator=collate)
+    except TypeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_model_already_in_torch_ddp_is_refused_in_one_line_on_every_rank(tmp_path):
+    # Once it hung until the deadline: the inner DDP's buffer broadcast waited on a rank running another micro-batch.
+    for message in run_ranks(handed_a_torch_ddp, 2, str(tmp_path), env=LAUNCH_ENV):
+        assert message == ("hsync.integrations.transformers.Trainer: the model is already wrapped in a "
+                           "DistributedDataParallel; pass the module inside it (its .module): hsync wraps it itself")
