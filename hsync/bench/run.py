@@ -152,6 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("world_size", "rounds", "steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.rounds * args.steps < 2:  # a median and a p90 of one step say nothing, and quantiles refuse it
+        parser.error(f"--rounds x --steps must give at least 2 timed steps per variant, got {args.rounds} x "
+                     f"{args.steps}")
     if args.device == "cuda" and torch.cuda.device_count() == 0:
         parser.error("--device cuda: no CUDA device is visible here")
     for pattern in args.only or []:

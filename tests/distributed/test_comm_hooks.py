@@ -220,10 +220,13 @@ def jittered(hook, rank: int):
     return run
 
 
-def hooked_steps_in_any_timing(rank: int, world_size: int, which: str, steps: int) -> tuple[list[torch.Tensor], int]:
+def hooked_steps_in_any_timing(rank: int, world_size: int, which: str, steps: int,
+                               device: str = "cpu") -> tuple[list[torch.Tensor], int]:
     import hsync
 
-    model = hsync.WeightedDDP(uneven_net(), bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    model = hsync.WeightedDDP(uneven_net().to(device), bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
     if which == "powersgd":
         state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
                                        min_compression_rate=0.5, random_seed=0)
@@ -234,7 +237,7 @@ def hooked_steps_in_any_timing(rank: int, world_size: int, which: str, steps: in
     g = torch.Generator().manual_seed(rank)
     for step in range(steps):
         n = 3 + (rank + step) % 5  # shares that differ from step to step
-        x = torch.randn(n, 6, generator=g)
+        x = torch.randn(n, 6, generator=g).to(device)
         if step % 3 == 2:
             loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).sin())
             loss.backward()  # a plain step among the weighted ones
@@ -242,7 +245,7 @@ def hooked_steps_in_any_timing(rank: int, world_size: int, which: str, steps: in
             model.backward(nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).sin()), weight=n)
         optimizer.step()
         optimizer.zero_grad()
-    return [p.detach().clone() for p in model.parameters()], len(model.bucket_params)
+    return [p.detach().cpu().clone() for p in model.parameters()], len(model.bucket_params)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -27,7 +27,7 @@ def net() -> nn.Module:
 
 
 def step(model, rank: int) -> None:
-    model(torch.randn(4, 4)).square().mean().backward()
+    model(torch.randn(4, 4, device=model.device)).square().mean().backward()
 
 
 def sum_over_ranks(model, rank: int) -> None:
@@ -54,21 +54,24 @@ def balancer(model, rank: int) -> None:
 def wrap(model, rank: int) -> None:
     import hsync
 
-    hsync.WeightedDDP(net(), timeout=datetime.timedelta(seconds=DEADLINE_S))
+    hsync.WeightedDDP(net().to(model.device), timeout=datetime.timedelta(seconds=DEADLINE_S))
 
 
 COLLECTIVES = {"plain-step": step, "sum-over-ranks": sum_over_ranks, "join": join, "buffers": buffers,
                "balancer": balancer, "wrap": wrap}
 
 
-def collective_without_its_peer(rank: int, world_size: int, where: str, how: str) -> None:
+def collective_without_its_peer(rank: int, world_size: int, where: str, how: str, device: str = "cpu") -> None:
     """Each collective once with every rank, then the victim kills or stops itself and the survivor runs it
     again: it raises, with the seconds it took."""
     import hsync
 
     os.environ["HSYNC_TIMEOUT"] = str(DEADLINE_S)  # sum_over_ranks' deadline
+    if device == "cuda":
+        torch.cuda.set_device(0)
     # Buffers only where asked for (sync_buffers): a plain step's forward would broadcast them first.
-    model = hsync.WeightedDDP(net(), timeout=datetime.timedelta(seconds=DEADLINE_S), forward_sync_buffers=False)
+    model = hsync.WeightedDDP(net().to(device), timeout=datetime.timedelta(seconds=DEADLINE_S),
+                              forward_sync_buffers=False)
     collective = COLLECTIVES[where]
     collective(model, rank)  # whatever the first call builds (a channel, connections) is there
     if rank == VICTIM:

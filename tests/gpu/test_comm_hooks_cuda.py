@@ -4,7 +4,7 @@ torch's NCCL group and hsync's flags through its own communicator (skipped witho
 import pytest
 import torch
 
-from tests.distributed.test_comm_hooks import one_process, weighted_steps
+from tests.distributed.test_comm_hooks import hooked_steps_in_any_timing, one_process, weighted_steps
 from tests.gpu.test_nccl import SOCKET_ENV
 from tests.spawn import run_ranks
 
@@ -23,3 +23,13 @@ def test_weighted_steps_through_a_users_hook_over_nccl_equal_one_process(hook):
     for params in run_ranks(on_gpu, 2, hook, backend="nccl", env=SOCKET_ENV, timeout=120):
         for ours, theirs in zip(params, expected, strict=True):
             torch.testing.assert_close(ours, theirs, **tolerance)
+
+
+def test_powersgd_over_nccl_keeps_one_order_of_collectives():
+    # On NCCL a hook's future completes as its work is queued: the chain runs on the thread that submits each
+    # bucket (Note [Hook order]); every rank ends with the same parameters, the fingerprints agreeing throughout.
+    results = run_ranks(hooked_steps_in_any_timing, 2, "powersgd", 12, "cuda", backend="nccl",
+                        env={**SOCKET_ENV, "HSYNC_DEBUG_COLLECTIVES": "1"}, timeout=120)
+    assert results[0][1] >= 4, results[0][1]
+    for ours, theirs in zip(results[0][0], results[1][0], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

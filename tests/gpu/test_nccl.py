@@ -8,11 +8,12 @@ side.
 """
 
 import copy
+import re
 
 import pytest
 import torch
 
-from tests.distributed import test_buffers, test_busy_time, test_cross_rank_backward, test_ddp_dropin
+from tests.distributed import test_buffers, test_busy_time, test_cross_rank_backward, test_ddp_dropin, test_deadlines
 from tests.distributed.test_comm_dtype import check_within_rounding, weighted_steps
 from tests.distributed.test_faults import DEADLINE_S, VICTIM, noticed_after, train_until_victim_strikes
 from tests.distributed.workloads import TINY_BUCKET_MB, reference_training, train_weighted
@@ -140,3 +141,17 @@ def test_nccl_a_fast_rank_does_not_count_its_waits_for_a_slow_one(case):
     note(f"busy time, {case}: the fast rank's {[round(b * 1e3, 2) for b in fast]} ms, the slow rank sleeping "
          f"{test_busy_time.SLEEP_S * 1e3:g} ms a step")
     test_busy_time.check_busy_times(results, slow_rank)
+
+
+@pytest.mark.parametrize(("where", "how"), [("sum-over-ranks", "stop"), ("join", "stop"), ("sum-over-ranks", "kill")])
+def test_nccl_a_lost_peer_ends_hsyncs_other_collectives_within_the_deadline(where, how):
+    # sum_over_ranks over an NCCL group goes through an NCCL communicator of hsync's, Join's exchange through the
+    # model's: the watchdog aborts a stuck one at the deadline, and the host's copy of the result returns.
+    survivor = run_ranks_with_victim(test_deadlines.collective_without_its_peer, 2, test_deadlines.VICTIM, where,
+                                     how, "cuda", env=SOCKET_ENV, backend="nccl", timeout=90, until_exit=False)[0]
+    assert survivor.error is not None, f"the survivor raised nothing: {survivor}"
+    noticed = float(re.search(r"noticed after ([0-9.]+) s", survivor.error).group(1))
+    assert "hsync: rank 0 (nccl): " in survivor.error, survivor.error
+    assert noticed < test_deadlines.DEADLINE_S + 5.0, survivor.error
+    if how == "stop":
+        assert "deadline" in survivor.error, survivor.error
