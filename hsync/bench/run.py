@@ -32,11 +32,14 @@ class Job:
 
 def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
     """Every workload the options select, in the order they run."""
+    # --quick: every kind of row the default list has, each at its smallest, but the compiled one (a minute of
+    # compiling on two cores; its machinery has a test of its own, tests/bench/test_bench_compiled.py).
     if args.quick:
-        plan = [("bert", dict(name="bert-micro", hidden=32, layers=1, batch=4, seq=32)), ("mover", 50),
-                ("bert", dict(name="bert-micro-bucket-views", hidden=32, layers=1, batch=4, seq=32,
-                              bucket_views=True)),
-                ("bert", dict(name="powersgd-hook", hidden=32, layers=1, batch=4, seq=32, powersgd=True))]
+        micro = dict(hidden=32, layers=1, batch=4, seq=32)
+        plan = [("bert", dict(name="bert-micro", **micro)), ("mover", 50),
+                ("bert", dict(name="bert-micro-bucket-views", bucket_views=True, **micro)),
+                ("bert", dict(name="bert-micro-bf16", comm_dtype=torch.bfloat16, **micro)),
+                ("bert", dict(name="powersgd-hook", powersgd=True, **micro))]
         caps, comm_mb = [1.0], [1.0]
     elif device.type == "cuda":
         base = dict(hidden=768, layers=12, batch=32, seq=128)

@@ -1,6 +1,7 @@
 """The benchmark's command line: which rows --only selects, and flags it refuses before any work."""
 
 import argparse
+import re
 import subprocess
 import sys
 
@@ -11,9 +12,22 @@ from hsync.bench.report import markdown
 from hsync.bench.run import main, plan_jobs
 
 
-def selected(device: str, *patterns: str) -> list[str]:
-    args = argparse.Namespace(quick=False, only=list(patterns), rounds=1, steps=1)
+def selected(device: str, *patterns: str, quick: bool = False) -> list[str]:
+    args = argparse.Namespace(quick=quick, only=list(patterns), rounds=1, steps=1)
     return [job.name for job in plan_jobs(args, torch.device(device))]
+
+
+def kinds(names: list[str]) -> set[str]:
+    """Row names without their sizes: bert-mini-bf16 and bert-micro-bf16 are one kind of row."""
+    return {re.sub(r"^bert-(tiny|mini|micro)", "bert", re.sub(r"-\d+(MiB)?$|-\d+(MiB)?(?=-)", "-N", name))
+            for name in names}
+
+
+def test_the_quick_rows_are_every_kind_of_default_row():
+    # The smoke tests run every quick row (tests/bench/test_bench_smoke.py): so every kind of row the default
+    # run has runs in CI, at its smallest, but the compiled BERT (its machinery: test_bench_compiled.py).
+    default, quick = kinds(selected("cpu")), kinds(selected("cpu", quick=True))
+    assert quick == default - {"bert-compiled"}, (sorted(default), sorted(quick))
 
 
 def test_a_plain_name_selects_every_row_containing_it():

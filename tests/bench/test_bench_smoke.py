@@ -40,7 +40,7 @@ def test_quick_benchmark_writes_results(tmp_path):
     assert any(n.startswith("bucket-cap-") for n in names) and any(n.startswith("comm-path-") for n in names)
     assert names[-4:] == ["mixed-speeds-2x", "equal-speeds-auto", "mixed-compute-2x", "mixed-speeds-1-1-2-4"], names
     assert [r["world_size"] for r in data["results"][-4:]] == [2, 2, 2, 4]
-    assert "bert-micro-bucket-views" in names and "powersgd-hook" in names
+    assert {"bert-micro-bucket-views", "bert-micro-bf16", "powersgd-hook"} <= set(names)
     for r in data["results"]:
         if r["nosync_step_s"] is not None and r["samples_per_step"]:  # a training workload: memory measured too
             assert set(r["peak_memory_mb"]) == {"hsync", "ddp", "nosync"}
