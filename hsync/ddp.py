@@ -602,7 +602,7 @@ class WeightedDDP(DistributedDataParallel):
         """After Join: every rank takes the model of the highest-ranked last joiner."""
         last_joiners = Channels.of_model(self).gather(torch.tensor([float(is_last_joiner)], dtype=torch.float64),
                                                       "the last joiners after Join")
-        root = max(r for r in range(self.world_size) if last_joiners[r, 0] > 0)
+        root = max((r for r in range(self.world_size) if last_joiners[r, 0] > 0), default=0)
         tensors = [p.detach() for p in reduced_parameters(self.module)]
         tensors += self._synced_buffers() if self.forward_sync_buffers else []
         self._ensure_engine().broadcast_coalesced(tensors, root)
