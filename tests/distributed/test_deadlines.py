@@ -1,5 +1,5 @@
 """Every collective hsync issues has the deadline, not only a weighted step's: a plain step, the buffers, a step
-under Join, sum_over_ranks, a Balancer's check, the wrap-time check. A peer that freezes (SIGSTOP) or dies
+under Join, sum_over_ranks, a Balancer's check, the wrap-time check, the BERT application's decisions. A peer that freezes (SIGSTOP) or dies
 (SIGKILL) while the other rank is inside one ends it with an error naming the collective, within the deadline
 plus a few seconds."""
 
@@ -57,8 +57,14 @@ def wrap(model, rank: int) -> None:
     hsync.WeightedDDP(net().to(model.device), timeout=datetime.timedelta(seconds=DEADLINE_S))
 
 
+def bert_decision(model, rank: int) -> None:
+    from hsync.apps.bert.consensus import agree
+
+    agree("a corpus digest", "the corpus digest")  # the BERT application's decisions, before any model exists
+
+
 COLLECTIVES = {"plain-step": step, "sum-over-ranks": sum_over_ranks, "join": join, "buffers": buffers,
-               "balancer": balancer, "wrap": wrap}
+               "balancer": balancer, "wrap": wrap, "bert-decision": bert_decision}
 
 
 def collective_without_its_peer(rank: int, world_size: int, where: str, how: str, device: str = "cpu") -> None:
