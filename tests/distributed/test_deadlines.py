@@ -1,7 +1,7 @@
 """Every collective hsync issues has the deadline, not only a weighted step's: a plain step, the buffers, a step
-under Join, sum_over_ranks, a Balancer's check, the wrap-time check, the BERT application's decisions. A peer that freezes (SIGSTOP) or dies
-(SIGKILL) while the other rank is inside one ends it with an error naming the collective, within the deadline
-plus a few seconds."""
+under Join, sum_over_ranks, a Balancer's check, the wrap-time check, the BERT application's decisions. A peer
+that freezes (SIGSTOP) or dies (SIGKILL) while the other rank is inside one ends it with an error naming the
+collective, within the deadline plus a few seconds."""
 
 import datetime
 import os
