@@ -96,6 +96,14 @@ class Channel:
         self.comm.all_reduce_sum(on_device, label)
         return self._to_host(on_device)
 
+    def max_over_ranks(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
+        """The elementwise maximum over ranks of `tensor`, on the host (a gather: the sum is all they reduce)."""
+        return self.gather(tensor.detach().cpu(), label).amax(0)
+
+    def barrier(self, label: str) -> None:
+        """Returns once every rank has reached it."""
+        self.all_reduce_sum(torch.zeros(1), label)
+
     def broadcast(self, tensor: torch.Tensor, root: int, label: str) -> torch.Tensor:
         """`root`'s `tensor` on every rank, on the host."""
         on_device = tensor.detach().to(self.device, copy=True).contiguous()

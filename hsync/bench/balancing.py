@@ -131,7 +131,7 @@ def _mixed_speeds(name: str, device: torch.device, slowdowns: list[float], round
     for _ in range(rounds):
         times["hsync"] += timed(hsync_step, steps)
         times["ddp"] += timed(ddp_step, steps)
-    med, p90 = slowest_rank_quantiles(times, device)
+    med, p90 = slowest_rank_quantiles(times)
     hs, dd, hs90, dd90 = med["hsync"], med["ddp"], p90["hsync"], p90["ddp"]
     extra = {"hsync_samples_per_s": global_batch / hs, "ddp_samples_per_s": global_batch / dd,
              "speedup_vs_ddp": dd / hs, "ideal_speedup": max(slowdowns) * sum(1 / f for f in slowdowns) / world}
@@ -223,7 +223,7 @@ def _mixed_compute(name: str, device: torch.device, repeats: list[int], rounds: 
     for _ in range(rounds):
         for variant, step in variants.items():
             times[variant] += _timed(step, steps, device)
-    med, p90 = slowest_rank_quantiles(times, device)
+    med, p90 = slowest_rank_quantiles(times)
     oracle = min((v for v in med if v.startswith("fixed-")), key=lambda v: med[v])
     hs, dd = med["hsync"], med["ddp"]
     extra = {"hsync_samples_per_s": global_batch / hs, "ddp_samples_per_s": global_batch / dd,

@@ -62,7 +62,7 @@ def _framework_mixed(name: str, framework: str, device: torch.device, slowdowns:
     for _ in range(rounds):
         for variant in ("hsync", "ddp"):
             times[variant] += variants[variant](steps)
-    med, p90 = slowest_rank_quantiles(times, device)
+    med, p90 = slowest_rank_quantiles(times)
     hs, dd = med["hsync"], med["ddp"]
     extra = {"hsync_samples_per_s": global_batch / hs, "ddp_samples_per_s": global_batch / dd,
              "speedup_vs_ddp": dd / hs, "ideal_speedup": max(slowdowns) * sum(1 / f for f in slowdowns) / world}

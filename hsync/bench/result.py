@@ -6,7 +6,8 @@ import statistics
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
+
+from hsync.collectives import Channels
 
 MIB = 1024 * 1024
 NAN = float("nan")
@@ -48,13 +49,11 @@ class Result:
         self.ddp_overhead_vs_nosync = self.ddp_step_s / self.nosync_step_s - 1
 
 
-def slowest_rank_quantiles(times: dict[str, list[float]],
-                           device: torch.device) -> tuple[dict[str, float], dict[str, float]]:
+def slowest_rank_quantiles(times: dict[str, list[float]]) -> tuple[dict[str, float], dict[str, float]]:
     """Each variant's median and 90th-percentile step, every step taken as long as on its slowest rank
-    (where all ranks wait for it). Reduced on `device`: a process group made for NCCL reduces CUDA
-    tensors only."""
-    stacked = torch.tensor(list(times.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    (where all ranks wait for it)."""
+    stacked = Channels.of_group().max_over_ranks(torch.tensor(list(times.values()), dtype=torch.float64),
+                                                 "the benchmark's step times")
     rows = dict(zip(times, stacked.tolist(), strict=True))
     return ({k: statistics.median(v) for k, v in rows.items()},
             {k: statistics.quantiles(v, n=10)[-1] for k, v in rows.items()})

@@ -10,11 +10,13 @@ import torch.distributed as dist
 from hsync.bench.memory import live_bytes, measurable, peak_bytes_during
 from hsync.bench.result import MEMORY_VARIANTS, MIB, NAN, VARIANTS, Result, slowest_rank_quantiles
 from hsync.bench.workloads import Workload, train_step, wrap
+from hsync.collectives import Channels
 
 
 def time_variants(workload: Workload, rounds: int, steps: int, device: torch.device) -> Result:
     """Interleaved rounds: each round runs `steps` timed steps of every variant in turn."""
     rank = dist.get_rank()
+    channel = Channels.of_group()
     models = {}
     for variant in VARIANTS:
         torch.manual_seed(0)
@@ -26,7 +28,7 @@ def time_variants(workload: Workload, rounds: int, steps: int, device: torch.dev
     for round_index in range(rounds + 1):  # round 0 warms up (and lets hsync rebuild its buckets)
         for variant, (net, opt) in models.items():
             for step in range(steps):
-                dist.barrier()
+                channel.barrier("the benchmark's barrier before a timed step")
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 started = time.perf_counter()
@@ -41,9 +43,9 @@ def time_variants(workload: Workload, rounds: int, steps: int, device: torch.dev
     can_measure = measurable(device)
     # On the device: a process group made for NCCL reduces CUDA tensors only.
     memory = torch.tensor([training_memory_mb(v, workload, batches, device) for v in MEMORY_VARIANTS]
-                          if can_measure else [NAN] * len(MEMORY_VARIANTS), dtype=torch.float64, device=device)
-    dist.all_reduce(memory, op=dist.ReduceOp.MAX)
-    med, p90 = slowest_rank_quantiles(times, device)
+                          if can_measure else [NAN] * len(MEMORY_VARIANTS), dtype=torch.float64)
+    memory = channel.max_over_ranks(memory, "the benchmark's peak memory")
+    med, p90 = slowest_rank_quantiles(times)
     return Result(workload.name, med["hsync"], med["ddp"], med["nosync"], p90["hsync"], p90["ddp"], p90["nosync"],
                   workload.samples * dist.get_world_size(), med["hsync_plain"], p90["hsync_plain"],
                   peak_memory_mb=dict(zip(MEMORY_VARIANTS, memory.tolist(), strict=True)) if can_measure else {},
