@@ -67,11 +67,6 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("tensor"), py::arg("label"), release_gil(),
            "Enqueues an in-place SUM all-reduce; `label` names it in errors (hsync/collectives.py).")
-      .def("broadcast",
-           [](Communicator& c, const at::Tensor& tensor, int root, std::string label) {
-             c.broadcast(tensor, root, hsync::Purpose::kHost, std::move(label));
-           },
-           py::arg("tensor"), py::arg("root"), py::arg("label"), release_gil())
       .def("synchronize", &Communicator::synchronize, release_gil(),
            "Orders the caller after every collective issued: the host waits on CPU, the current stream on GPU.")
       .def("check", &Communicator::check, "Throws if a collective failed here or on a peer.");

@@ -18,6 +18,11 @@ constexpr int64_t kSlotAlignBytes = 16;
 
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
+// The bucket's gradients, flat, without its tail of flags.
+at::Tensor values_of(const Bucket& bucket) {
+  return bucket.buffer.narrow(0, 0, bucket.buffer.numel() - bucket.tail.numel());
+}
+
 bool supported_dtype(at::ScalarType type) {
   return type == at::kFloat || type == at::kDouble || type == at::kHalf || type == at::kBFloat16;
 }
@@ -394,8 +399,8 @@ void Engine::launch_complete_buckets() {
 // gradients as views), the hook returns a Future of the reduced values, and those are written back
 // into the gradients. hsync keeps its own part of each bucket, the tail of non-finite and used
 // flags, and all-reduces it itself just before calling the hook, one bucket after another (Note
-// [Hook order] in hook_chain.h), so every rank issues the same collectives in the same order. DDP's hooks divide by the world size (allreduce_hook sums
-// tensor / world_size): so that such a hook yields sum_r n_r g_r / N, every scale is multiplied by
+// [Hook order] in hook_chain.h), so every rank issues the same collectives in the same order. DDP's
+// hooks divide by the world size (allreduce_hook sums tensor / world_size): so that such a hook yields sum_r n_r g_r / N, every scale is multiplied by
 // the world size here (hook_factor_): a weighted step packs world_size * n_r / N * g_r (or, when
 // normalising at write-back, ref_r * g_r, with world_size / N applied on the way out), and a plain
 // step packs the raw gradient, as DDP hands it to its hooks. The hook's result is checked to have
@@ -414,7 +419,7 @@ void Engine::set_hooked_buckets() {
   std::vector<HookedBucket> hooked;
   for (const Bucket& bucket : buckets_) {
     HookedBucket h;
-    h.values = bucket.buffer.narrow(0, 0, bucket.buffer.numel() - bucket.tail.numel());
+    h.values = values_of(bucket);
     h.tail = bucket.tail;
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       const at::Tensor& slot = bucket.slots[k];
@@ -433,8 +438,7 @@ void Engine::take_hook_result(size_t index) {
   HSYNC_CHECK(!future->hasError(), "the communication hook failed on bucket ", index, ": ",
               future->tryRetrieveErrorMessage());
   const at::Tensor result = hook_chain_->parse(future->value());
-  const Bucket& bucket = buckets_[index];
-  const at::Tensor values = bucket.buffer.narrow(0, 0, bucket.buffer.numel() - bucket.tail.numel());
+  const at::Tensor values = values_of(buckets_[index]);
   HSYNC_CHECK(result.numel() == values.numel(), "the communication hook returned ", result.numel(),
               " values for bucket ", index, " of ", values.numel(),
               ": a hook's future must hold its bucket's buffer, reduced (as DDP's do)");
@@ -532,7 +536,7 @@ bool Engine::used_on_some_rank(const Bucket& bucket, size_t k) {
 at::Tensor Engine::sum_overflowed(const Bucket& bucket) {
   // Each rank's term fits float16 (pack raises the flag otherwise), but their sum may not. Summed in
   // float32, a float16 bucket is finite exactly when all its values are: one pass, on the device.
-  const at::Tensor values = bucket.buffer.narrow(0, 0, bucket.buffer.numel() - bucket.tail.numel());
+  const at::Tensor values = values_of(bucket);
   return at::isfinite(values.sum(at::kFloat)).logical_not().to(at::kDouble).reshape({1});
 }
 

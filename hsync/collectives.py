@@ -1,6 +1,6 @@
 """hsync's collectives besides the gradient reduction: the model check at wrap time, Join's, sum_over_ranks,
-the applications' decisions. Each goes through a communicator of hsync's, with the deadline and the failure
-board of the engine's (Note [Failing fast] in csrc/comm/fault_monitor.h): a peer that froze or died ends it
+the applications' decisions. Each goes through a communicator of hsync's, with a deadline and a failure board
+as the engine's has (Note [Failing fast] in csrc/comm/fault_monitor.h): a peer that froze or died ends it
 with an error naming the collective and the rank, never a hang. None is written with torch.distributed's
 collectives, which wait for their process group's own timeout (30 minutes by default) instead.
 
@@ -57,12 +57,12 @@ def resolve_timeout(timeout: datetime.timedelta | None) -> float:
     return seconds
 
 
-def make_comm(group: dist.ProcessGroup, device: torch.device, timeout_s: float, engine_key: str):
-    """The engine's communicator: NCCL of our own on GPU (Note [NCCL bootstrap]), the process group on CPU.
-    `engine_key`: the same on every rank of the group, and used by no other engine over it."""
-    # Keys unique to this engine and this attempt: torchrun may restart workers on the same store.
+def make_comm(group: dist.ProcessGroup, device: torch.device, timeout_s: float, key: str):
+    """A communicator of hsync's (an engine's or a channel's): NCCL of our own on GPU (Note [NCCL bootstrap]),
+    the process group on CPU. `key`: the same on every rank of the group, and used by no other communicator."""
+    # Keys unique to this communicator and this attempt: torchrun may restart workers on the same store.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefix = f"hsync/{attempt}/{engine_key}"
+    prefix = f"hsync/{attempt}/{key}"
     store = dist.distributed_c10d._get_default_store()
     debug = os.environ.get("HSYNC_DEBUG_COLLECTIVES", "0") not in ("", "0")
     faults = _C.FaultOptions(store, f"{prefix}/failure", timeout_s, debug)
@@ -104,12 +104,6 @@ class Channel:
         """Returns once every rank has reached it."""
         self.all_reduce_sum(torch.zeros(1), label)
 
-    def broadcast(self, tensor: torch.Tensor, root: int, label: str) -> torch.Tensor:
-        """`root`'s `tensor` on every rank, on the host."""
-        on_device = tensor.detach().to(self.device, copy=True).contiguous()
-        self.comm.broadcast(on_device, root, label)
-        return self._to_host(on_device)
-
     def gather(self, row: torch.Tensor, label: str) -> torch.Tensor:
         """Every rank's `row`, stacked in rank order: one all-reduce of a table in which each rank fills its own."""
         table = torch.zeros((self.world_size, *row.shape), dtype=row.dtype)
@@ -146,7 +140,7 @@ class Channels:
                  timeout_s: float | None = None) -> Channel:
         """A channel over `group` (default: the world), built on its first use on every rank of the group. Its
         tensors live on the CPU where the group has gloo, else on `device` (default: the current GPU). Its
-        deadline: `timeout_s`, else HSYNC_TIMEOUT, else hsync.bootstrap.DEFAULT_TIMEOUT."""
+        deadline: `timeout_s`, else HSYNC_TIMEOUT, else DEFAULT_TIMEOUT."""
         group = group or dist.group.WORLD
         if group is None:
             raise RuntimeError("hsync needs torch.distributed.init_process_group() first")

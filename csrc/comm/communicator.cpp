@@ -43,9 +43,9 @@ uint64_t Communicator::all_reduce_sum(const at::Tensor& tensor, Purpose purpose,
   return issue(tensor, -1, purpose, index, std::move(label));
 }
 
-void Communicator::broadcast(const at::Tensor& tensor, int root, Purpose purpose, std::string label) {
+void Communicator::broadcast(const at::Tensor& tensor, int root, Purpose purpose) {
   HSYNC_CHECK(root >= 0 && root < world_size_, "broadcast root ", root, " is outside world size ", world_size_);
-  issue(tensor, root, purpose, -1, std::move(label));
+  issue(tensor, root, purpose, -1, {});
 }
 
 void Communicator::give_up(const std::string& why) {

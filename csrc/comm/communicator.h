@@ -50,7 +50,7 @@ class Communicator {
   uint64_t all_reduce_sum(const at::Tensor& tensor, Purpose purpose, int64_t index = -1, std::string label = {});
 
   // Enqueues an in-place broadcast of `tensor` from `root`.
-  void broadcast(const at::Tensor& tensor, int root, Purpose purpose, std::string label = {});
+  void broadcast(const at::Tensor& tensor, int root, Purpose purpose);
 
   // Orders the caller after the collective numbered `seq` and every one issued before it: blocks
   // the calling thread on CPU, makes the current CUDA stream wait on GPU (no host

@@ -80,9 +80,10 @@ def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: t
               "copy": repeated(lambda: copy_dst.copy_(flat)),
               "pack": repeated(lambda: hsync._C.scale_and_pack(grads_flat, packed, scale, nonfinite_flag, used_flag))}
     times: dict[str, list[float]] = {k: [] for k in steps}
+    channel = hsync.collectives.Channels.of_group()
     for round_index in range(rounds + 1):
         for name, fn in steps.items():
-            hsync.collectives.Channels.of_group().barrier("the benchmark's barrier before a timed step")
+            channel.barrier("the benchmark's barrier before a timed step")
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             started = time.perf_counter()

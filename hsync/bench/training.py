@@ -41,7 +41,6 @@ def time_variants(workload: Workload, rounds: int, steps: int, device: torch.dev
                          for bucket in ours.bucket_params)
     del models, ours, params
     can_measure = measurable(device)
-    # On the device: a process group made for NCCL reduces CUDA tensors only.
     memory = torch.tensor([training_memory_mb(v, workload, batches, device) for v in MEMORY_VARIANTS]
                           if can_measure else [NAN] * len(MEMORY_VARIANTS), dtype=torch.float64)
     memory = channel.max_over_ranks(memory, "the benchmark's peak memory")
