@@ -51,9 +51,10 @@ def _start(fn: Callable, world_size: int, args: tuple, backend: str, env: dict[s
     ctx = mp.get_context("spawn" if fresh else "forkserver")
     # The server imports these once; each rank is then forked from it in milliseconds, with nothing
     # started yet that a fork could break (no thread, no process group, no CUDA context). torch._dynamo
-    # is what a wrapper's first forward imports: 1.1 s in every rank of every test otherwise.
+    # is what a wrapper's first forward imports: 1.1 s in every rank of every test otherwise; the frameworks
+    # (tests/framework_imports.py) 5 to 10 s.
     if not fresh:
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "hsync"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "hsync", "tests.framework_imports"])
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, env or {}, fn, args, results))

@@ -1,6 +1,9 @@
-"""examples/bert.py launched the way users launch it: torchrun, real processes, gloo on CPU."""
+"""examples/bert.py launched the way users launch it (torchrun, real processes, gloo on CPU) and, where a test is
+about the updates rather than the launcher, its main run in torchrun's environment on spawned ranks."""
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import re
@@ -8,10 +11,12 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 # At module level, so that a spawned rank imports it (unpickling its function) before init_process_group,
 # as examples/bert.py does (hsync/apps/bert/model.py says why).
@@ -34,9 +39,9 @@ def shared_data(tmp_path: Path) -> Path:
 
 def torchrun(tmp_path: Path, *args: str, nproc: int = 2, launcher: tuple[str, ...] = ("--standalone",),
              timeout: float = 180, script: Path = ROOT / "examples" / "bert.py",
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+             env: dict[str, str] | None = None, data_dir: Path | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, f"--nproc_per_node={nproc}",
-           str(script), "--corpus", str(SLICE), "--data-dir", str(shared_data(tmp_path)), *args]
+           str(script), "--corpus", str(SLICE), "--data-dir", str(data_dir or shared_data(tmp_path)), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env)
 
@@ -44,6 +49,29 @@ def torchrun(tmp_path: Path, *args: str, nproc: int = 2, launcher: tuple[str, ..
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
+
+
+def in_ranks(tmp_path: Path, *args: str, nproc: int = 2, data_dir: Path | None = None) -> str:
+    """examples/bert.py's main on `nproc` ranks in torchrun's environment, forked from tests.spawn's server
+    (which has imported torch and transformers: seconds less per process than a launch), for the tests of what
+    the updates are rather than of the launcher; returns what rank 0 printed, stdout and stderr."""
+    argv = ["--corpus", str(SLICE), "--data-dir", str(data_dir or shared_data(tmp_path)), *args]
+    return run_ranks(run_main, nproc, argv, free_port(), tmp_path, timeout=180)[0]
+
+
+def run_main(rank: int, world_size: int, argv: list[str], port: int, cwd: Path) -> str:
+    from hsync.apps.bert import train
+
+    torch.distributed.destroy_process_group()  # main starts its own, from the launcher's environment
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.chdir(cwd)
+    with contextlib.redirect_stdout(io.StringIO()) as printed, contextlib.redirect_stderr(printed):
+        try:
+            train.main(argv)
+        except BaseException as error:  # noqa: BLE001 - with what it printed
+            raise RuntimeError(f"rank {rank}: {printed.getvalue()[-3000:]}") from error
+    return printed.getvalue()
 
 
 def read_log(path: Path, kind: str = "loss") -> list[dict]:
@@ -109,15 +137,15 @@ def test_auto_balance_follows_a_simulated_slow_rank(tmp_path):
     log = tmp_path / "log.jsonl"
     # Gradients travel in bfloat16 here, to run the trainer's --comm-dtype too: balancing doesn't depend on it.
     # 40 steps: under a loaded machine's noise the policy may wait for a few windows before it moves.
-    result = ok(torchrun(tmp_path, "--max-steps", "40", "--probe-steps", "1", "--rebalance-every", "6",
-                         "--log-every", "2", "--balance", "auto", "--simulate-slowdown", "1=3.0",
-                         "--log-file", str(log), "--comm-dtype", "bf16"))
+    printed = in_ranks(tmp_path, "--max-steps", "40", "--probe-steps", "1", "--rebalance-every", "6",
+                       "--log-every", "2", "--balance", "auto", "--simulate-slowdown", "1=3.0",
+                       "--log-file", str(log), "--comm-dtype", "bf16")
     plans = [r["plan"] for r in read_log(log)]
     assert plans[0] == [16, 16], "warm-up steps split equally"
     fast, slow = [plan for plan in plans if sum(plan) == 32][-1]  # an epoch's last step may be short
     # Ideally 24 + 8; on two shared cores the tiny model's timings are noisy, so ask for a clear lean.
     assert fast >= 1.5 * slow, plans
-    assert "measured rank 0:" in result.stderr
+    assert "measured rank 0:" in printed
 
 
 def model_state(save_dir: Path) -> dict[str, torch.Tensor]:
@@ -125,71 +153,96 @@ def model_state(save_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=False)["model"]
 
 
-STRAIGHT = ("--max-steps", "8", "--balance", "manual", "--rank-batch-sizes", "20,12")
+# Without dropout, so that a run on another number of ranks makes the same updates too.
+STRAIGHT = ("--max-steps", "8", "--balance", "equal", "--dropout", "0")
 
 
-def straight_run(tmp_path: Path) -> dict[str, torch.Tensor]:
-    """The parameters after an uninterrupted run of STRAIGHT (with a checkpoint every two steps), run once
-    a session: the resumed and the restarted runs are compared with it."""
-    done = tmp_path.parent / "straight-run"
-    if not done.exists():
-        running = tmp_path / "straight-run"
-        ok(torchrun(tmp_path, *STRAIGHT, "--save-every", "2", "--save-dir", str(running)))
-        running.replace(done)
-    return model_state(done)
+@dataclass
+class StraightRun:
+    """The uninterrupted run of STRAIGHT that the resumed, restarted, elastic and compiled runs are compared with."""
+
+    state: dict[str, torch.Tensor]
+    """The parameters at its end."""
+    losses: list[float]
+    """Each step's loss."""
+    data_dir: Path
+    """Its --data-dir, for the runs compared with it: WordPiece training breaks ties differently from run to run,
+    so that a vocabulary trained again would make other updates."""
+
+    def torchrun(self, tmp_path: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
+        """tests' torchrun, on this run's data."""
+        return torchrun(tmp_path, *args, data_dir=self.data_dir, **kwargs)
+
+    def in_ranks(self, tmp_path: Path, *args: str, nproc: int = 2) -> str:
+        """tests' in_ranks, on this run's data."""
+        return in_ranks(tmp_path, *args, nproc=nproc, data_dir=self.data_dir)
+
+    def python(self, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+        """tests' python, on this run's data."""
+        return python(tmp_path, *args, data_dir=self.data_dir)
 
 
-def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path):
+@pytest.fixture(scope="session")
+def straight_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> StraightRun:
+    """Run once a session, by whichever pytest worker asks first (pytest-xdist's recipe for a shared
+    fixture), with a checkpoint every two steps."""
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared if worker_id == "master" else shared.parent
+    done, log, data_dir = shared / "straight-run", shared / "straight-run.jsonl", shared / "straight-run-data"
+    with FileLock(shared / "straight-run.lock"):
+        if not done.exists():
+            running = shared / "straight-run.partial"
+            in_ranks(tmp_path_factory.mktemp("straight"), *STRAIGHT, "--save-every", "2", "--log-every", "1",
+                     "--log-file", str(log), "--save-dir", str(running), data_dir=data_dir)
+            running.replace(done)
+    return StraightRun(model_state(done), [row["loss"] for row in read_log(log)], data_dir)
+
+
+def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path, straight_run):
     split = tmp_path / "split"
-    ok(torchrun(tmp_path, *STRAIGHT, "--save-dir", str(split), "--stop-at", "3"))
+    straight_run.in_ranks(tmp_path, *STRAIGHT, "--save-dir", str(split), "--stop-at", "3")
     (written,) = split.glob("step-*.pt")
     digest = hashlib.sha256(written.read_bytes()).hexdigest()
 
     # A resume its checkpoint refuses (here a flag its optimizer state would silently override) is one line
     # before any work, and overwrites nothing. test_checkpoint.py shows the other refusals in-process.
-    refused = python(tmp_path, "--corpus", str(SLICE), "--max-steps", "8", "--save-dir", str(split), "--resume",
-                     "--lr", "1e-4")
+    refused = straight_run.python(tmp_path, "--corpus", str(SLICE), "--max-steps", "8", "--save-dir", str(split),
+                                  "--resume", "--lr", "1e-4")
     error_lines(refused, "was written with lr=0.002, this run has lr=0.0001")
     assert [p.name for p in split.iterdir()] == [written.name]
     assert hashlib.sha256(written.read_bytes()).hexdigest() == digest
 
     # Collated in a worker process this time: the same batches, the same updates.
-    ok(torchrun(tmp_path, *STRAIGHT, "--save-dir", str(split), "--resume", "--data-workers", "1"))
-    straight, resumed = straight_run(tmp_path), model_state(split)
-    for name, value in straight.items():
+    straight_run.in_ranks(tmp_path, *STRAIGHT, "--save-dir", str(split), "--resume", "--data-workers", "1")
+    resumed = model_state(split)
+    for name, value in straight_run.state.items():
         assert torch.equal(value, resumed[name]), name
 
 
-def test_a_run_goes_on_at_other_world_sizes_with_the_updates_of_an_uninterrupted_one(tmp_path):
-    common = ("--max-steps", "8", "--balance", "equal", "--dropout", "0")
-    ok(torchrun(tmp_path, *common, "--save-dir", str(tmp_path / "straight")))
+def test_a_run_goes_on_at_other_world_sizes_with_the_updates_of_an_uninterrupted_one(tmp_path, straight_run):
     elastic = ("--save-dir", str(tmp_path / "elastic"))
-    ok(torchrun(tmp_path, *common, *elastic, "--stop-at", "3"))
-    one = ok(python(tmp_path, "--corpus", str(SLICE), *common, *elastic, "--resume", "--stop-at", "6"))
-    assert "resuming from step 3" in one.stdout and "written by 2 ranks, now 1" in one.stdout, one.stdout
-    assert "changed since the checkpoint" not in one.stdout, one.stdout
-    three = ok(torchrun(tmp_path, *common, *elastic, "--resume", nproc=3))
-    assert "resuming from step 6" in three.stdout and "written by 1 ranks, now 3" in three.stdout, three.stdout
-    straight, elastic_run = model_state(tmp_path / "straight"), model_state(tmp_path / "elastic")
-    for name, value in straight.items():  # equal up to the order of floating-point sums
+    straight_run.in_ranks(tmp_path, *STRAIGHT, *elastic, "--stop-at", "3")
+    one = straight_run.in_ranks(tmp_path, *STRAIGHT, *elastic, "--resume", "--stop-at", "6", nproc=1)
+    assert "resuming from step 3" in one and "written by 2 ranks, now 1" in one, one
+    assert "changed since the checkpoint" not in one, one
+    three = straight_run.in_ranks(tmp_path, *STRAIGHT, *elastic, "--resume", nproc=3)
+    assert "resuming from step 6" in three and "written by 1 ranks, now 3" in three, three
+    elastic_run = model_state(tmp_path / "elastic")
+    for name, value in straight_run.state.items():  # equal up to the order of floating-point sums
         torch.testing.assert_close(elastic_run[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_compiled_run_makes_the_updates_of_an_uncompiled_one(tmp_path):
-    common = ("--max-steps", "6", "--balance", "manual", "--rank-batch-sizes", "20,12", "--dropout", "0",
-              "--log-every", "1")
-    output = {}
-    for name, flags in (("eager", ()), ("compiled", ("--compile",))):
-        result = ok(torchrun(tmp_path, *common, *flags, "--save-dir", str(tmp_path / name),
-                             "--log-file", str(tmp_path / f"{name}.jsonl"), env={"TORCH_LOGS": "dynamo"}))
-        output[name] = result.stdout + result.stderr
+def test_a_compiled_run_makes_the_updates_of_an_uncompiled_one(tmp_path, straight_run):
+    log = tmp_path / "compiled.jsonl"
+    result = ok(straight_run.torchrun(tmp_path, *STRAIGHT, "--compile", "--log-every", "1", "--log-file", str(log),
+                                      "--save-dir", str(tmp_path / "compiled"), env={"TORCH_LOGS": "dynamo"}))
     traced = re.compile(r"torchdynamo start tracing forward .*hsync/ddp\.py")
-    assert traced.search(output["compiled"]) and not traced.search(output["eager"])
-    losses = {name: [row["loss"] for row in read_log(tmp_path / f"{name}.jsonl")] for name in output}
-    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-4) and len(losses["eager"]) == 6
-    eager, compiled = model_state(tmp_path / "eager"), model_state(tmp_path / "compiled")
-    assert compiled.keys() == eager.keys(), "a compiled run's checkpoint resumes an uncompiled run, and back"
-    for name, value in eager.items():  # compiled kernels round differently
+    assert traced.search(result.stdout + result.stderr)
+    losses = [row["loss"] for row in read_log(log)]
+    assert losses == pytest.approx(straight_run.losses, rel=1e-4) and len(losses) == 8
+    compiled = model_state(tmp_path / "compiled")
+    assert compiled.keys() == straight_run.state.keys(), "a compiled run's checkpoint resumes an eager run, and back"
+    for name, value in straight_run.state.items():  # compiled kernels round differently
         torch.testing.assert_close(compiled[name], value, rtol=1e-3, atol=5e-5, msg=name)
 
 
@@ -219,17 +272,18 @@ def test_ctrl_c_stops_every_rank_after_the_step_with_a_checkpoint_to_resume_from
     assert f"changed since the checkpoint, and taken as given: --max-steps 1000 -> {step + 1}" in resumed.stdout
 
 
-def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path):
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path, straight_run):
     # Rank 1 is killed in step 6 of the first attempt; torchrun restarts both workers, which resume
     # from the checkpoint of step 4 and redo steps 5 and 6.
-    crashed = ok(torchrun(tmp_path, *STRAIGHT, "--save-every", "2", "--save-dir", str(tmp_path / "crashed"),
-                          launcher=("--standalone", "--max-restarts", "1"), script=CRASH_ONCE,
-                          env={"CRASH_RANK": "1", "CRASH_AT_STEP": "6"}))
+    save = tmp_path / "crashed"
+    crashed = ok(straight_run.torchrun(tmp_path, *STRAIGHT, "--save-every", "2", "--save-dir", str(save),
+                                       script=CRASH_ONCE, launcher=("--standalone", "--max-restarts", "1"),
+                                       env={"CRASH_RANK": "1", "CRASH_AT_STEP": "6"}))
     output = crashed.stdout + crashed.stderr
     assert "killed rank 1 in step 6" in output and "restart 1: resuming from" in output, output[-3000:]
     assert "step-00000004.pt" in output.split("restart 1: resuming from")[1].splitlines()[0]
-    straight, restarted = straight_run(tmp_path), model_state(tmp_path / "crashed")
-    for name, value in straight.items():
+    restarted = model_state(save)
+    for name, value in straight_run.state.items():
         assert torch.equal(value, restarted[name]), name
 
 
@@ -276,16 +330,34 @@ def test_bad_input_is_one_line_on_every_rank_before_any_work(tmp_path):
     assert not (tmp_path / "unused").exists(), "no data prepared before the outputs were found unwritable"
 
 
+def prepare_three_times(rank: int, world_size: int, corpus: Path, data_dir: Path) -> list[tuple[str, str, int]]:
+    """The trainer's data preparation of `corpus`, again, and once more after rank 0 edited it (the same name,
+    another text): each time what it reported on rank 0, the vocabulary's digest and the training examples."""
+    from hsync.apps.bert.config import parse_args
+    from hsync.apps.bert.data import prepare_data
+
+    cfg, preset = parse_args(["--corpus", str(corpus), "--data-dir", str(data_dir)], world_size=world_size)
+    prepared = []
+    for edit in (False, False, True):
+        if edit and rank == 0:
+            corpus.write_text(SLICE.read_text().replace("God", "Elohim"))
+        torch.distributed.barrier()
+        with contextlib.redirect_stderr(io.StringIO()) as said:
+            data = prepare_data(cfg, preset)
+        prepared.append((said.getvalue(), data.vocab.digest, len(data.train)))
+    return prepared
+
+
 def test_data_is_prepared_once_and_cached_by_content(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(SLICE.read_text())
-    args, own = ("--corpus", str(corpus), "--max-steps", "1"), tmp_path / "data"  # not the shared caches
-    first, again = ok(python(tmp_path, *args, data_dir=own)), ok(python(tmp_path, *args, data_dir=own))
-    assert "vocabulary: trained" in first.stderr and "examples: built" in first.stderr, first.stderr
-    assert "vocabulary: reused" in again.stderr and "examples: reused" in again.stderr, again.stderr
-    corpus.write_text(SLICE.read_text().replace("God", "Elohim"))  # the same name, another text
-    edited = ok(python(tmp_path, *args, data_dir=own))
-    assert "vocabulary: trained" in edited.stderr and "examples: built" in edited.stderr, edited.stderr
+    ranks = run_ranks(prepare_three_times, 2, corpus, tmp_path / "data", env={"LOCAL_RANK": "{rank}"})
+    (first, _, _), (again, _, _), (edited, _, _) = ranks[0]
+    assert "vocabulary: trained" in first and "examples: built" in first, first
+    assert "vocabulary: reused" in again and "examples: reused" in again, again
+    assert "vocabulary: trained" in edited and "examples: built" in edited, edited
+    assert [(digest, n) for _, digest, n in ranks[0]] == [(digest, n) for _, digest, n in ranks[1]]
+    assert ranks[0][2][1] != ranks[0][0][1] == ranks[0][1][1], "the edited text has a vocabulary of its own"
 
 
 def process_tree(pid: int) -> list[int]:

@@ -47,13 +47,13 @@ from hsync.balance import split_proportionally
 
 def main(argv: list[str] | None = None) -> None:
     cfg, preset = parse_args(argv, description=__doc__, world_size=world_size_from_env())
-    import_transformers()
     if cfg.collective_timeout:  # every collective's deadline: the model's, and those of the run's decisions
         os.environ["HSYNC_TIMEOUT"] = str(cfg.collective_timeout)
     device = init_distributed(cfg.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     fail_together(unwritable_outputs(cfg) if rank == 0 else None, "cannot write the run's outputs")
     fail_together(checkpoint.earlier_run(cfg.save_dir, cfg.resume) if rank == 0 else None, "cannot start")
+    import_transformers()
     slowdown = parse_rank_values(cfg.simulate_slowdown, world, "--simulate-slowdown", 1.0)[rank]
     corpus = prepare_data(cfg, preset)
     examples, vocab = corpus.train, corpus.vocab
