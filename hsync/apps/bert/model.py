@@ -21,8 +21,8 @@ COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # -
 
 def import_transformers() -> None:
     """Loads what this trainer uses of transformers: after the flags and the run's folder are checked (a
-    bad one is refused in a second, not six), and before the work starts: transformers loads its model code lazily, at first use,
-    which should not be rank 0's final save while its peers wait."""
+    bad one is refused in a second, not six), and before the work starts: transformers loads its model code
+    lazily, at first use, which should not be rank 0's final save while its peers wait."""
     import transformers
     from transformers import BertConfig, BertForPreTraining, BertTokenizerFast  # noqa: F401 - loaded, used later
 
