@@ -15,6 +15,7 @@ import pickle
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -52,9 +53,11 @@ def _start(fn: Callable, world_size: int, args: tuple, backend: str, env: dict[s
     # The server imports these once; each rank is then forked from it in milliseconds, with nothing
     # started yet that a fork could break (no thread, no process group, no CUDA context). torch._dynamo
     # is what a wrapper's first forward imports: 1.1 s in every rank of every test otherwise; the frameworks
-    # (tests/framework_imports.py) 5 to 10 s.
+    # (tests/framework_imports.py) 5 to 10 s, imported there only if the tests collected here use them.
     if not fresh:
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "hsync", "tests.framework_imports"])
+        frameworks = any(name in sys.modules for name in ("transformers", "accelerate", "lightning"))
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "hsync"] +
+                                   ["tests.framework_imports"] * frameworks)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, env or {}, fn, args, results))

@@ -55,11 +55,24 @@ def in_ranks(tmp_path: Path, *args: str, nproc: int = 2, data_dir: Path | None =
     """examples/bert.py's main on `nproc` ranks in torchrun's environment, forked from tests.spawn's server
     (which has imported torch and transformers: seconds less per process than a launch), for the tests of what
     the updates are rather than of the launcher; returns what rank 0 printed, stdout and stderr."""
-    argv = ["--corpus", str(SLICE), "--data-dir", str(data_dir or shared_data(tmp_path)), *args]
-    return run_ranks(run_main, nproc, argv, free_port(), tmp_path, timeout=180)[0]
+    ranks = run_ranks(run_main, nproc, main_argv(tmp_path, args, data_dir), free_port(), tmp_path, timeout=180)
+    assert not any(refusal for _, refusal in ranks), ranks
+    return ranks[0][0]
 
 
-def run_main(rank: int, world_size: int, argv: list[str], port: int, cwd: Path) -> str:
+def refusals_in_ranks(tmp_path: Path, *args: str, nproc: int = 2, data_dir: Path | None = None) -> list[str]:
+    """As in_ranks, for a run that every rank refuses: each rank's one line (what SystemExit prints)."""
+    ranks = run_ranks(run_main, nproc, main_argv(tmp_path, args, data_dir), free_port(), tmp_path, timeout=180)
+    assert all(refusal for _, refusal in ranks), ranks
+    return [refusal for _, refusal in ranks]
+
+
+def main_argv(tmp_path: Path, args: tuple[str, ...], data_dir: Path | None) -> list[str]:
+    return ["--corpus", str(SLICE), "--data-dir", str(data_dir or shared_data(tmp_path)), *args]
+
+
+def run_main(rank: int, world_size: int, argv: list[str], port: int, cwd: Path) -> tuple[str, str | None]:
+    """What the rank printed, and the line it exited with if it refused the run."""
     from hsync.apps.bert import train
 
     torch.distributed.destroy_process_group()  # main starts its own, from the launcher's environment
@@ -69,9 +82,13 @@ def run_main(rank: int, world_size: int, argv: list[str], port: int, cwd: Path) 
     with contextlib.redirect_stdout(io.StringIO()) as printed, contextlib.redirect_stderr(printed):
         try:
             train.main(argv)
+        except SystemExit as refused:
+            if isinstance(refused.code, str):
+                return printed.getvalue(), refused.code
+            raise RuntimeError(f"rank {rank} exited with {refused.code}: {printed.getvalue()[-3000:]}") from None
         except BaseException as error:  # noqa: BLE001 - with what it printed
             raise RuntimeError(f"rank {rank}: {printed.getvalue()[-3000:]}") from error
-    return printed.getvalue()
+    return printed.getvalue(), None
 
 
 def read_log(path: Path, kind: str = "loss") -> list[dict]:
@@ -177,10 +194,6 @@ class StraightRun:
         """tests' in_ranks, on this run's data."""
         return in_ranks(tmp_path, *args, nproc=nproc, data_dir=self.data_dir)
 
-    def python(self, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-        """tests' python, on this run's data."""
-        return python(tmp_path, *args, data_dir=self.data_dir)
-
 
 @pytest.fixture(scope="session")
 def straight_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> StraightRun:
@@ -206,9 +219,9 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path
 
     # A resume its checkpoint refuses (here a flag its optimizer state would silently override) is one line
     # before any work, and overwrites nothing. test_checkpoint.py shows the other refusals in-process.
-    refused = straight_run.python(tmp_path, "--corpus", str(SLICE), "--max-steps", "8", "--save-dir", str(split),
-                                  "--resume", "--lr", "1e-4")
-    error_lines(refused, "was written with lr=0.002, this run has lr=0.0001")
+    (refusal,) = refusals_in_ranks(tmp_path, "--max-steps", "8", "--save-dir", str(split), "--resume", "--lr", "1e-4",
+                                   nproc=1, data_dir=straight_run.data_dir)
+    assert "was written with lr=0.002, this run has lr=0.0001" in refusal, refusal
     assert [p.name for p in split.iterdir()] == [written.name]
     assert hashlib.sha256(written.read_bytes()).hexdigest() == digest
 
@@ -265,11 +278,10 @@ def test_ctrl_c_stops_every_rank_after_the_step_with_a_checkpoint_to_resume_from
     step, written = int(lines[0][0]), Path(lines[0][1])
     assert 3 <= step < 1000 and written.name == f"step-{step:08d}.pt" and written.exists()
     assert read_log(log)[-1]["step"] == step, "every rank stopped at the same step"
-    resumed = ok(python(tmp_path, "--corpus", str(SLICE), "--max-steps", str(step + 1), "--save-dir", str(save),
-                        "--resume"))
-    assert f"resuming from step {step}" in resumed.stdout
+    resumed = in_ranks(tmp_path, "--max-steps", str(step + 1), "--save-dir", str(save), "--resume", nproc=1)
+    assert f"resuming from step {step}" in resumed
     # A shorter run than the interrupted one asked for, and its schedule with it: said, not refused.
-    assert f"changed since the checkpoint, and taken as given: --max-steps 1000 -> {step + 1}" in resumed.stdout
+    assert f"changed since the checkpoint, and taken as given: --max-steps 1000 -> {step + 1}" in resumed
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path, straight_run):
@@ -285,14 +297,6 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_p
     restarted = model_state(save)
     for name, value in straight_run.state.items():
         assert torch.equal(value, restarted[name]), name
-
-
-def python(tmp_path: Path, *args: str, data_dir: Path | None = None) -> subprocess.CompletedProcess:
-    """examples/bert.py under plain python: one process, a world of one."""
-    cmd = [sys.executable, str(ROOT / "examples" / "bert.py"), "--data-dir", str(data_dir or shared_data(tmp_path)),
-           *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def error_lines(result: subprocess.CompletedProcess, message: str) -> list[str]:
@@ -311,22 +315,25 @@ def test_bad_input_is_one_line_on_every_rank_before_any_work(tmp_path):
     lines = error_lines(flag, "--global-batch-size 32 is not a multiple of --update-freq 3")
     assert len(lines) <= 2 and all(line.startswith("bert.py: error:") for line in lines), lines
 
+    # The run's decisions, in main as the launch runs it: every rank exits with the same line.
     one_sentence = tmp_path / "one.txt"
     one_sentence.write_text("In the beginning God created the heaven and the earth.\n")
     corpus = ("--corpus", str(one_sentence))
-    error_lines(torchrun(tmp_path, *corpus), "holds 1 document(s): too few to hold 2 out")
-    error_lines(python(tmp_path, *corpus, "--valid-fraction", "0"), "gave no training example")
+    for refusal in refusals_in_ranks(tmp_path, *corpus):
+        assert "holds 1 document(s): too few to hold 2 out" in refusal, refusal
+    (refusal,) = refusals_in_ranks(tmp_path, *corpus, "--valid-fraction", "0", nproc=1)
+    assert "gave no training example" in refusal, refusal
 
     damaged = tmp_path / "damaged"
     damaged.mkdir()
     (damaged / "step-00000004.pt").write_bytes(b"")  # an interrupted copy of a run's folder, say
-    error_lines(python(tmp_path, "--corpus", str(SLICE), "--save-dir", str(damaged), "--resume"),
-                "step-00000004.pt: EOFError")
+    for refusal in refusals_in_ranks(tmp_path, "--save-dir", str(damaged), "--resume"):
+        assert "step-00000004.pt: EOFError" in refusal, refusal
 
     a_file = tmp_path / "a-file"
     a_file.write_text("")
-    error_lines(python(tmp_path, "--corpus", str(SLICE), "--save-dir", str(a_file / "run"),
-                       data_dir=tmp_path / "unused"), "cannot write the run's outputs")
+    for refusal in refusals_in_ranks(tmp_path, "--save-dir", str(a_file / "run"), data_dir=tmp_path / "unused"):
+        assert "cannot write the run's outputs" in refusal, refusal
     assert not (tmp_path / "unused").exists(), "no data prepared before the outputs were found unwritable"
 
 

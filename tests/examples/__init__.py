@@ -1,9 +1,11 @@
 """The example programs, run as their users run them."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 LAUNCHERS = {
@@ -22,3 +24,11 @@ def launch(script: str, cwd: Path, *args: str, launcher: str = "torchrun") -> su
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return result
+
+
+def load(script: Path) -> ModuleType:
+    """An example program as a module (its main() not run), for a test of one of its functions."""
+    spec = importlib.util.spec_from_file_location(f"examples.{script.stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

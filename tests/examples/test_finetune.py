@@ -6,18 +6,19 @@ import sys
 
 import pytest
 
-from tests.examples import EXAMPLES, launch
+from tests.examples import EXAMPLES, launch, load
 
 pytestmark = pytest.mark.distributed
 
 FINETUNE = EXAMPLES / "finetune.py"
+finetune = load(FINETUNE)
 
 
 def test_demo_task_is_learned_across_two_ranks(tmp_path):
-    result = launch("finetune.py", tmp_path, "--epochs", "2", "--save-dir", str(tmp_path / "tuned"))
+    result = launch("finetune.py", tmp_path, "--epochs", "1", "--save-dir", str(tmp_path / "tuned"))
     epochs = re.findall(r"epoch (\d): train loss [0-9.]+, held-out accuracy ([0-9.]+) on (\d+) examples, "
                         r"last split \[(\d+), (\d+)\]", result.stdout)
-    assert [e[0] for e in epochs] == ["1", "2"], result.stdout
+    assert [e[0] for e in epochs] == ["1"], result.stdout
     # chance is 0.5; unseen adjectives need the pretrained weights. Both ranks' shards are counted.
     assert float(epochs[-1][1]) >= 0.7 and all(e[2] == "80" for e in epochs), result.stdout
     assert all(int(a) + int(b) == 16 for *_, a, b in epochs), result.stdout
@@ -33,10 +34,20 @@ def test_demo_task_is_learned_across_two_ranks(tmp_path):
     ("1\tfine\n-1\tpoor\n", (), "bad.txt:2: the label '-1' is not a class number 0, 1, 2, ..."),
     ("1\tfine\n0\tpoor\n7\tgood\n1\tok\n0\tmeh\n", (), "classes [2, 3, 4, 5, 6] never appear"),
     ("1\tfine\n", ("--batch-size", "0"), "argument --batch-size: must be at least 1, got 0"),
-], ids=["malformed", "too-small", "negative-label", "stray-label", "batch-size"])
-def test_a_bad_file_or_flag_is_one_line_before_any_work(tmp_path, lines, args, message):
+    ("1\tfine\n", ("--warmup-fraction", "1"), "--warmup-fraction must be in [0, 1), got 1.0"),
+], ids=["malformed", "too-small", "negative-label", "stray-label", "batch-size", "warmup"])
+def test_a_bad_file_or_flag_is_one_line_before_any_work(tmp_path, capsys, lines, args, message):
     bad = tmp_path / "bad.txt"
     bad.write_text(lines)
-    result = subprocess.run([sys.executable, str(FINETUNE), "--data", str(bad), *args], capture_output=True,
-                            text=True, timeout=120, cwd=tmp_path)
-    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    with pytest.raises(SystemExit) as refused:
+        finetune.parse(["--data", str(bad), *args])
+    error = capsys.readouterr().err
+    assert refused.value.code == 2 and error.count("\n") == 1 and message in error, error
+
+
+def test_the_program_refuses_before_any_work_in_one_line(tmp_path):
+    """parse() above is the program's first step: run as users run it, that is all it prints."""
+    result = subprocess.run([sys.executable, str(FINETUNE), "--batch-size", "0"], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "argument --batch-size: must be at least 1, got 0" in result.stderr
