@@ -32,6 +32,9 @@ def free_port() -> int:
 def _entry(rank: int, world_size: int, port: int, backend: str, env: dict[str, str], fn: Callable,
            args: tuple, results: mp.Queue) -> None:
     os.environ.update({key: value.format(rank=rank) for key, value in env.items()})
+    # A rank started by the fork server inherits its start method; a launched program has the platform's
+    # default, which starts its DataLoader's workers in milliseconds (fork on Linux) rather than seconds.
+    mp.set_start_method(None, force=True)
     import torch
     import torch.distributed as dist
 
