@@ -3,10 +3,9 @@ tests.spawn forks every rank from: the frameworks take 5 to 10 s to import on a 
 of each test otherwise. A framework that is not installed is left out (its tests skip)."""
 
 import contextlib
+import importlib
 
-for load in (lambda: __import__("hsync.integrations.transformers"),
-             lambda: __import__("hsync.integrations.accelerate"),
-             lambda: __import__("hsync.integrations.lightning"),
-             lambda: __import__("transformers").BertForPreTraining):
+for module in ("hsync.integrations.transformers", "hsync.integrations.accelerate", "hsync.integrations.lightning",
+               "transformers.models.bert.modeling_bert"):
     with contextlib.suppress(ImportError):
-        load()
+        importlib.import_module(module)

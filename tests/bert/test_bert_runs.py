@@ -55,20 +55,21 @@ def in_ranks(tmp_path: Path, *args: str, nproc: int = 2, data_dir: Path | None =
     """examples/bert.py's main on `nproc` ranks in torchrun's environment, forked from tests.spawn's server
     (which has imported torch and transformers: seconds less per process than a launch), for the tests of what
     the updates are rather than of the launcher; returns what rank 0 printed, stdout and stderr."""
-    ranks = run_ranks(run_main, nproc, main_argv(tmp_path, args, data_dir), free_port(), tmp_path, timeout=180)
+    ranks = main_on_ranks(tmp_path, args, nproc, data_dir)
     assert not any(refusal for _, refusal in ranks), ranks
     return ranks[0][0]
 
 
 def refusals_in_ranks(tmp_path: Path, *args: str, nproc: int = 2, data_dir: Path | None = None) -> list[str]:
     """As in_ranks, for a run that every rank refuses: each rank's one line (what SystemExit prints)."""
-    ranks = run_ranks(run_main, nproc, main_argv(tmp_path, args, data_dir), free_port(), tmp_path, timeout=180)
+    ranks = main_on_ranks(tmp_path, args, nproc, data_dir)
     assert all(refusal for _, refusal in ranks), ranks
     return [refusal for _, refusal in ranks]
 
 
-def main_argv(tmp_path: Path, args: tuple[str, ...], data_dir: Path | None) -> list[str]:
-    return ["--corpus", str(SLICE), "--data-dir", str(data_dir or shared_data(tmp_path)), *args]
+def main_on_ranks(tmp_path: Path, args: tuple[str, ...], nproc: int, data_dir: Path | None) -> list[tuple]:
+    argv = ["--corpus", str(SLICE), "--data-dir", str(data_dir or shared_data(tmp_path)), *args]
+    return run_ranks(run_main, nproc, argv, free_port(), tmp_path, timeout=180)
 
 
 def run_main(rank: int, world_size: int, argv: list[str], port: int, cwd: Path) -> tuple[str, str | None]:
