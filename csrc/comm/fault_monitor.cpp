@@ -2,8 +2,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <system_error>
+#include <vector>
 
 namespace hsync {
 
@@ -36,7 +38,7 @@ struct FaultMonitor::State {
   bool done = false;                // the thread has returned
   bool in_hook = false;             // the thread is running the communicator's poll or abort
   std::optional<std::string> failure;
-  bool failure_is_peers = false;
+  Origin origin = Origin::kOwn;
   bool posted = false;
   bool aborted = false;
   std::function<std::optional<std::string>()> poll;
@@ -100,7 +102,7 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
   };
   // Posts this rank's own failure once, without holding the lock during the store call.
   const auto post_own_failure = [&](const c10::intrusive_ptr<c10d::Store>& store) {
-    if (!store || !s->failure || s->failure_is_peers || s->posted) return;
+    if (!store || !s->failure || s->origin == Origin::kPeer || s->posted) return;
     s->posted = true;
     const std::string message = *s->failure;
     lock.unlock();
@@ -113,7 +115,13 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
     if (s->poll && !s->failure) {
       const std::function<std::optional<std::string>()> poll = s->poll;
       const std::optional<std::string> seen = run_hook(poll, "poll");
-      if (seen && !s->failure) s->failure = s->prefix + *seen;
+      if (seen && !s->failure) {
+        s->failure = s->prefix + *seen;
+        const std::string failure = *s->failure;
+        lock.unlock();
+        spread(s.get(), failure);
+        lock.lock();
+      }
     }
     // A copy: the destructor may drop the state's reference while a store call runs.
     const c10::intrusive_ptr<c10d::Store> store = s->store;
@@ -148,8 +156,11 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
     }
     lock.lock();
     if (peer && !s->failure) {
-      s->failure = std::move(peer);
-      s->failure_is_peers = true;
+      s->failure = *peer;
+      s->origin = Origin::kPeer;
+      lock.unlock();
+      spread(s.get(), *peer);
+      lock.lock();
     }
   }
   const c10::intrusive_ptr<c10d::Store> store = s->store;  // a copy, as in the loop
@@ -199,6 +210,7 @@ FaultMonitor::FaultMonitor(c10::intrusive_ptr<c10d::Store> store, std::string ke
   state_->store = std::move(store);
   state_->key = std::move(key);
   state_->prefix = "hsync: rank " + std::to_string(rank) + " (" + backend + "): ";
+  enroll(state_);
   thread_ = std::thread(watch, state_);
 }
 
@@ -237,14 +249,60 @@ void FaultMonitor::clear_hooks() {
 
 void FaultMonitor::fail(const std::string& what) {
   const std::string message = state_->prefix + what;
+  bool first = false;
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
     if (!state_->failure) {
       state_->failure = message;
       state_->wake.notify_all();  // the thread posts it and aborts the communicator
+      first = true;
     }
   }
+  if (first) spread(state_.get(), message);
   TORCH_CHECK(false, message);
+}
+
+namespace {
+
+// Every monitor of this process, as the states their threads share (expired ones pruned as new ones come).
+struct Registry {
+  std::mutex mutex;
+  std::vector<std::weak_ptr<void>> states;
+};
+
+// Never destroyed: a monitor's thread may outlive static destruction at exit.
+Registry& registry() {
+  static auto* const instance = new Registry;
+  return *instance;
+}
+
+}  // namespace
+
+void FaultMonitor::enroll(const std::shared_ptr<State>& state) {
+  Registry& all = registry();
+  const std::lock_guard<std::mutex> lock(all.mutex);
+  const auto expired = [](const std::weak_ptr<void>& entry) { return entry.expired(); };
+  all.states.erase(std::remove_if(all.states.begin(), all.states.end(), expired), all.states.end());
+  all.states.emplace_back(state);
+}
+
+void FaultMonitor::spread(const State* from, const std::string& failure) {
+  std::vector<std::shared_ptr<State>> others;
+  {
+    Registry& all = registry();
+    const std::lock_guard<std::mutex> lock(all.mutex);
+    for (const std::weak_ptr<void>& entry : all.states) {
+      std::shared_ptr<State> state = std::static_pointer_cast<State>(entry.lock());
+      if (state && state.get() != from) others.push_back(std::move(state));
+    }
+  }
+  for (const std::shared_ptr<State>& state : others) {
+    const std::lock_guard<std::mutex> lock(state->mutex);
+    if (state->failure || state->stop) continue;
+    state->failure = failure;
+    state->origin = Origin::kSibling;
+    state->wake.notify_all();  // its thread posts it to its own board and aborts its communicator
+  }
 }
 
 void FaultMonitor::set_waiting_since(std::optional<Clock::time_point> since) {
@@ -259,14 +317,16 @@ bool FaultMonitor::failed() const {
 void FaultMonitor::check(const Collective* waiting_for) const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   if (!state_->failure) return;
-  if (!state_->failure_is_peers) {
+  if (state_->origin == Origin::kOwn) {
     TORCH_CHECK(false, *state_->failure);
   }
   const std::string waiting =
       waiting_for ? "stopped waiting for " + waiting_for->describe() + " after " +
                         seconds(Clock::now() - waiting_for->issued) + ": "
                   : "stopped: ";
-  TORCH_CHECK(false, state_->prefix, waiting, "a peer failed first. ", *state_->failure);
+  const char* first = state_->origin == Origin::kPeer ? "a peer failed first. "
+                                                       : "another of this rank's communicators failed first. ";
+  TORCH_CHECK(false, state_->prefix, waiting, first, *state_->failure);
 }
 
 }  // namespace hsync

@@ -9,6 +9,13 @@
 // the error they raise names the rank that saw the failure first. The thread also runs the
 // communicator's own poll (NCCL: completion and async errors) and its abort on failure. Store
 // calls run only on that thread: a store whose host is frozen must not freeze the training loop.
+//
+// A rank that failed is out of the job, whichever communicator saw it: its failure (its own, or
+// one a peer posted) spreads to every other communicator of the process (the engine's, each
+// channel's, each group's), which posts it on its own board and aborts. So a peer waiting for this
+// rank in another group, with a longer deadline, stops at once too, and the error names the rank
+// that saw the failure first. Communicators built afterwards start clean: a trainer that regroups
+// the survivors after a failure (DDP's _update_process_group, a new quorum) goes on over them.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -27,6 +34,13 @@
 namespace hsync {
 
 using Clock = std::chrono::steady_clock;
+
+// Where a monitor's failure came from.
+enum class Origin : int {
+  kOwn,      // one of this communicator's collectives failed, or its own poll saw a failure
+  kPeer,     // a peer posted it on this communicator's board
+  kSibling,  // another communicator of this process failed: Note [Failing fast]
+};
 
 // What a collective is for; named in errors and compared across ranks in debug mode.
 enum class Purpose : int {
@@ -97,6 +111,10 @@ class FaultMonitor {
  private:
   struct State;  // shared with the thread, which may outlive the monitor (see the destructor)
   static void watch(const std::shared_ptr<State>& state);
+  // Lists `state` among the process's monitors, which a failure spreads to.
+  static void enroll(const std::shared_ptr<State>& state);
+  // Fails every other monitor of the process that has not failed yet with `failure` (seen by `from`).
+  static void spread(const State* from, const std::string& failure);
 
   std::shared_ptr<State> state_;
   std::chrono::milliseconds timeout_;

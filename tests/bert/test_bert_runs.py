@@ -384,11 +384,25 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+def wait_for_listener(port: int, process: subprocess.Popen, limit_s: float = 60.0) -> None:
+    """Returns once a socket of this machine listens on `port`, while `process` lives (read from /proc, so
+    the listener sees no connection)."""
+    listening = re.compile(rf":{port:04X} 0+:0000 0A ")  # the local port, no remote end, state LISTEN
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and process.poll() is None:
+        if any(listening.search(Path(table).read_text()) for table in ("/proc/net/tcp", "/proc/net/tcp6")
+               if Path(table).exists()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"nothing listened on port {port} within {limit_s} s (exit code {process.poll()})")
+
+
 def test_nodes_joined_by_c10d_rendezvous_go_on_when_one_is_lost(tmp_path):
     """torchrun --nnodes 1:2 on two "machines" (separate data directories, a shared checkpoint directory):
     one is lost (its agent and workers killed); the other's workers restart as a world of one and
     resume from the latest checkpoint."""
-    endpoint = f"127.0.0.1:{free_port()}"
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
     logs = [tmp_path / f"node{n}.jsonl" for n in (0, 1)]
     nodes = []
     for node in (0, 1):
@@ -400,7 +414,8 @@ def test_nodes_joined_by_c10d_rendezvous_go_on_when_one_is_lost(tmp_path):
                "--save-dir", str(tmp_path / "run"), "--save-every", "2"]
         nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
                                       env={**os.environ, "OMP_NUM_THREADS": "1"}))
-        time.sleep(0.5)  # node 0's agent hosts the rendezvous store: it must be the one to survive
+        if node == 0:  # node 0's agent must host the rendezvous store (it is the one to survive): it binds first
+            wait_for_listener(port, nodes[0])
 
     def steps_logged() -> list[dict]:
         return [row for log in logs if log.exists() for row in read_log(log)]

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tests.spawn import run_ranks_with_victim
@@ -107,3 +108,41 @@ def test_a_lost_peer_ends_every_collective_of_hsyncs_within_the_deadline(where, 
         assert noticed > DEADLINE_S - 0.5, survivor.error
     else:
         assert "A peer probably exited" in survivor.error or "did not complete" in survivor.error, survivor.error
+
+
+def failure_seen_in_another_group(rank: int, world_size: int) -> None:
+    """Rank 0 works with rank 2 in one group (a short deadline) and with rank 1 in another (a long one). Rank 2
+    freezes; rank 0 sees it and stays alive (as a rank writing a checkpoint would), so nothing closes the
+    sockets rank 1 waits on: only rank 0's failure, spread to its other communicators, ends rank 1's wait."""
+    from hsync.collectives import Channels
+
+    with_victim, with_survivor = dist.new_group([0, 2]), dist.new_group([0, 1])
+    if rank in (0, 2):
+        Channels.of_group(with_victim, timeout_s=DEADLINE_S).barrier("work with rank 2")
+    if rank in (0, 1):
+        Channels.of_group(with_survivor, timeout_s=60.0).barrier("work with rank 1")
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(0.2)
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            Channels.of_group(with_victim, timeout_s=DEADLINE_S).barrier("work with rank 2")
+        else:
+            Channels.of_group(with_survivor, timeout_s=60.0).barrier("work with rank 1")
+    except RuntimeError as error:
+        if rank == 0:
+            time.sleep(DEADLINE_S + 5.0)  # alive, its sockets open, past the time rank 1 has to notice
+        raise RuntimeError(f"noticed after {time.monotonic() - started:.2f} s: {error}") from None
+    raise AssertionError(f"rank {rank} went on although rank 2 was stopped")
+
+
+def test_a_rank_that_failed_in_one_group_ends_its_peers_waits_in_every_other():
+    survivor = run_ranks_with_victim(failure_seen_in_another_group, 3, 2, timeout=40, until_exit=False)[1]
+    assert survivor.error is not None, f"rank 1 raised nothing: {survivor}"
+    noticed = float(re.search(r"noticed after ([0-9.]+) s", survivor.error).group(1))
+    # Rank 0's deadline, then rank 1's first look at its board (FaultMonitor::kStorePollAfter) and a poll.
+    assert noticed < DEADLINE_S + 2.0 + 2.0, survivor.error
+    assert "hsync: rank 1 (gloo): stopped waiting for all-reduce #1 of work with rank 1" in survivor.error
+    assert "a peer failed first. hsync: rank 0 (gloo): all-reduce #1 of work with rank 2" in survivor.error
+    assert f"did not complete within the {DEADLINE_S:.2f} s deadline" in survivor.error
