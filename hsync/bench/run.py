@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import os
 import re
 from collections.abc import Callable
@@ -29,6 +30,8 @@ class Job:
     world: int | None
     """Ranks it needs; None: --world-size."""
     run: Callable[[], Result]
+    imports: tuple[str, ...] = ()
+    """Modules its ranks import besides the benchmark's: imported once, in the server the ranks are forked from."""
 
 
 def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
@@ -79,10 +82,11 @@ def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
                                                                args.steps, args.quick)))
     jobs.append(Job("mixed-compute-2x", 2, partial(mixed_compute, "mixed-compute-2x", device, [1, 2], args.rounds,
                                                    args.steps, args.quick)))
-    for name, framework in (("hf-trainer-mixed-2x", "trainer"), ("accelerate-mixed-2x", "accelerate"),
-                            ("lightning-mixed-2x", "lightning")):
+    for name, framework, integration in (("hf-trainer-mixed-2x", "trainer", "transformers"),
+                                         ("accelerate-mixed-2x", "accelerate", "accelerate"),
+                                         ("lightning-mixed-2x", "lightning", "lightning")):
         jobs.append(Job(name, 2, partial(framework_mixed, name, framework, device, [1.0, 2.0], args.rounds,
-                                         args.steps, args.quick)))
+                                         args.steps, args.quick), (f"hsync.integrations.{integration}",)))
     return [job for job in jobs if not args.only or any(re.search(pattern, job.name) for pattern in args.only)]
 
 
@@ -117,6 +121,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # Forked from the fork server, a rank inherits its start method; a launched rank has the platform's, which
+    # starts a DataLoader's workers in milliseconds (fork on Linux).
+    multiprocessing.set_start_method(None, force=True)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
         output = run_jobs(args)
@@ -194,25 +201,29 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--device cuda: each rank needs a GPU of its own ({gpus} visible), but these rows "
                      f"need more ranks: {', '.join(wide)}; lower --world-size or choose rows with --only")
     output: dict = {"env": None, "results": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in worlds:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            path = os.path.join(tmp, f"world-{world}.json")
-            # As torchrun does, unless set: OpenMP's threads beyond the ranks' share of the cores spin between
-            # parallel regions, and on a core pinned to its rank (balancing.core_per_rank) a spinning thread
-            # slowed Trainer's and Accelerate's steps 70-fold. Read when each rank's OpenMP starts.
-            threads = os.environ.get("OMP_NUM_THREADS")
-            os.environ["OMP_NUM_THREADS"] = threads or str(max(1, (os.cpu_count() or 1) // world))
-            try:
-                mp.spawn(worker, args=(world, port, args, path), nprocs=world)
-            finally:
-                if threads is None:
-                    del os.environ["OMP_NUM_THREADS"]
-            with open(path) as f:
-                part = json.load(f)
-            if world == args.world_size or output["env"] is None:
-                output["env"] = part["env"]
-            output["results"] += part["results"]
+    # As torchrun does, unless set: OpenMP's threads beyond the ranks' share of the cores spin between parallel
+    # regions, and on a core pinned to its rank (balancing.core_per_rank) a spinning thread slowed Trainer's and
+    # Accelerate's steps 70-fold. Read when OpenMP loads: in the fork server, which the ranks of every world
+    # come from, so the share of the widest world (each rank's worker sets its own torch threads).
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = threads or str(max(1, (os.cpu_count() or 1) // worlds[-1]))
+    # Ranks forked from a server that has imported the benchmark (torch, transformers: seconds per process),
+    # and nothing that a fork could break (no thread, no process group, no CUDA context).
+    mp.set_forkserver_preload(["hsync.bench.run", *sorted({module for job in planned for module in job.imports})])
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for world in worlds:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                path = os.path.join(tmp, f"world-{world}.json")
+                mp.start_processes(worker, args=(world, port, args, path), nprocs=world, start_method="forkserver")
+                with open(path) as f:
+                    part = json.load(f)
+                if world == args.world_size or output["env"] is None:
+                    output["env"] = part["env"]
+                output["results"] += part["results"]
+    finally:
+        if threads is None:
+            del os.environ["OMP_NUM_THREADS"]
     write_outputs(args, output)

@@ -22,6 +22,7 @@ from filelock import FileLock
 # as examples/bert.py does (hsync/apps/bert/model.py says why).
 from transformers import AutoTokenizer, BertForPreTraining, BertForSequenceClassification
 
+from tests import examples
 from tests.spawn import free_port, run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -69,27 +70,7 @@ def refusals_in_ranks(tmp_path: Path, *args: str, nproc: int = 2, data_dir: Path
 
 def main_on_ranks(tmp_path: Path, args: tuple[str, ...], nproc: int, data_dir: Path | None) -> list[tuple]:
     argv = ["--corpus", str(SLICE), "--data-dir", str(data_dir or shared_data(tmp_path)), *args]
-    return run_ranks(run_main, nproc, argv, free_port(), tmp_path, timeout=180)
-
-
-def run_main(rank: int, world_size: int, argv: list[str], port: int, cwd: Path) -> tuple[str, str | None]:
-    """What the rank printed, and the line it exited with if it refused the run."""
-    from hsync.apps.bert import train
-
-    torch.distributed.destroy_process_group()  # main starts its own, from the launcher's environment
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.chdir(cwd)
-    with contextlib.redirect_stdout(io.StringIO()) as printed, contextlib.redirect_stderr(printed):
-        try:
-            train.main(argv)
-        except SystemExit as refused:
-            if isinstance(refused.code, str):
-                return printed.getvalue(), refused.code
-            raise RuntimeError(f"rank {rank} exited with {refused.code}: {printed.getvalue()[-3000:]}") from None
-        except BaseException as error:  # noqa: BLE001 - with what it printed
-            raise RuntimeError(f"rank {rank}: {printed.getvalue()[-3000:]}") from error
-    return printed.getvalue(), None
+    return examples.main_on_ranks("bert.py", tmp_path, argv, nproc)
 
 
 def read_log(path: Path, kind: str = "loss") -> list[dict]:

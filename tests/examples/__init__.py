@@ -1,11 +1,15 @@
-"""The example programs, run as their users run them."""
+"""The example programs: launched as their users launch them, or their main run on spawned ranks."""
 
+import contextlib
 import importlib.util
+import io
 import os
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+
+from tests.spawn import free_port, run_ranks
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 LAUNCHERS = {
@@ -32,3 +36,37 @@ def load(script: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def main_on_ranks(script: str, cwd: Path, argv: list[str], nproc: int = 2) -> list[tuple[str, str | None]]:
+    """examples/`script`'s main(argv) on `nproc` ranks in torchrun's environment, forked from tests.spawn's server
+    (which has imported torch and the frameworks the session uses: seconds less per process than a launch), for
+    the tests of what a program does rather than of its launcher. Each rank's output (stdout and stderr), and
+    the line it exited with if it refused the run."""
+    return run_ranks(run_main, nproc, str(EXAMPLES / script), argv, free_port(), cwd, timeout=180)
+
+
+def output_on_ranks(script: str, cwd: Path, *args: str) -> str:
+    """As main_on_ranks, on two ranks, for a run that no rank refuses: every rank's output, in rank order."""
+    ranks = main_on_ranks(script, cwd, list(args))
+    assert not any(refusal for _, refusal in ranks), ranks
+    return "".join(output for output, _ in ranks)
+
+
+def run_main(rank: int, world_size: int, script: str, argv: list[str], port: int, cwd: Path) -> tuple[str, str | None]:
+    import torch.distributed as dist
+
+    dist.destroy_process_group()  # main starts its own, from the launcher's environment
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), GROUP_RANK="0",
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.chdir(cwd)
+    with contextlib.redirect_stdout(io.StringIO()) as printed, contextlib.redirect_stderr(printed):
+        try:
+            load(Path(script)).main(argv)
+        except SystemExit as refused:
+            if isinstance(refused.code, str):
+                return printed.getvalue(), refused.code
+            raise RuntimeError(f"rank {rank} exited with {refused.code}: {printed.getvalue()[-3000:]}") from None
+        except BaseException as error:  # noqa: BLE001 - with what it printed
+            raise RuntimeError(f"rank {rank}: {printed.getvalue()[-3000:]}") from error
+    return printed.getvalue(), None

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.examples import EXAMPLES, launch, load
+from tests.examples import EXAMPLES, load, output_on_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -15,13 +15,13 @@ finetune = load(FINETUNE)
 
 
 def test_demo_task_is_learned_across_two_ranks(tmp_path):
-    result = launch("finetune.py", tmp_path, "--epochs", "1", "--save-dir", str(tmp_path / "tuned"))
+    printed = output_on_ranks("finetune.py", tmp_path, "--epochs", "1", "--save-dir", str(tmp_path / "tuned"))
     epochs = re.findall(r"epoch (\d): train loss [0-9.]+, held-out accuracy ([0-9.]+) on (\d+) examples, "
-                        r"last split \[(\d+), (\d+)\]", result.stdout)
-    assert [e[0] for e in epochs] == ["1"], result.stdout
+                        r"last split \[(\d+), (\d+)\]", printed)
+    assert [e[0] for e in epochs] == ["1"], printed
     # chance is 0.5; unseen adjectives need the pretrained weights. Both ranks' shards are counted.
-    assert float(epochs[-1][1]) >= 0.7 and all(e[2] == "80" for e in epochs), result.stdout
-    assert all(int(a) + int(b) == 16 for *_, a, b in epochs), result.stdout
+    assert float(epochs[-1][1]) >= 0.7 and all(e[2] == "80" for e in epochs), printed
+    assert all(int(a) + int(b) == 16 for *_, a, b in epochs), printed
     from transformers import AutoModelForSequenceClassification
 
     tuned = AutoModelForSequenceClassification.from_pretrained(tmp_path / "tuned")

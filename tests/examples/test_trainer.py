@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.examples import EXAMPLES, launch
+from tests.examples import EXAMPLES, output_on_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -14,12 +14,13 @@ TRAINER = EXAMPLES / "trainer.py"
 
 
 def test_the_demo_task_is_learned_and_saved(tmp_path):
-    result = launch("trainer.py", tmp_path, "--epochs", "1", "--device", "cpu", "--output-dir", str(tmp_path / "run"))
+    printed = output_on_ranks("trainer.py", tmp_path, "--epochs", "1", "--device", "cpu", "--output-dir",
+                              str(tmp_path / "run"))
     # Printed once, by rank 0: accuracy over both ranks' shards of the 80 held-out texts.
-    found = re.findall(r"held-out accuracy ([0-9.]+) on 80 examples; last split \[(\d+), (\d+)\]", result.stdout)
-    assert len(found) == 1, result.stdout[-3000:]
+    found = re.findall(r"held-out accuracy ([0-9.]+) on 80 examples; last split \[(\d+), (\d+)\]", printed)
+    assert len(found) == 1, printed[-3000:]
     accuracy, a, b = found[0]
-    assert float(accuracy) >= 0.7 and int(a) + int(b) == 16, result.stdout[-3000:]
+    assert float(accuracy) >= 0.7 and int(a) + int(b) == 16, printed[-3000:]
     from transformers import AutoModelForSequenceClassification
 
     tuned = AutoModelForSequenceClassification.from_pretrained(tmp_path / "run" / "final")
