@@ -10,7 +10,9 @@ from hsync._extension import _C  # noqa: F401 - before the rest of hsync: it ref
 from hsync.balance import BalanceConfig, Balancer
 from hsync.ddp import WeightedDDP
 from hsync.evaluation import ShardSampler, sum_over_ranks
+from hsync.sharding import ShardedOptimizer
 from hsync.stats import StepStats
 
-__all__ = ["BalanceConfig", "Balancer", "ShardSampler", "StepStats", "WeightedDDP", "sum_over_ranks"]
+__all__ = ["BalanceConfig", "Balancer", "ShardSampler", "ShardedOptimizer", "StepStats", "WeightedDDP",
+           "sum_over_ranks"]
 __version__ = "0.1.0"

@@ -1,0 +1,232 @@
+"""ShardedOptimizer: a WeightedDDP's optimizer state split across its ranks in proportion to their memory.
+
+Modelled on torch's ZeroRedundancyOptimizer, so that code written for it carries over: each rank runs the
+user's optimizer class on the parameters it owns (their state exists nowhere else), then every owner
+broadcasts its updated parameters. The gradients it steps with are WeightedDDP's exact weighted mean, so
+the parameters after each step are those of the unsharded optimizer. Every collective goes through the
+wrapper's communicator, under its deadline. Which rank owns what: Note [Memory shares] (shares.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from hsync.collectives import Channels
+from hsync.compat import reduced_parameters
+from hsync.ddp import WeightedDDP
+from hsync.errors import describe
+from hsync.sharding.shares import Layout, MemoryBudget, plan_layout, this_ranks_budget
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """`optimizer_class` over a WeightedDDP's parameters, its state sharded across the ranks by memory.
+
+        model = hsync.WeightedDDP(model)
+        optimizer = hsync.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-4)
+        stats = model.backward(loss, weight=n)
+        if stats.finite:
+            optimizer.step()
+        optimizer.zero_grad()
+
+    `memory_budget`: what this rank can give to the model's parameters, gradients and optimizer state (bytes,
+    or a size such as "6GiB"), or one per rank in rank order; None: measured on a GPU (its free memory), equal
+    shares on the CPU. `params`: parameter groups over the model's parameters, as an optimizer takes them
+    (default: every trainable parameter the model reduces, in one group). `defaults`: the optimizer's
+    arguments. Every method that changes state is collective: every rank calls it, in the same order."""
+
+    def __init__(self, model: WeightedDDP, optimizer_class: type[torch.optim.Optimizer], *,
+                 memory_budget: MemoryBudget = None, params: Iterable | None = None, **defaults: Any) -> None:
+        if not isinstance(model, WeightedDDP):
+            raise TypeError(f"hsync.ShardedOptimizer shards a hsync.WeightedDDP's state, got {describe(model)}")
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError("hsync.ShardedOptimizer: optimizer_class must be a torch.optim.Optimizer subclass, "
+                            f"got {describe(optimizer_class)}")
+        self._model = model
+        self._channel = Channels.of_model(model)
+        self._all = [p for p in reduced_parameters(model.module) if p.requires_grad]
+        self._index = {p: i for i, p in enumerate(self._all)}
+        sizes = [p.numel() * p.element_size() for p in self._all]
+        budget = this_ranks_budget(memory_budget, model.rank, model.world_size, model.device, sum(sizes))
+        budgets = self._channel.gather_objects(budget, "the memory budgets")
+        self.layout: Layout = plan_layout(sizes, budgets, state_bytes_per_parameter_byte(optimizer_class, defaults,
+                                                                                       model.device))
+        """Which parameters each rank owns (their indices among the model's trainable parameters)."""
+        self._owned = set(self._all[i] for i in self.layout.ranges[model.rank])
+        groups = list(params) if params is not None else [{"params": self._all}]
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        # The optimizer this rank runs: the same groups, each holding only the parameters it owns.
+        self._local = optimizer_class([self._owned_part(group) for group in self._checked(groups)], **defaults)
+        super().__init__([dict(group, params=list(group["params"])) for group in groups], self._local.defaults)
+        self._sync_hyperparameters(self.param_groups, self._local.param_groups)
+        self.state = self._local.state  # the owned parameters' state, as the local optimizer keeps it
+        self._consolidated: dict | None = None
+        self._built = True
+
+    # --- the parameters -------------------------------------------------------------------------------------
+
+    def _checked(self, groups: list[dict]) -> list[dict]:
+        for group in groups:
+            if not isinstance(group, dict) or "params" not in group:
+                raise TypeError(f"hsync.ShardedOptimizer: a parameter group is a dict with 'params', got "
+                                f"{describe(group)}")
+            group["params"] = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+            strangers = [p for p in group["params"] if p not in self._index]
+            if strangers:
+                raise ValueError(f"hsync.ShardedOptimizer: {len(strangers)} parameter(s) of a group are not among "
+                                 "the wrapped model's trainable parameters that it reduces; optimize them with an "
+                                 "optimizer of their own")
+        return groups
+
+    def _owned_part(self, group: dict) -> dict:
+        return dict(group, params=[p for p in group["params"] if p in self._owned])
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Adds a group of the model's parameters (not in any group yet), as torch.optim.Optimizer's does."""
+        super().add_param_group(param_group)
+        if getattr(self, "_built", False):  # not while torch.optim.Optimizer's constructor adds the first groups
+            group = self._checked([dict(self.param_groups[-1])])[0]
+            self._local.add_param_group(self._owned_part(group))
+            self._sync_hyperparameters(self.param_groups[-1:], self._local.param_groups[-1:])
+
+    @staticmethod
+    def _sync_hyperparameters(source: list[dict], target: list[dict]) -> None:
+        """Copies every setting but the parameters (an LR scheduler changes the global groups' "lr")."""
+        for ours, theirs in zip(source, target, strict=True):
+            for key, value in ours.items():
+                if key != "params":
+                    theirs[key] = value
+
+    # --- a step ----------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Steps the owned parameters with the optimizer class, then every owner broadcasts its own. A closure
+        runs once, on every rank, before the step (it may run a backward: a collective)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyperparameters(self.param_groups, self._local.param_groups)
+        self._local.step()
+        self._share_parameters()
+        return loss
+
+    def _share_parameters(self) -> None:
+        engine = self._model._ensure_engine()
+        for owner, owned in enumerate(self.layout.ranges):
+            if len(owned):
+                engine.broadcast_coalesced([self._all[i].detach() for i in owned], owner)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Every parameter's gradient, owned or not, as torch.optim.Optimizer's."""
+        super().zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scales the gradients so that their total norm is at most `max_norm`, and returns that norm before
+        clipping, as torch.nn.utils.clip_grad_norm_ over the unsharded gradients: each owner's norms in one
+        reduction over the ranks."""
+        norm_type = float(norm_type)
+        if not (norm_type > 0):
+            raise ValueError(f"hsync.ShardedOptimizer.clip_grad_norm_: norm_type must be positive, got {norm_type}")
+        grads = [p.grad for p in self._all if p.grad is not None]
+        mine = [p.grad for p in self._all if p.grad is not None and p in self._owned]
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(torch.float64) for g in mine]) if mine \
+            else torch.zeros(1, dtype=torch.float64, device=self._model.device)
+        if math.isinf(norm_type):
+            total = self._channel.max_over_ranks(norms.amax().reshape(1), "the gradient norm")[0]
+        else:
+            local = norms.pow(norm_type).sum().reshape(1)
+            total = self._channel.all_reduce_sum(local, "the gradient norm")[0].pow(1.0 / norm_type)
+        total = total.to(self._model.device, torch.float32)
+        coefficient = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.device, grad.dtype))
+        return total
+
+    # --- checkpoints -----------------------------------------------------------------------------------------
+
+    def state_dict_shard(self) -> dict:
+        """This rank's part of the state, keyed by each parameter's index in the whole optimizer (on the CPU):
+        what each rank saves for a state too large to gather on one. load_state_dict_shards reads them back."""
+        local = self._local.state_dict()
+        owned_order = [p for group in self._local.param_groups for p in group["params"]]
+        numbering = self._numbering()
+        state = {numbering[owned_order[i]]: _to_cpu(s) for i, s in local["state"].items()}
+        return {"state": state, "param_groups": self._global_groups()}
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gathers the whole state on rank `to`, for its state_dict() (collective, as ZeroRedundancyOptimizer's)."""
+        shards = self._channel.gather_objects(self.state_dict_shard(), "the optimizer state")
+        self._consolidated = merge_shards(shards) if self._model.rank == to else None
+
+    def state_dict(self) -> dict:
+        """The whole state, in the format of `optimizer_class` over the same parameter groups (loadable by it),
+        on the rank consolidate_state_dict gathered it to."""
+        if self._consolidated is None:
+            raise RuntimeError("hsync.ShardedOptimizer.state_dict: call consolidate_state_dict(to=rank) on every "
+                               "rank first; the state is then on that rank, as with ZeroRedundancyOptimizer")
+        return self._consolidated
+
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        """Loads a whole state (from state_dict(), or the plain optimizer's over the same groups) on every rank;
+        each keeps its own part. Any number of ranks and any budgets may have written it."""
+        groups = state_dict["param_groups"]
+        sizes = [len(group["params"]) for group in groups]
+        if sizes != [len(group["params"]) for group in self.param_groups]:
+            raise ValueError("hsync.ShardedOptimizer.load_state_dict: the state's parameter groups do not match "
+                             "this optimizer's (as many groups, as many parameters in each)")
+        numbering = self._numbering()
+        owned_order = [p for group in self.param_groups for p in group["params"] if p in self._owned]
+        local_state = {i: state_dict["state"][numbering[p]] for i, p in enumerate(owned_order)
+                       if numbering[p] in state_dict["state"]}
+        local_groups, start = [], 0
+        for saved, ours in zip(groups, self.param_groups, strict=True):
+            count = sum(p in self._owned for p in ours["params"])
+            local_groups.append(dict(saved, params=list(range(start, start + count))))
+            start += count
+        self._local.load_state_dict({"state": local_state, "param_groups": local_groups})
+        for saved, ours in zip(groups, self.param_groups, strict=True):
+            ours.update({k: v for k, v in saved.items() if k != "params"})
+
+    def load_state_dict_shards(self, shards: Iterable[Mapping]) -> None:
+        """Loads the shards that state_dict_shard() wrote on each rank of a run (any number of ranks)."""
+        self.load_state_dict(merge_shards(list(shards)))
+
+    def _numbering(self) -> dict[torch.Tensor, int]:
+        """Each parameter's index in the whole optimizer's state_dict: across groups, in order."""
+        return {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+
+    def _global_groups(self) -> list[dict]:
+        numbering = self._numbering()
+        return [dict({k: v for k, v in group.items() if k != "params"}, params=[numbering[p] for p in group["params"]])
+                for group in self.param_groups]
+
+
+def merge_shards(shards: list[Mapping]) -> dict:
+    """The whole state from every rank's state_dict_shard()."""
+    state: dict[int, Any] = {}
+    for shard in shards:
+        state.update(shard["state"])
+    return {"state": dict(sorted(state.items())), "param_groups": shards[0]["param_groups"]}
+
+
+def state_bytes_per_parameter_byte(optimizer_class: type[torch.optim.Optimizer], defaults: Mapping,
+                                   device: torch.device) -> float:
+    """How many bytes of state `optimizer_class` keeps per byte of parameter (AdamW's two moments: 2), from one
+    step on a small parameter: the state tensors of the parameter's size."""
+    probe = torch.zeros(16, device=device, requires_grad=True)
+    probe.grad = torch.ones_like(probe)
+    optimizer = optimizer_class([probe], **defaults)
+    optimizer.step()
+    sized = [t for t in optimizer.state[probe].values() if isinstance(t, torch.Tensor) and t.numel() == probe.numel()]
+    return sum(t.numel() * t.element_size() for t in sized) / (probe.numel() * probe.element_size())
+
+
+def _to_cpu(state: dict) -> dict:
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}

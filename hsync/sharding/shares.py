@@ -1,0 +1,116 @@
+"""Which rank owns which parameters' optimizer state: contiguous ranges sized by what each rank can hold.
+
+Note [Memory shares]
+A rank's budget is the memory it can give to the model's state: its parameters, their gradients and
+the optimizer state it owns. Parameters and gradients are whole on every rank (the gradients are
+all-reduced), so each rank's capacity for optimizer state is its budget less those, and the
+parameters are split, in registration order, into one contiguous range per rank whose optimizer
+state is in proportion to that capacity. A rank that declares nothing shares in proportion to its
+free device memory (`torch.cuda.mem_get_info`, measured after the model was placed, so the
+parameters are counted back in); on the CPU, where there is no such measure, ranks that declare
+nothing get equal shares. A model whose state cannot fit is refused before any step, naming each
+rank, its budget and what it would need.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hsync.errors import describe
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+MemoryBudget = int | float | str | Sequence[int | float | str] | None
+
+
+def parse_bytes(value: int | float | str, what: str = "memory_budget") -> int:
+    """A size in bytes: a number of bytes, or a string such as "6GiB", "512 MB", "1.5e9"."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise TypeError(f"{what} must be a number of bytes or a size such as '6GiB', got {describe(value)}")
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", value.lower())
+        if not match or match.group(2) not in _UNITS:
+            raise ValueError(f"{what}: cannot read {value!r} as a size (for example '6GiB', '512MB' or 1e9)")
+        number = float(match.group(1)) * _UNITS[match.group(2)]
+    else:
+        number = float(value)
+    if not (number > 0 and number < float("inf")):
+        raise ValueError(f"{what} must be a positive, finite size, got {value!r}")
+    return int(number)
+
+
+def this_ranks_budget(memory_budget: MemoryBudget, rank: int, world_size: int, device: torch.device,
+                      parameter_bytes: int) -> int | None:
+    """This rank's budget in bytes (Note [Memory shares]); None: undeclared on a CPU (an equal share)."""
+    if isinstance(memory_budget, list | tuple):
+        if len(memory_budget) != world_size:
+            raise ValueError(f"memory_budget lists {len(memory_budget)} budget(s) for {world_size} ranks: give one "
+                             "per rank, in rank order, or one size for this rank")
+        return parse_bytes(memory_budget[rank], f"memory_budget[{rank}]")
+    if memory_budget is not None:
+        return parse_bytes(memory_budget)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + parameter_bytes
+    return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the optimizer state lives: rank r owns parameters ranges[r] (indices in registration order)."""
+
+    ranges: tuple[range, ...]
+    needs: tuple[int, ...]
+    """Per rank, the bytes of parameters, gradients and its optimizer state under this layout."""
+
+
+def plan_layout(sizes: Sequence[int], budgets: Sequence[int | None], state_per_byte: float) -> Layout:
+    """Splits parameters of `sizes` bytes into contiguous ranges, one per rank, each rank's optimizer state
+    (`state_per_byte` bytes of it per byte of parameter) in proportion to its capacity; refuses a model whose
+    state cannot fit (ValueError naming every rank)."""
+    world = len(budgets)
+    total = sum(sizes)
+    replicated = 2 * total  # parameters and gradients, whole on every rank
+    if all(b is None for b in budgets):
+        capacities = [1.0] * world
+    elif any(b is None for b in budgets):
+        raise ValueError("memory_budget: declare a budget on every rank or on none")
+    else:
+        capacities = [max(0.0, b - replicated) for b in budgets]
+    state = total * state_per_byte
+    if budgets[0] is not None and (sum(capacities) < state or sum(capacities) == 0):
+        raise ValueError(refusal(budgets, replicated, state))
+    weight = sum(capacities)
+    bounds, prefix, start = [], 0, 0
+    cumulative = 0.0
+    for rank in range(world):
+        cumulative += capacities[rank]
+        target = total * cumulative / weight if rank < world - 1 else total
+        end = start
+        while end < len(sizes) and prefix + sizes[end] / 2 <= target:  # nearest boundary: a tensor is whole
+            prefix += sizes[end]
+            end += 1
+        bounds.append(range(start, end))
+        start = end
+    needs = tuple(replicated + int(sum(sizes[i] for i in r) * state_per_byte) for r in bounds)
+    if budgets[0] is not None and any(need > budget for need, budget in zip(needs, budgets, strict=True)):
+        raise ValueError(refusal(budgets, replicated, state, needs))
+    return Layout(tuple(bounds), needs)
+
+
+def refusal(budgets: Sequence[int | None], replicated: int, state: float,
+            needs: Sequence[int] | None = None) -> str:
+    ranks = ", ".join(f"rank {r}: budget {_mib(b)}" + (f", needs {_mib(needs[r])}" if needs else "")
+                      for r, b in enumerate(budgets))
+    return (f"hsync.ShardedOptimizer: the model's state does not fit the ranks' memory budgets ({ranks}); every "
+            f"rank holds the parameters and gradients whole ({_mib(replicated)}) and a share of the optimizer "
+            f"state ({_mib(int(state))} in all). Raise the budgets, add ranks or shrink the model")
+
+
+def _mib(size: int | None) -> str:
+    return "undeclared" if size is None else f"{size / 2**20:.1f} MiB"

