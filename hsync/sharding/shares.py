@@ -113,4 +113,6 @@ def refusal(budgets: Sequence[int | None], replicated: int, state: float,
 
 
 def _mib(size: int | None) -> str:
-    return "undeclared" if size is None else f"{size / 2**20:.1f} MiB"
+    if size is None:
+        return "undeclared"
+    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"

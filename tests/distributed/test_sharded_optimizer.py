@@ -5,6 +5,8 @@ budgets put it, and checkpoints that resume on other ranks and budgets."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -127,3 +129,117 @@ def test_a_skipped_owner_range_is_caught():
     results = run_ranks(train_side_by_side, 2, "adamw", None, 2, False, None, 0)
     with pytest.raises(AssertionError, match=r"rank [01], step [01], "):
         assert_same_training(results, exact=True)
+
+
+SPLITS = {1: [8], 2: [5, 3], 3: [2, 3, 3]}  # the same 8 examples a step, however many ranks
+
+
+def train_sharded(rank: int, world_size: int, budgets, steps: range, folder: str, resume: str | None = None,
+                  save_after: int | None = None) -> dict:
+    """AdamW through a ShardedOptimizer over `steps`, from a checkpoint in `folder` if `resume` ("whole": the
+    consolidated state, "shards": every rank's own), saving both after step `save_after`."""
+    import hsync
+
+    net = make_net(seed=0, dtype=torch.float32)
+    if resume:
+        net.load_state_dict(torch.load(f"{folder}/model.pt"))
+    model = hsync.WeightedDDP(net, bucket_cap_mb=TINY_BUCKET_MB)
+    optimizer = hsync.ShardedOptimizer(model, torch.optim.AdamW, memory_budget=budgets, lr=0.01)
+    if resume == "whole":
+        optimizer.load_state_dict(torch.load(f"{folder}/optimizer.pt"))
+    elif resume == "shards":
+        shards = sorted(Path(folder).glob("optimizer-shard-*.pt"))
+        optimizer.load_state_dict_shards(torch.load(path) for path in shards)
+    for step in steps:
+        optimizer.zero_grad()
+        _, _, parts = global_batch(step, SPLITS[world_size], dtype=torch.float32)
+        x, y = parts[rank]
+        model.backward(mse(model(x), y), weight=len(x))
+        optimizer.step()
+        if step == save_after:
+            optimizer.consolidate_state_dict(to=0)
+            torch.save(optimizer.state_dict_shard(), f"{folder}/optimizer-shard-{rank}.pt")
+            if rank == 0:
+                torch.save(optimizer.state_dict(), f"{folder}/optimizer.pt")
+                torch.save(model.module.state_dict(), f"{folder}/model.pt")
+    owned = {p for i, p in enumerate(optimizer._all) if i in optimizer.layout.ranges[rank]}
+    return {"params": {n: p.detach().clone() for n, p in model.module.named_parameters()},
+            "state_only_where_owned": all(p in owned for p in optimizer.state)}
+
+
+def plain_resume(rank: int, world_size: int, steps: range, folder: str) -> dict:
+    """The consolidated state in the plain AdamW over one rank's whole model, without hsync's optimizer."""
+    import hsync
+
+    net = make_net(seed=0, dtype=torch.float32)
+    net.load_state_dict(torch.load(f"{folder}/model.pt"))
+    model = hsync.WeightedDDP(net, bucket_cap_mb=TINY_BUCKET_MB)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optimizer.load_state_dict(torch.load(f"{folder}/optimizer.pt"))
+    for step in steps:
+        optimizer.zero_grad()
+        _, _, parts = global_batch(step, SPLITS[world_size], dtype=torch.float32)
+        model.backward(mse(model(parts[rank][0]), parts[rank][1]), weight=len(parts[rank][0]))
+        optimizer.step()
+    return {"params": {n: p.detach().clone() for n, p in model.module.named_parameters()}}
+
+
+def test_a_checkpoint_written_on_two_ranks_resumes_on_three_on_one_and_in_the_plain_optimizer(tmp_path):
+    folder = str(tmp_path)
+    straight = run_ranks(train_sharded, 2, ["3MiB", "1MiB"], range(6), folder, None, 2)
+    assert all(r["state_only_where_owned"] for r in straight)
+    resumed = {
+        "3 ranks, other budgets, whole state": run_ranks(train_sharded, 3, ["1MiB", "2MiB", "1MiB"], range(3, 6),
+                                                          folder, "whole"),
+        "1 rank, from the shards": run_ranks(train_sharded, 1, None, range(3, 6), folder, "shards"),
+        "2 ranks, equal shares, from the shards": run_ranks(train_sharded, 2, None, range(3, 6), folder, "shards"),
+        "the plain AdamW": run_ranks(plain_resume, 2, range(3, 6), folder),
+    }
+    for how, ranks in resumed.items():
+        for rank in ranks:
+            for name, value in straight[0]["params"].items():
+                # Other splits of the same examples sum in another order: equal within float32 rounding.
+                torch.testing.assert_close(rank["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"{how}: {name}")
+
+
+def refused_budgets(rank: int, world_size: int) -> str:
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32))
+    with pytest.raises(ValueError) as error:
+        hsync.ShardedOptimizer(model, torch.optim.AdamW, memory_budget=["1KiB", "2KiB"], lr=0.1)
+    return str(error.value)
+
+
+def test_a_model_too_large_for_the_budgets_is_refused_on_every_rank_naming_each():
+    for message in run_ranks(refused_budgets, 2):
+        assert message.startswith("hsync.ShardedOptimizer: the model's state does not fit"), message
+        assert "rank 0: budget 1.0 KiB" in message and "rank 1: budget 2.0 KiB" in message, message
+
+
+def bad_arguments(rank: int, world_size: int) -> dict[str, str]:
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32))
+    errors = {}
+    for name, call in {
+        "not a wrapper": lambda: hsync.ShardedOptimizer(model.module, torch.optim.SGD, lr=0.1),
+        "not an optimizer class": lambda: hsync.ShardedOptimizer(model, torch.optim.SGD([torch.zeros(1)]), lr=0.1),
+        "a stranger parameter": lambda: hsync.ShardedOptimizer(model, torch.optim.SGD, params=[torch.zeros(2)], lr=1),
+        "a budget per rank": lambda: hsync.ShardedOptimizer(model, torch.optim.SGD, memory_budget=["1GiB"], lr=1),
+        "state before consolidation": lambda: hsync.ShardedOptimizer(model, torch.optim.SGD, lr=1).state_dict(),
+    }.items():
+        try:
+            call()
+        except (TypeError, ValueError, RuntimeError) as error:
+            errors[name] = f"{type(error).__name__}: {error}"
+    return errors
+
+
+def test_bad_arguments_are_refused_naming_the_problem():
+    errors = run_ranks(bad_arguments, 2)[1]
+    assert "TypeError: hsync.ShardedOptimizer shards a hsync.WeightedDDP's state, got Net" in errors["not a wrapper"]
+    assert "optimizer_class must be a torch.optim.Optimizer subclass" in errors["not an optimizer class"]
+    assert "1 parameter(s) of a group are not among the wrapped model's" in errors["a stranger parameter"]
+    assert "memory_budget lists 1 budget(s) for 2 ranks" in errors["a budget per rank"]
+    assert "call consolidate_state_dict(to=rank) on every rank first" in errors["state before consolidation"]

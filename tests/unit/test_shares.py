@@ -1,0 +1,62 @@
+"""Who owns which parameters' optimizer state (hsync/sharding/shares.py): ranges in proportion to each rank's
+capacity, sizes read as users write them, and a model that cannot fit refused naming every rank."""
+
+import pytest
+import torch
+
+from hsync.sharding.shares import parse_bytes, plan_layout, this_ranks_budget
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(("text", "size"), [("6GiB", 6 * 2**30), ("512 MB", 512 * 10**6), ("1.5e3", 1500),
+                                            (4096, 4096), ("2kib", 2048)])
+def test_sizes_are_read_as_written(text, size):
+    assert parse_bytes(text) == size
+
+
+@pytest.mark.parametrize(("value", "message"), [("six GiB", "cannot read 'six GiB' as a size"),
+                                                ("3 parsecs", "cannot read '3 parsecs'"), (0, "positive, finite"),
+                                                (-1, "positive, finite"), (float("inf"), "positive, finite")])
+def test_a_size_that_means_nothing_is_refused_naming_it(value, message):
+    with pytest.raises(ValueError, match=message):
+        parse_bytes(value)
+    with pytest.raises(TypeError, match="got bool True"):
+        parse_bytes(True)
+
+
+def test_a_budget_list_names_one_budget_per_rank():
+    assert this_ranks_budget(["1MiB", "3MiB"], 1, 2, torch.device("cpu"), 100) == 3 * MIB
+    assert this_ranks_budget(None, 0, 2, torch.device("cpu"), 100) is None
+    with pytest.raises(ValueError, match="lists 3 budget"):
+        this_ranks_budget(["1MiB"] * 3, 0, 2, torch.device("cpu"), 100)
+
+
+def test_ranges_follow_the_capacity_beyond_the_whole_parameters_and_gradients():
+    sizes = [100] * 40  # 4000 bytes; parameters and gradients take 8000 on every rank
+    layout = plan_layout(sizes, [8000 + 3 * 3000, 8000 + 3000], state_per_byte=2.0)
+    assert [len(r) for r in layout.ranges] == [30, 10]
+    assert layout.ranges[0] == range(0, 30) and layout.ranges[1] == range(30, 40)
+    assert layout.needs == (8000 + 6000, 8000 + 2000)
+
+
+def test_undeclared_budgets_share_equally_and_a_rank_may_own_nothing():
+    assert [len(r) for r in plan_layout([10] * 9, [None] * 3, 2.0).ranges] == [3, 3, 3]
+    assert [len(r) for r in plan_layout([10], [None, None], 2.0).ranges] in ([1, 0], [0, 1])
+
+
+def test_a_tensor_is_whole_and_goes_to_the_nearest_boundary():
+    layout = plan_layout([10, 80, 10], [None, None], 1.0)  # half of 100 falls inside the big tensor
+    assert sum(len(r) for r in layout.ranges) == 3 and layout.ranges[0].stop in (1, 2)
+
+
+def test_a_model_that_cannot_fit_is_refused_naming_each_rank_its_budget_and_need():
+    with pytest.raises(ValueError) as error:
+        plan_layout([MIB] * 4, [9 * MIB, 9 * MIB], state_per_byte=2.0)  # 8 MiB whole + 8 MiB of state
+    message = str(error.value)
+    assert "rank 0: budget 9.0 MiB" in message and "rank 1: budget 9.0 MiB" in message, message
+    assert "parameters and gradients whole (8.0 MiB)" in message and "optimizer state (8.0 MiB in all)" in message
+    with pytest.raises(ValueError, match=r"rank 0: budget 13.0 MiB, needs 14.0 MiB"):
+        plan_layout([3 * MIB, MIB], [13 * MIB, 13 * MIB], state_per_byte=2.0)  # fits in sum, not whole tensors
+    with pytest.raises(ValueError, match="on every rank or on none"):
+        plan_layout([MIB], [None, 4 * MIB], state_per_byte=2.0)
