@@ -32,15 +32,19 @@ def sizes_of(step: int, world_size: int) -> list[list[int]]:
 
 
 def train_side_by_side(rank: int, world_size: int, optimizer: str, budgets, steps: int = 6, clip: bool = True,
-                       comm_dtype: torch.dtype | None = None, skip_owner: int | None = None) -> dict:
+                       comm_dtype: torch.dtype | None = None, skip_owner: int | None = None,
+                       device: str = "cpu") -> dict:
     """The same steps through an unsharded optimizer and a ShardedOptimizer: each model's parameters after each
-    step, the norms clipping returned, and what the sharded one holds."""
+    step (on the CPU), the norms clipping returned, and what the sharded one holds."""
     import hsync
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
 
     cls, kwargs = OPTIMIZERS[optimizer]
     models, optimizers, schedules = [], [], []
     for sharded in (False, True):
-        model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32), bucket_cap_mb=TINY_BUCKET_MB,
+        model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32).to(device), bucket_cap_mb=TINY_BUCKET_MB,
                                   comm_dtype=comm_dtype)
         opt = hsync.ShardedOptimizer(model, cls, memory_budget=budgets, **kwargs) if sharded \
             else cls(model.parameters(), **kwargs)
@@ -60,7 +64,7 @@ def train_side_by_side(rank: int, world_size: int, optimizer: str, budgets, step
             micro = sizes_of(step, world_size)
             for k, sizes in enumerate(micro):
                 _, _, parts = global_batch(step, sizes, micro=k, dtype=torch.float32)
-                x, y = parts[rank]
+                x, y = (t.to(device) for t in parts[rank])
                 last = k == len(micro) - 1
                 with model.no_sync() if not last else _nothing():
                     stats = model.backward(mse(model(x, use_branch=rank == 1), y) if len(x) else
@@ -71,7 +75,7 @@ def train_side_by_side(rank: int, world_size: int, optimizer: str, budgets, step
                                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
             opt.step()
             schedule.step()
-            out[name].append({n: p.detach().clone() for n, p in model.module.named_parameters()})
+            out[name].append({n: p.detach().cpu() for n, p in model.module.named_parameters()})
         out["norms"].append(norms)
     sharded_opt = optimizers[1]
     out["owned"] = list(sharded_opt.layout.ranges[rank])

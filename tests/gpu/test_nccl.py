@@ -13,7 +13,14 @@ import re
 import pytest
 import torch
 
-from tests.distributed import test_buffers, test_busy_time, test_cross_rank_backward, test_ddp_dropin, test_deadlines
+from tests.distributed import (
+    test_buffers,
+    test_busy_time,
+    test_cross_rank_backward,
+    test_ddp_dropin,
+    test_deadlines,
+    test_sharded_optimizer,
+)
 from tests.distributed.test_comm_dtype import check_within_rounding, weighted_steps
 from tests.distributed.test_faults import DEADLINE_S, VICTIM, noticed_after, train_until_victim_strikes
 from tests.distributed.workloads import TINY_BUCKET_MB, reference_training, train_weighted
@@ -163,3 +170,12 @@ def test_nccl_a_lost_peer_ends_hsyncs_other_collectives_within_the_deadline(wher
     assert noticed < test_deadlines.DEADLINE_S + 5.0, survivor.error
     if how == "stop":
         assert "deadline" in survivor.error, survivor.error
+
+
+@pytest.mark.parametrize("optimizer", ["adamw-fused", "sgd-momentum"])
+def test_nccl_sharded_optimizer_steps_as_the_unsharded_one(optimizer):
+    """Owners broadcast over hsync's NCCL communicator; budgets measured (each rank's free GPU memory)."""
+    results = run_ranks(test_sharded_optimizer.train_side_by_side, 2, optimizer, None, 4, True, None, None, "cuda",
+                        env=SOCKET_ENV, timeout=120)
+    test_sharded_optimizer.assert_same_training(results, exact=False)
+    assert sorted(i for r in results for i in r["owned"]) == list(range(10))
