@@ -33,13 +33,20 @@ def quick_bench(tmp_path, *only: str) -> tuple[dict, subprocess.CompletedProcess
 def test_quick_benchmark_writes_results(tmp_path):
     # Every quick row but the frameworks' (the next test's: the two run side by side).
     data, _ = quick_bench(tmp_path, "^bert-micro", "^gradient-mover", "^bucket-cap-", "^comm-path-", "^mixed-",
-                          "^equal-speeds", "^powersgd-hook$")
+                          "^equal-speeds", "^powersgd-hook$", "^shard-")
     assert (tmp_path / "results.png").stat().st_size > 1000
     names = [r["workload"] for r in data["results"]]
     assert names[:2] == ["bert-micro", "gradient-mover-50"]
     assert any(n.startswith("bucket-cap-") for n in names) and any(n.startswith("comm-path-") for n in names)
-    assert names[-4:] == ["mixed-speeds-2x", "equal-speeds-auto", "mixed-compute-2x", "mixed-speeds-1-1-2-4"], names
+    assert names[-5:] == ["shard-throughput", "mixed-speeds-2x", "equal-speeds-auto", "mixed-compute-2x",
+                          "mixed-speeds-1-1-2-4"], names
     assert [r["world_size"] for r in data["results"][-4:]] == [2, 2, 2, 4]
+    # Sharding against torch's: every system's step ran, and each rank holds its share of AdamW's moments.
+    extra = next(r for r in data["results"] if r["workload"] == "shard-throughput")["extra"]
+    assert extra["speedup_vs_zero"] > 0 and extra["speedup_vs_fsdp2"] > 0, extra
+    for system in ("hsync", "zero"):
+        shares = [extra[f"state_share_{system}_rank{r}"] for r in range(2)]
+        assert sum(shares) == pytest.approx(1.0) and all(0 < s < 1 for s in shares), (system, shares)
     assert {"bert-micro-bucket-views", "bert-micro-bf16", "powersgd-hook"} <= set(names)
     for r in data["results"]:
         if r["nosync_step_s"] is not None and r["samples_per_step"]:  # a training workload: memory measured too

@@ -98,6 +98,10 @@ class TrainConfig:
     bucket_views: bool = True
     """Keep gradients as views into hsync's buckets (gradient_as_bucket_view): one copy of the gradients
     less in memory and no copy back after each reduction. --no-bucket-views copies them, as DDP does."""
+    shard_optimizer: bool = False
+    """Keep AdamW's moments sharded across the ranks in proportion to each one's memory (hsync.ShardedOptimizer:
+    free GPU memory, equal shares on CPUs) instead of whole on every rank; the same updates. Checkpoints hold
+    the whole state either way, so a run may resume with or without it."""
     comm_dtype: str = "fp32"
     """Dtype the gradients travel in: fp32 (the model's own), or bf16 / fp16 for half the bytes on the wire,
     each gradient rounded once to it (fp16's range is checked, before and after the sum: an overflow counts

@@ -63,7 +63,10 @@ def main(argv: list[str] | None = None) -> None:
     net = wrapper.module
     model = torch.compile(wrapper) if cfg.compile else wrapper
     torch.manual_seed(cfg.seed + rank)  # rank 0's weights everywhere, but each rank its own dropout
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.shard_optimizer:
+        optimizer = hsync.ShardedOptimizer(wrapper, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
     balancer = hsync.Balancer(model, len(examples), balancing(cfg, world, slowdown))
     # What makes the updates: not the world size, nor how each rank's share is cut into micro-batches.
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
             "lr": cfg.lr, "weight_decay": cfg.weight_decay}
     # What a resumed run may change (extend the run, say), with a word.
     may_change = {"max_steps": cfg.max_steps, "warmup_steps": cfg.warmup_steps, "dropout": cfg.dropout,
-                  "comm_dtype": cfg.comm_dtype}
+                  "comm_dtype": cfg.comm_dtype, "shard_optimizer": cfg.shard_optimizer}
     if checkpoint.should_resume(cfg.save_dir, cfg.resume):
         state = checkpoint.load(Path(cfg.save_dir), meta, may_change, stop_at=cfg.stop_at, max_steps=cfg.max_steps)
         net.load_state_dict(state["model"])
@@ -96,7 +99,10 @@ def main(argv: list[str] | None = None) -> None:
                 continue  # more micro-batches of this step to come
             lr = optimizer.param_groups[0]["lr"]
             if stats.finite:
-                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                if cfg.shard_optimizer:
+                    optimizer.clip_grad_norm_(1.0)  # over every rank's shard
+                else:
+                    nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 schedule.step()
             optimizer.zero_grad(set_to_none=not cfg.bucket_views)  # bucket views stay where they are
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             saved = None
             if cfg.save_dir and (stopping or (cfg.save_every and step % cfg.save_every == 0) or step == last_step):
                 saved = checkpoint.save(Path(cfg.save_dir), step, {
-                    "model": net.state_dict(), "optimizer": optimizer.state_dict(),
+                    "model": net.state_dict(), "optimizer": whole_state(optimizer),
                     "schedule": schedule.state_dict(), "balancer": balancer.state_dict(),
                     "meta": meta | may_change})
             started = time.perf_counter()
@@ -127,6 +133,15 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
     if stopping:
         sys.exit(stop.exit_code)
+
+
+def whole_state(optimizer: torch.optim.Optimizer) -> dict | None:
+    """The optimizer's whole state in AdamW's own format (on rank 0, which writes checkpoints): a sharded one's
+    gathered there (collective), so that any later run, sharded or not, on any ranks, loads it."""
+    if isinstance(optimizer, hsync.ShardedOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if dist.get_rank() == 0 else None
+    return optimizer.state_dict()
 
 
 def unwritable_outputs(cfg: TrainConfig) -> str | None:
