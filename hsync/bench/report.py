@@ -64,12 +64,12 @@ def table(output: dict) -> list[str]:
         memory = " / ".join(f"{r['peak_memory_mb'][v]:.1f}" for v in MEMORY_VARIANTS) if r["peak_memory_mb"] else "-"
         ranks = r.get("world_size", env["world_size"])
         name = r["workload"] + (f" ({ranks} ranks)" if ranks != env["world_size"] else "")
-        lines.append(f"| {name} | {r['hsync_step_s'] * 1e3:.2f} ({r['hsync_p90_s'] * 1e3:.2f}) | "
-                     f"{_ms(r['hsync_plain_step_s'])} | {r['ddp_step_s'] * 1e3:.2f} ({r['ddp_p90_s'] * 1e3:.2f}) | "
-                     f"{_ms(r['nosync_step_s'])} | {r['ratio_vs_ddp']:.3f} | {_ratio(r['plain_ratio_vs_ddp'])} | "
+        rate = r["samples_per_step"] / r["hsync_step_s"] if r["samples_per_step"] else 0  # none: a row of no steps
+        lines.append(f"| {name} | {_ms(r['hsync_step_s'])} ({_ms(r['hsync_p90_s'])}) | "
+                     f"{_ms(r['hsync_plain_step_s'])} | {_ms(r['ddp_step_s'])} ({_ms(r['ddp_p90_s'])}) | "
+                     f"{_ms(r['nosync_step_s'])} | {_ratio(r['ratio_vs_ddp'])} | {_ratio(r['plain_ratio_vs_ddp'])} | "
                      f"{_pct(r['hsync_overhead_vs_nosync'])} | {_pct(r['ddp_overhead_vs_nosync'])} | "
-                     f"{r['samples_per_step'] / r['hsync_step_s'] if r['samples_per_step'] else 0:.0f} | {memory} | "
-                     f"{notes} |")
+                     f"{rate:.0f} | {memory} | {notes} |")
     return lines
 
 

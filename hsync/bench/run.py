@@ -20,7 +20,7 @@ from hsync.bench.comm_path import comm_path
 from hsync.bench.frameworks import framework_mixed
 from hsync.bench.report import environment, report, write_outputs
 from hsync.bench.result import Result
-from hsync.bench.sharding import shard_throughput
+from hsync.bench.sharding import shard_capacity, shard_throughput
 from hsync.bench.training import time_variants
 from hsync.bench.workloads import bert_workload, dtype_suffix, mover_workload
 
@@ -78,6 +78,7 @@ def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
             jobs.append(Job(f"comm-path-{mb:g}MiB{dtype_suffix(comm_dtype)}", None,
                             partial(comm_path, device, mb, args.rounds * args.steps, comm_dtype)))
     jobs.append(Job("shard-throughput", None, partial(shard_throughput, device, args.rounds, args.steps, args.quick)))
+    jobs.append(Job("shard-capacity-3to1", 2, partial(shard_capacity, device, args.quick)))
     for name, slowdowns in (("mixed-speeds-2x", [1.0, 2.0]), ("mixed-speeds-1-1-2-4", [1.0, 1.0, 2.0, 4.0]),
                             ("equal-speeds-auto", [1.0, 1.0])):
         jobs.append(Job(name, len(slowdowns), partial(mixed_speeds, name, device, slowdowns, args.rounds,

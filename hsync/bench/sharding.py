@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -13,7 +14,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import hsync
-from hsync.bench.result import NAN, Result
+from hsync.bench.memory import live_bytes, peak_bytes_during
+from hsync.bench.result import MIB, NAN, Result
 from hsync.collectives import Channels
 
 SHARD_VARIANTS = ("hsync", "zero", "fsdp2", "ddp")
@@ -99,3 +101,83 @@ def state_bytes(state: dict) -> int:
     """Bytes of the state tensors with a dimension (the moments, not the step counts)."""
     return sum(t.numel() * t.element_size() for s in state.values() for t in s.values()
                if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+CAPACITY_SYSTEMS = ("hsync", "zero", "fsdp2", "ddp")
+CAPACITY_LAYERS = 4
+CAPACITY_BUCKET_MB = 1.0  # every system's buckets (hsync's parameter broadcasts too): small beside the budgets
+
+
+def shard_capacity(device: torch.device, quick: bool) -> Result:
+    """Two ranks with memory budgets 3:1: for each system, the widest stack of CAPACITY_LAYERS linear layers
+    (width doubled, then bisected to a multiple of 8) whose AdamW training step stays
+    within every rank's budget. Each rank's bytes are measured the same way for every system: what building
+    it and one step left alive (parameters, gradients, optimizer state, buckets) plus the peak a further
+    step allocates (hsync/bench/memory.py). hsync's ShardedOptimizer is given the budgets;
+    ZeroRedundancyOptimizer over DDP and FSDP2 (fully_shard with its defaults: parameters sharded too)
+    shard evenly; DDP replicates. All keep gradients in their buckets (gradient_as_bucket_view; FSDP2's
+    are sharded)."""
+    rank = dist.get_rank()
+    small = (8 if quick else 32) * MIB
+    budgets = [3 * small, small]
+    channel = Channels.of_group()
+    widths = {}
+    for system in CAPACITY_SYSTEMS:
+        def fits(width: int, system: str = system) -> bool:
+            peak = step_bytes(system, width, budgets, device)
+            return bool(channel.gather(torch.tensor([peak <= budgets[rank]]), f"{system} within budget").all())
+        widths[system] = widest(fits)
+    params = {system: CAPACITY_LAYERS * (w * w + w) for system, w in widths.items()}
+    extra = {f"params_{system}": float(count) for system, count in params.items()}
+    extra |= {f"hsync_vs_{system}": params["hsync"] / params[system] for system in CAPACITY_SYSTEMS[1:]}
+    extra |= {"budget_rank0_mib": budgets[0] / MIB, "budget_rank1_mib": budgets[1] / MIB}
+    return Result("shard-capacity-3to1", NAN, NAN, NAN, NAN, NAN, NAN, 0, extra=extra)
+
+
+def widest(fits: Callable[[int], bool], step: int = 8, limit: int = 1 << 14) -> int:
+    """The largest multiple of `step` that fits (0 if not even 2 * `step`): doubled, then bisected."""
+    low = 2 * step
+    if not fits(low):
+        return 0
+    high = low * 2
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    while high - low > step:
+        middle = (low + high) // 2 // step * step
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def step_bytes(system: str, width: int, budgets: list[int], device: torch.device) -> int:
+    """This rank's bytes for `system` training a stack of `width`: alive after a step, plus a step's peak."""
+    from torch.distributed.fsdp import fully_shard
+
+    gc.collect()
+    before = live_bytes(device)
+    net = stack(width, CAPACITY_LAYERS, device)
+    if system == "hsync":
+        net = hsync.WeightedDDP(net, gradient_as_bucket_view=True, bucket_cap_mb=CAPACITY_BUCKET_MB)
+        try:
+            optimizer = hsync.ShardedOptimizer(net, torch.optim.AdamW, memory_budget=budgets, lr=1e-4)
+        except ValueError:  # it refuses what its own arithmetic says cannot fit
+            return budgets[0] + budgets[1]
+    elif system == "fsdp2":
+        for layer in net:
+            fully_shard(layer)
+        fully_shard(net)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    else:
+        net = DistributedDataParallel(net, gradient_as_bucket_view=True, bucket_cap_mb=CAPACITY_BUCKET_MB)
+        optimizer = (ZeroRedundancyOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-4) if system == "zero"
+                     else torch.optim.AdamW(net.parameters(), lr=1e-4))
+    batch = torch.randn(4, width, device=device)
+
+    def step() -> None:
+        loss = net(batch).square().mean()
+        net.backward(loss, weight=len(batch)) if system == "hsync" else loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # the optimizer's state comes with the first step
+    kept = live_bytes(device) - before
+    return kept + peak_bytes_during(step, device)  # what it built goes with this frame
