@@ -15,6 +15,8 @@ namespace hsync {
 namespace {
 
 constexpr int64_t kSlotAlignBytes = 16;
+// Bucket groups (bucket.h): a dtype, and with owners one group per owner and dtype.
+constexpr int64_t kDtypeGroups = static_cast<int64_t>(at::ScalarType::NumOptions);
 
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
@@ -112,8 +114,10 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
   infos.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::ScalarType dtype = bucket_dtype(i);
+    // One bucket holds one dtype and, with owners, one owner's parameters.
+    const int64_t owner = owners_.empty() ? -1 : owners_[i];
     infos.push_back({static_cast<int64_t>(params_[i].numel() * at::elementSize(dtype)),
-                     static_cast<int64_t>(dtype)});
+                     static_cast<int64_t>(dtype) + kDtypeGroups * (owner + 1)});
   }
   const auto assignment =
       compute_bucket_assignment(infos, order, bucket_bytes_cap_, first_bucket_bytes_cap_);
@@ -135,6 +139,7 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
     bucket.buffer = at::zeros({numel + tail},
                               params_[indices.front()].options().dtype(dtype).requires_grad(false));
     bucket.params = indices;
+    bucket.owner = owners_.empty() ? -1 : static_cast<int>(owners_[indices.front()]);
     for (size_t k = 0; k < indices.size(); ++k) {
       const at::Tensor& param = params_[indices[k]];
       bucket.slots.push_back(bucket.buffer.narrow(0, offsets[k], param.numel()).view(param.sizes()));
@@ -387,7 +392,9 @@ void Engine::launch_complete_buckets() {
     if (hook_chain_) {  // the flags and used marks stay hsync's, the values go to the hook: Note [Hook order]
       hook_chain_->submit(step_.next_bucket);
     } else {
-      bucket.seq = comm_->all_reduce_sum(bucket.buffer, Purpose::kBucket, static_cast<int64_t>(step_.next_bucket));
+      const auto index = static_cast<int64_t>(step_.next_bucket);
+      bucket.seq = bucket.owner >= 0 ? comm_->reduce_sum(bucket.buffer, bucket.owner, Purpose::kBucket, index)
+                                     : comm_->all_reduce_sum(bucket.buffer, Purpose::kBucket, index);
     }
     ++step_.next_bucket;
   }
@@ -409,6 +416,8 @@ void Engine::launch_complete_buckets() {
 void Engine::set_comm_hook(std::shared_ptr<c10d::CommHookInterface> hook) {
   std::lock_guard<std::mutex> lock(mutex_);
   HSYNC_CHECK(!step_.active && !hook_chain_, "a communication hook is registered once, before the first step");
+  HSYNC_CHECK(owners_.empty(), "a communication hook hands every bucket to every rank, but this model's "
+              "buckets are each reduced to the rank that owns their parameters (hsync.ShardedOptimizer)");
   hook_chain_ = std::make_shared<HookChain>(comm_, std::move(hook));
   set_hooked_buckets();
   hook_factor_ = static_cast<double>(comm_->world_size());
@@ -502,10 +511,14 @@ void Engine::finalize() {
   }
 
   std::vector<at::Tensor> flags;
-  for (const Bucket& bucket : buckets_) {
-    flags.push_back(bucket.nonfinite_flag.to(at::kDouble));
-    if (bucket.buffer.scalar_type() == at::kHalf) flags.push_back(sum_overflowed(bucket));
+  if (owners_.empty()) {
+    for (const Bucket& bucket : buckets_) {
+      if (bucket.buffer.scalar_type() == at::kHalf) flags.push_back(sum_overflowed(bucket));
+    }
+  } else {
+    flags = share_owned_flags();
   }
+  for (const Bucket& bucket : buckets_) flags.push_back(bucket.nonfinite_flag.to(at::kDouble));
   last_grad_nonfinite_ = at::cat(flags).sum();
 
   if (!rebuilt_) {
@@ -540,7 +553,62 @@ at::Tensor Engine::sum_overflowed(const Bucket& bucket) {
   return at::isfinite(values.sum(at::kFloat)).logical_not().to(at::kDouble).reshape({1});
 }
 
+// Note [Owned buckets]
+// With owners (set by hsync.ShardedOptimizer), each parameter's gradient is needed on one rank only,
+// the one whose optimizer steps it. Buckets then hold one owner's parameters each (one more key of
+// the bucket assignment, beside the dtype) and each is reduced to its owner instead of all-reduced:
+// half a ring all-reduce's bytes, and the owner's broadcast of the updated parameters is the other
+// half. The other ranks drop those gradients at write-back. Every rank must still learn every
+// bucket's flags (a non-finite gradient anywhere skips the step everywhere; a float16 sum's overflow
+// is seen only by its owner), so after the buckets' reduces one all-reduce carries each owner's
+// reduced flags, zeros from the others, and writes them into every rank's bucket tails. Owners are
+// fixed between steps; a communication hook, which hands every bucket to every rank, is refused.
+void Engine::set_owners(const std::vector<int64_t>& owners) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  HSYNC_CHECK(!step_.active, "parameter owners are set between steps");
+  HSYNC_CHECK(!hook_chain_, "a communication hook hands every bucket to every rank; parameters with owners "
+              "(hsync.ShardedOptimizer) are reduced to their owner instead");
+  HSYNC_CHECK(owners.empty() || owners.size() == params_.size(), "owners for ", owners.size(), " of ",
+              params_.size(), " parameters");
+  for (int64_t owner : owners) {
+    HSYNC_CHECK(owner >= 0 && owner < comm_->world_size(), "owner ", owner, " is outside world size ",
+                comm_->world_size());
+  }
+  owners_ = owners;
+  std::vector<int64_t> order;  // the buckets' current order, cut anew at the owners' boundaries
+  for (const Bucket& bucket : buckets_) order.insert(order.end(), bucket.params.begin(), bucket.params.end());
+  build_buckets(order);
+  if (grads_as_views_) move_grads_into_slots();
+}
+
+std::vector<at::Tensor> Engine::share_owned_flags() {
+  const int rank = comm_->rank();
+  const auto options = at::TensorOptions().dtype(at::kDouble).device(device_);
+  std::vector<at::Tensor> parts;
+  for (const Bucket& bucket : buckets_) {
+    const bool owned = bucket.owner == rank;
+    parts.push_back(owned ? bucket.tail.to(at::kDouble) : at::zeros({bucket.tail.numel()}, options));
+    parts.push_back(owned && bucket.buffer.scalar_type() == at::kHalf ? sum_overflowed(bucket)
+                                                                      : at::zeros({1}, options));
+  }
+  const at::Tensor shared = at::cat(parts);
+  comm_->synchronize_through(comm_->all_reduce_sum(shared, Purpose::kBucketFlags));
+  std::vector<at::Tensor> overflowed;
+  int64_t offset = 0;
+  for (const Bucket& bucket : buckets_) {
+    bucket.tail.copy_(shared.narrow(0, offset, bucket.tail.numel()));
+    overflowed.push_back(shared.narrow(0, offset + bucket.tail.numel(), 1));
+    offset += bucket.tail.numel() + 1;
+  }
+  step_.tails_on_host = at::Tensor();  // read before the exchange: stale
+  return overflowed;
+}
+
 void Engine::write_back(const Bucket& bucket) {
+  if (bucket.owner >= 0 && bucket.owner != comm_->rank()) {  // Note [Owned buckets]
+    for (int64_t index : bucket.params) params_[index].mutable_grad() = at::Tensor();
+    return;
+  }
   // Cast back to the gradient's dtype (Note [Communication dtype]) and normalised on the way out
   // when deferred (Note [Deferred normalisation]).
   const auto unpack = [this](const at::Tensor& reduced, const at::Tensor& grad) {

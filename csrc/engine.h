@@ -60,6 +60,7 @@ struct Bucket {
   std::vector<at::Tensor> used;    // per param: its one-element used flag
   at::Tensor tail;                 // nonfinite flag and used flags, zeroed at each step
   int64_t tail_offset = 0;         // where the tail starts among all buckets' tails, in bucket order
+  int owner = -1;                  // the rank it is reduced to: Note [Owned buckets]; -1: all-reduced
   size_t pending = 0;              // params not packed yet in this step
   uint64_t seq = 0;                // its all-reduce's sequence number in this step (none with a hook)
 };
@@ -123,6 +124,10 @@ class Engine {
   // Before the first step only.
   void set_comm_hook(std::shared_ptr<c10d::CommHookInterface> hook);
 
+  // Each parameter's owner, the one rank its gradient is reduced to (Note [Owned buckets]); between steps,
+  // the same on every rank, without a communication hook.
+  void set_owners(const std::vector<int64_t>& owners);
+
   // Under Join, plain steps all-reduce `scalars` (this rank's, weight 1) as weighted steps do;
   // an undefined tensor turns that off. Note [Join].
   void set_join_plain_step(const std::optional<at::Tensor>& scalars, bool divide_by_world_size);
@@ -166,6 +171,9 @@ class Engine {
   // 1 if a float16 bucket's all-reduce overflowed; a one-element float64 tensor on the device.
   static at::Tensor sum_overflowed(const Bucket& bucket);
   void write_back(const Bucket& bucket);
+  // With owners: every bucket's reduced flags (and a float16 bucket's overflow) to every rank, in one
+  // all-reduce after the buckets' reduces; returns each bucket's overflow flag. Note [Owned buckets].
+  std::vector<at::Tensor> share_owned_flags();
   // Whether a parameter with no gradient on this rank got one elsewhere (its reduced used flag),
   // which decides whether it gets a .grad here.
   bool used_on_some_rank(const Bucket& bucket, size_t k);
@@ -187,6 +195,7 @@ class Engine {
 
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> locator_;  // param -> (bucket, position in bucket)
+  std::vector<int64_t> owners_;             // per param, Note [Owned buckets]; empty: every bucket all-reduced
 
   std::mutex mutex_;
   std::atomic<bool> expect_gradients_{false};  // written by Python, read by autograd's threads

@@ -187,6 +187,7 @@ class WeightedDDP(DistributedDataParallel):
         self._uses_default_group = process_group is None or process_group == dist.group.WORLD
         self._hook_registered = False  # register_comm_hook was called
         self._comm_hook: tuple[object, Callable] | None = None  # a hook of the user's: Note [Communication hooks]
+        self._param_owners: list[int] | None = None  # hsync.ShardedOptimizer's: Note [Owned buckets]
         self._balanced = False  # an hsync.Balancer declared its metrics: it plans for these ranks
         self._steps_begun = False  # a synchronised forward ran: too late for register_comm_hook
         self.require_backward_grad_sync = True  # public: nanoGPT-style loops set it per micro-step
@@ -237,6 +238,8 @@ class WeightedDDP(DistributedDataParallel):
         )
         if self._comm_hook is not None:  # an engine built anew (a copy, a new group) keeps the user's hook
             self._engine.set_comm_hook(*self._comm_hook)
+        if self._param_owners is not None:
+            self._engine.set_owners(self._param_owners)
         # Weakly, like the engine: destroy_process_group() must be able to free the group (and join
         # its threads) while the model lives on; a group freed at interpreter exit aborts it.
         self._group = weakref.ref(group)
@@ -271,7 +274,7 @@ class WeightedDDP(DistributedDataParallel):
                                "pickle model.module instead")
         state = self.__dict__.copy()
         state.update(_engine=None, _group=None, _window=None, _plain_steps_join=None, require_forward_param_sync=False,
-                     _before_sync=None)
+                     _before_sync=None, _param_owners=None)  # a copy has no sharded optimizer
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -509,9 +512,22 @@ class WeightedDDP(DistributedDataParallel):
                               "hooks must be None or the wrapper's own process group")
         if self._hook_registered:
             return RuntimeError("register_comm_hook can only be called once, as with DDP")
+        if self._param_owners is not None and not known:
+            return RuntimeError("hsync.WeightedDDP.register_comm_hook: an hsync.ShardedOptimizer reduces each "
+                                "bucket to the rank that owns its parameters, and a communication hook hands every "
+                                "bucket to every rank; register the hook without sharding the optimizer")
         if self._steps_begun:
             return RuntimeError("register_comm_hook must be called before the first backward, as with DDP")
         return None
+
+    def _set_param_owners(self, owners: list[int]) -> None:
+        """Each trainable parameter's owner, in registration order: its gradient is reduced to that rank only
+        (Note [Owned buckets] in csrc/engine.cpp). hsync.ShardedOptimizer's; every rank, between steps."""
+        if self._comm_hook is not None:
+            raise RuntimeError("hsync.ShardedOptimizer: this model has a communication hook of the user's, which "
+                               "hands every bucket to every rank; sharding reduces each bucket to its owner")
+        self._ensure_engine().set_owners(owners)
+        self._param_owners = list(owners)
 
     @contextlib.contextmanager
     def waiting_for_peers(self) -> Iterator[None]:
@@ -546,6 +562,12 @@ class WeightedDDP(DistributedDataParallel):
         divide by the world size (divide_by_initial_world_size=True, DDP's default) or by the number of
         ranks not joined yet. At the end every rank holds the parameters of the last rank to join.
         As with DDP, each forward under join must be followed by at most one synchronised backward."""
+        if enable and self._param_owners is not None:
+            # A joined rank would have to shadow the optimizer's broadcasts too (ZeroRedundancyOptimizer is a
+            # Joinable of its own for that); hsync.ShardedOptimizer is not, yet.
+            raise RuntimeError("hsync.WeightedDDP.join: not with an hsync.ShardedOptimizer, whose owners broadcast "
+                               "their parameters after each step; give every rank the same number of steps "
+                               "(hsync.Balancer or ShardSampler do)")
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 

@@ -7,24 +7,26 @@
 namespace hsync {
 namespace {
 
-// seq, root + 1 (0: an all-reduce), purpose, index, numel, dtype: exact in float64.
-constexpr int64_t kFingerprintFields = 6;
+// seq, op, root, purpose, index, numel, dtype: exact in float64.
+constexpr int64_t kFingerprintFields = 7;
 
 void write_fingerprint(const Collective& c, double* row) {
   const double fields[kFingerprintFields] = {
-      static_cast<double>(c.seq), static_cast<double>(c.root + 1), static_cast<double>(c.purpose),
-      static_cast<double>(c.index), static_cast<double>(c.numel), static_cast<double>(c.dtype)};
+      static_cast<double>(c.seq), static_cast<double>(c.op), static_cast<double>(c.root),
+      static_cast<double>(c.purpose), static_cast<double>(c.index), static_cast<double>(c.numel),
+      static_cast<double>(c.dtype)};
   std::copy(fields, fields + kFingerprintFields, row);
 }
 
 Collective read_fingerprint(const double* row) {
   Collective c;
   c.seq = static_cast<uint64_t>(row[0]);
-  c.root = static_cast<int>(row[1]) - 1;
-  c.purpose = static_cast<Purpose>(static_cast<int>(row[2]));
-  c.index = static_cast<int64_t>(row[3]);
-  c.numel = static_cast<int64_t>(row[4]);
-  c.dtype = static_cast<at::ScalarType>(static_cast<int>(row[5]));
+  c.op = static_cast<Op>(static_cast<int>(row[1]));
+  c.root = static_cast<int>(row[2]);
+  c.purpose = static_cast<Purpose>(static_cast<int>(row[3]));
+  c.index = static_cast<int64_t>(row[4]);
+  c.numel = static_cast<int64_t>(row[5]);
+  c.dtype = static_cast<at::ScalarType>(static_cast<int>(row[6]));
   return c;
 }
 
@@ -40,12 +42,17 @@ Communicator::Communicator(int rank, int world_size, std::string backend, const 
 }
 
 uint64_t Communicator::all_reduce_sum(const at::Tensor& tensor, Purpose purpose, int64_t index, std::string label) {
-  return issue(tensor, -1, purpose, index, std::move(label));
+  return issue(tensor, Op::kAllReduce, -1, purpose, index, std::move(label));
 }
 
 void Communicator::broadcast(const at::Tensor& tensor, int root, Purpose purpose) {
   HSYNC_CHECK(root >= 0 && root < world_size_, "broadcast root ", root, " is outside world size ", world_size_);
-  issue(tensor, root, purpose, -1, {});
+  issue(tensor, Op::kBroadcast, root, purpose, -1, {});
+}
+
+uint64_t Communicator::reduce_sum(const at::Tensor& tensor, int root, Purpose purpose, int64_t index) {
+  HSYNC_CHECK(root >= 0 && root < world_size_, "reduce root ", root, " is outside world size ", world_size_);
+  return issue(tensor, Op::kReduce, root, purpose, index, {});
 }
 
 void Communicator::give_up(const std::string& why) {
@@ -64,10 +71,12 @@ void Communicator::synchronize() {
   }
 }
 
-uint64_t Communicator::issue(const at::Tensor& tensor, int root, Purpose purpose, int64_t index, std::string label) {
+uint64_t Communicator::issue(const at::Tensor& tensor, Op op, int root, Purpose purpose, int64_t index,
+                             std::string label) {
   monitor_->check();
   Collective collective;
   collective.seq = next_seq_++;
+  collective.op = op;
   collective.root = root;
   collective.purpose = purpose;
   collective.index = index;

@@ -52,6 +52,10 @@ class Communicator {
   // Enqueues an in-place broadcast of `tensor` from `root`.
   void broadcast(const at::Tensor& tensor, int root, Purpose purpose);
 
+  // Enqueues an in-place SUM reduce of `tensor` to `root` and returns its sequence number; on the other
+  // ranks `tensor` is undefined afterwards (a backend may use it as scratch).
+  uint64_t reduce_sum(const at::Tensor& tensor, int root, Purpose purpose, int64_t index = -1);
+
   // Orders the caller after the collective numbered `seq` and every one issued before it: blocks
   // the calling thread on CPU, makes the current CUDA stream wait on GPU (no host
   // synchronisation). Later collectives go on meanwhile. Throws a failure.
@@ -81,7 +85,7 @@ class Communicator {
   FaultMonitor& monitor() { return *monitor_; }
 
  private:
-  uint64_t issue(const at::Tensor& tensor, int root, Purpose purpose, int64_t index, std::string label);
+  uint64_t issue(const at::Tensor& tensor, Op op, int root, Purpose purpose, int64_t index, std::string label);
   void verify_fingerprint(const at::Tensor& tensor, const Collective& collective);
 
   int rank_;

@@ -18,10 +18,14 @@ std::string Collective::describe() const {
     case Purpose::kBroadcast: what = "parameters and buffers"; break;
     case Purpose::kFingerprint: what = "the debug fingerprints of collective #" + std::to_string(seq); break;
     case Purpose::kHost: what = label; break;
+    case Purpose::kBucketFlags: what = "the owned buckets' flags"; break;
   }
-  const std::string from = root >= 0 ? " from rank " + std::to_string(root) : "";
-  return std::string(root >= 0 ? "broadcast" : "all-reduce") + " #" + std::to_string(seq) + " of " + what +
-         from + " (" + std::to_string(numel) + " x " + c10::toString(dtype) + ")";
+  const char* kind = op == Op::kBroadcast ? "broadcast" : op == Op::kReduce ? "reduce" : "all-reduce";
+  std::string where;
+  if (op == Op::kBroadcast) where = " from rank " + std::to_string(root);
+  if (op == Op::kReduce) where = " to rank " + std::to_string(root);
+  return std::string(kind) + " #" + std::to_string(seq) + " of " + what + where + " (" + std::to_string(numel) +
+         " x " + c10::toString(dtype) + ")";
 }
 
 std::string seconds(Clock::duration elapsed) {

@@ -50,12 +50,21 @@ enum class Purpose : int {
   kBroadcast = 4,
   kFingerprint = 5,
   kHost = 6,  // a decision of hsync's Python side (hsync/collectives.py), named by its label
+  kBucketFlags = 7,  // the owned buckets' flags, to every rank: Note [Owned buckets]
+};
+
+// What a collective does with the ranks' tensors (sums are SUM).
+enum class Op : int {
+  kAllReduce = 0,  // every rank gets the sum
+  kBroadcast = 1,  // every rank gets the root's
+  kReduce = 2,     // the root gets the sum; the others' tensors are left undefined
 };
 
 // One collective as issued by this rank.
 struct Collective {
   uint64_t seq = 0;          // counts this communicator's collectives, the same on every rank
-  int root = -1;             // a broadcast's root; -1: a SUM all-reduce
+  Op op = Op::kAllReduce;
+  int root = -1;             // a broadcast's or a reduce's root
   Purpose purpose = Purpose::kBucket;
   int64_t index = -1;        // the bucket, for kBucket
   int64_t numel = 0;

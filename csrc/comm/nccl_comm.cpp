@@ -247,11 +247,15 @@ void NcclComm::launch(const at::Tensor& tensor, const Collective& collective) {
     in_flight_.push_back({collective, nullptr});  // its deadline runs while NCCL connects
   }
   // The monitor's thread may end this call if it blocks (Note [NCCL failures]).
-  const ncclResult_t issued =
-      collective.root < 0
-          ? ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype, ncclSum, comm_, stream_.stream())
-          : ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype, collective.root, comm_,
-                          stream_.stream());
+  void* data = tensor.data_ptr();
+  const size_t count = static_cast<size_t>(tensor.numel());
+  const cudaStream_t stream = stream_.stream();
+  ncclResult_t issued = ncclInvalidArgument;
+  switch (collective.op) {
+    case Op::kAllReduce: issued = ncclAllReduce(data, data, count, dtype, ncclSum, comm_, stream); break;
+    case Op::kBroadcast: issued = ncclBroadcast(data, data, count, dtype, collective.root, comm_, stream); break;
+    case Op::kReduce: issued = ncclReduce(data, data, count, dtype, ncclSum, collective.root, comm_, stream); break;
+  }
   const std::string last_error = issued == ncclSuccess || aborted_ ? "" : ncclGetLastError(comm_);
   {
     const std::lock_guard<std::mutex> lock(call_mutex_);

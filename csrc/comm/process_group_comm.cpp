@@ -41,16 +41,29 @@ c10::intrusive_ptr<c10d::ProcessGroup> ProcessGroupComm::group() const {
 void ProcessGroupComm::launch(const at::Tensor& tensor, const Collective& collective) {
   std::vector<at::Tensor> tensors{tensor};
   c10::intrusive_ptr<c10d::Work> work;
-  if (collective.root < 0) {
-    c10d::AllreduceOptions options;
-    options.reduceOp = c10d::ReduceOp::SUM;
-    options.timeout = timeout() + kBackendGrace;
-    work = group()->allreduce(tensors, options);
-  } else {
-    c10d::BroadcastOptions options;
-    options.rootRank = collective.root;
-    options.timeout = timeout() + kBackendGrace;
-    work = group()->broadcast(tensors, options);
+  switch (collective.op) {
+    case Op::kAllReduce: {
+      c10d::AllreduceOptions options;
+      options.reduceOp = c10d::ReduceOp::SUM;
+      options.timeout = timeout() + kBackendGrace;
+      work = group()->allreduce(tensors, options);
+      break;
+    }
+    case Op::kBroadcast: {
+      c10d::BroadcastOptions options;
+      options.rootRank = collective.root;
+      options.timeout = timeout() + kBackendGrace;
+      work = group()->broadcast(tensors, options);
+      break;
+    }
+    case Op::kReduce: {
+      c10d::ReduceOptions options;
+      options.reduceOp = c10d::ReduceOp::SUM;
+      options.rootRank = collective.root;
+      options.timeout = timeout() + kBackendGrace;
+      work = group()->reduce(tensors, options);
+      break;
+    }
   }
   auto future = work->getFuture();
   future->addCallback([completion = completion_](c10::ivalue::Future&) {

@@ -56,6 +56,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                                                                        model.device))
         """Which parameters each rank owns (their indices among the model's trainable parameters)."""
         self._owned = set(self._all[i] for i in self.layout.ranges[model.rank])
+        model._set_param_owners([owner for owner, owned in enumerate(self.layout.ranges) for _ in owned])
         groups = list(params) if params is not None else [{"params": self._all}]
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
