@@ -24,6 +24,10 @@ seams where that happens and leaves the rest of Trainer as it is:
   examples without labels), and returns the step's loss over every rank.
 Evaluation, predictions, metrics, callbacks, logging and save_model are Trainer's own: the model they
 see (self.model) is the plain model, so a saved folder loads with from_pretrained.
+With BalancingArguments.shard_optimizer, four more seams: create_optimizer wraps Trainer's optimizer
+class and groups in hsync.ShardedOptimizer; _prepare_for_training keeps Accelerate from moving its
+state (a state_dict of it is a collective); _clip_grad_norm and _get_grad_norm take the norm over every
+rank's shard; _save_optimizer_and_scheduler gathers the whole state first, on every rank.
 """
 
 from __future__ import annotations
@@ -66,6 +70,10 @@ class BalancingArguments:
     """A new split is taken only if it predicts steps at least this much shorter (BalanceConfig.min_gain)."""
     simulate_slowdown: float = 1.0
     """For benchmarks and tests: this rank's steps are made this many times longer."""
+    shard_optimizer: bool = False
+    """Keep the optimizer's state sharded across the ranks by their memory (hsync.ShardedOptimizer over the
+    optimizer TrainingArguments choose, with its parameter groups): the same updates, each rank holding its
+    share. Checkpoints hold the whole state, so a run resumes with or without it."""
 
 
 class Trainer(transformers.Trainer):
@@ -81,6 +89,11 @@ class Trainer(transformers.Trainer):
         refuse_a_wrapped_model(kwargs.get("model", args[0] if args else None),
                                "hsync.integrations.transformers.Trainer")
         self.balancing = balancing or BalancingArguments()
+        if self.balancing.shard_optimizer and training_args.fp16:
+            # GradScaler skips a step on the ranks that saw an overflow in their own gradients, but a sharded
+            # step is collective: every rank must step, or none.
+            raise ValueError("hsync.integrations.transformers.Trainer: BalancingArguments(shard_optimizer=True) "
+                             "does not take fp16's GradScaler; use bf16, or no sharding")
         # Trainer counts one dataloader item as one step (Note [Trainer]); the accumulation steps become
         # micro-batches of the Balancer's.
         self.micro_batches_per_step = training_args.gradient_accumulation_steps
@@ -95,6 +108,8 @@ class Trainer(transformers.Trainer):
             args = (args[0], training_args, *args[2:])
         super().__init__(*args, **kwargs)
         self.weighted_model: nn.Module | None = None  # the WeightedDDP, compiled with torch_compile
+        self.weighted_ddp: hsync.WeightedDDP | None = None
+        self.sharded_optimizer: hsync.ShardedOptimizer | None = None  # with BalancingArguments.shard_optimizer
         self.balancer: hsync.Balancer | None = None
         self._resume_from: str | None = None
 
@@ -112,7 +127,7 @@ class Trainer(transformers.Trainer):
             if self.model.device.type == "cuda":
                 options["device_ids"] = [self.model.device.index]
             ensure_process_group(self.model.device)
-            weighted = hsync.WeightedDDP(self.model, **options)
+            weighted = self.weighted_ddp = hsync.WeightedDDP(self.model, **options)
             if args.torch_compile:  # what Accelerate's prepare would have done to the model it wrapped
                 weighted = torch.compile(weighted, backend=args.torch_compile_backend or "inductor",
                                          mode=args.torch_compile_mode)
@@ -122,6 +137,47 @@ class Trainer(transformers.Trainer):
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: DataLoader | None = None) -> nn.Module:
         # Not the model Trainer was given: Trainer then keeps it out of accelerator.prepare (no DDP around it).
         return self._weighted() if training else super()._wrap_model(model, training, dataloader)
+
+    # -- the optimizer -------------------------------------------------------------------------------
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if not self.balancing.shard_optimizer or self.optimizer is not None:
+            return super().create_optimizer(model)
+        plain = super().create_optimizer(model)  # Trainer's groups and settings; no state until a step
+        optimizer_class, defaults = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+        self._weighted()
+        self.optimizer = self.sharded_optimizer = hsync.ShardedOptimizer(
+            self.weighted_ddp, optimizer_class, params=[dict(group) for group in plain.param_groups], **defaults)
+        return self.optimizer
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.balancing.shard_optimizer:  # the optimizer is created in there
+            return super()._prepare_for_training(*args, **kwargs)
+        # Accelerate's device placement moves an optimizer's state through a state_dict, which for a sharded one
+        # is a collective gathering of the whole state; its state is already where its parameters are.
+        placement = self.accelerator.device_placement
+        self.accelerator.device_placement = False
+        try:
+            return super()._prepare_for_training(*args, **kwargs)
+        finally:
+            self.accelerator.device_placement = placement
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        if self.sharded_optimizer is None:
+            return super()._clip_grad_norm(model)
+        return self.sharded_optimizer.clip_grad_norm_(self.args.max_grad_norm)  # over every rank's shard
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: torch.Tensor | None = None) -> Any:
+        if self.sharded_optimizer is not None and grad_norm is None:  # a rank holds its own gradients only
+            grad_norm = self.sharded_optimizer.clip_grad_norm_(float("inf"))
+        return super()._get_grad_norm(model, grad_norm)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.sharded_optimizer is not None:
+            # The whole state, gathered on every rank that writes it (save_on_each_node: one a node); the
+            # gather is the same collective whichever ranks keep it.
+            self.sharded_optimizer.consolidate_state_dict(to=self.args.process_index if self.args.should_save else 0)
+        super()._save_optimizer_and_scheduler(output_dir)
 
     # -- the data ------------------------------------------------------------------------------------
 

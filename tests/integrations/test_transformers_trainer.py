@@ -90,7 +90,7 @@ def training_args(output_dir: str, **overrides) -> transformers.TrainingArgument
 
 def train_with_hsync(rank: int, world_size: int, task: str, shares: list[int] | None, output_dir: str,
                      resume_from: str | None = None, overrides: dict | None = None, global_batch: int | None = None,
-                     callbacks: tuple = ()) -> dict:
+                     callbacks: tuple = (), shard_optimizer: bool = False) -> dict:
     from transformers import TrainerCallback
 
     from hsync.integrations.transformers import BalancingArguments, Trainer
@@ -114,7 +114,7 @@ def train_with_hsync(rank: int, world_size: int, task: str, shares: list[int] | 
     trainer = Trainer(model=model, args=training_args(output_dir, **(overrides or {})), train_dataset=data,
                       eval_dataset=Texts(task), data_collator=collate, callbacks=[Steps(), *callbacks],
                       balancing=BalancingArguments(global_batch_size=global_batch, rank_batch_sizes=shares,
-                                                   replan_every=2))
+                                                   replan_every=2, shard_optimizer=shard_optimizer))
     trainer.train(resume_from_checkpoint=resume_from)
     if rank == 0:
         trainer.save_model(os.path.join(output_dir, "final"))
@@ -126,7 +126,8 @@ def train_with_hsync(rank: int, world_size: int, task: str, shares: list[int] | 
             "dtypes": sorted(dtypes), "checkpointing": trainer.model.is_gradient_checkpointing,
             "find_unused": trainer.weighted_model.find_unused_parameters, "log": trainer.state.log_history,
             "compiled": type(trainer.model_wrapped).__name__,
-            "best_checkpoint": trainer.state.best_model_checkpoint, "skipped": skipped}
+            "best_checkpoint": trainer.state.best_model_checkpoint, "skipped": skipped,
+            "sharded": type(trainer.sharded_optimizer).__name__}
 
 
 def one_process(task: str, steps: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -196,6 +197,27 @@ def test_a_resume_through_trainers_checkpoint_ends_as_an_uninterrupted_run(tmp_p
         assert after["global_step"] == 6
         for name, value in before["params"].items():
             torch.testing.assert_close(after["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_sharded_optimizer_makes_the_updates_of_trainers_own_and_its_checkpoints_resume_without_it(tmp_path):
+    """AdamW with weight decay (Trainer's two groups) and clipping, through hsync.ShardedOptimizer: the steps of the
+    same run without sharding, and a checkpoint that a run without sharding resumes."""
+    adamw = {"optim": "adamw_torch", "learning_rate": 1e-3, "weight_decay": 0.01, "max_grad_norm": 0.5,
+             "save_strategy": "steps", "save_steps": 2}
+    whole = run_ranks(train_with_hsync, 2, "classify", [24, 8], str(tmp_path / "whole"), None, adamw, env=ENV,
+                      timeout=240)
+    sharded = run_ranks(train_with_hsync, 2, "classify", [24, 8], str(tmp_path / "sharded"), None, adamw, None, (),
+                        True, env=ENV, timeout=240)
+    assert [r["sharded"] for r in sharded] == ["ShardedOptimizer"] * 2
+    resumed = run_ranks(train_with_hsync, 2, "classify", [24, 8], str(tmp_path / "resumed"),
+                        str(tmp_path / "sharded" / "checkpoint-4"), adamw, env=ENV, timeout=240)
+    for how, other in (("sharded", sharded), ("resumed without sharding", resumed)):
+        for before, after in zip(whole, other, strict=True):
+            # Clipping sums the shards' norms in another order: the same updates within float32 rounding.
+            for name, value in before["params"].items():
+                torch.testing.assert_close(after["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"{how}: {name}")
+    norms = [[entry["grad_norm"] for entry in r["log"] if "grad_norm" in entry] for r in (whole[0], sharded[0])]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5), norms  # the logged norm is over every rank's shard
 
 
 def test_a_resume_in_one_process_goes_on_with_the_same_global_batches(tmp_path):
