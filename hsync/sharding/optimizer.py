@@ -56,7 +56,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                                                                        model.device))
         """Which parameters each rank owns (their indices among the model's trainable parameters)."""
         self._owned = set(self._all[i] for i in self.layout.ranges[model.rank])
-        model._set_param_owners([owner for owner, owned in enumerate(self.layout.ranges) for _ in owned])
         groups = list(params) if params is not None else [{"params": self._all}]
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
@@ -67,6 +66,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = self._local.state  # the owned parameters' state, as the local optimizer keeps it
         self._consolidated: dict | None = None
         self._built = True
+        # Last: once set, the model's gradients go to their owners only, which only this optimizer steps.
+        model._set_param_owners([owner for owner, owned in enumerate(self.layout.ranges) for _ in owned])
 
     # --- the parameters -------------------------------------------------------------------------------------
 

@@ -246,15 +246,18 @@ def bad_arguments(rank: int, world_size: int) -> dict[str, str]:
         "not a wrapper": lambda: hsync.ShardedOptimizer(model.module, torch.optim.SGD, lr=0.1),
         "not an optimizer class": lambda: hsync.ShardedOptimizer(model, torch.optim.SGD([torch.zeros(1)]), lr=0.1),
         "a stranger parameter": lambda: hsync.ShardedOptimizer(model, torch.optim.SGD, params=[torch.zeros(2)], lr=1),
+        "owners after a refusal": lambda: model._param_owners,
         "a budget per rank": lambda: hsync.ShardedOptimizer(model, torch.optim.SGD, memory_budget=["1GiB"], lr=1),
         "state before consolidation": lambda: hsync.ShardedOptimizer(model, torch.optim.SGD, lr=1).state_dict(),
         "a hook after sharding": lambda: model.register_comm_hook(None, lambda state, bucket: None),
         "join": lambda: model.join(),
     }.items():
         try:
-            call()
+            outcome = call()
         except (TypeError, ValueError, RuntimeError) as error:
             errors[name] = f"{type(error).__name__}: {error}"
+        else:
+            errors[name] = outcome
     return errors
 
 
@@ -268,3 +271,4 @@ def test_bad_arguments_are_refused_naming_the_problem():
     assert "reduces each bucket to the rank that owns its parameters" in errors["a hook after sharding"]
     assert "not with an hsync.ShardedOptimizer" in errors["join"]
     assert "has a communication hook of the user's" in errors["a hooked model"]
+    assert errors["owners after a refusal"] is None  # a refused optimizer leaves the model's reduction alone
