@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 from collections.abc import Callable
 
@@ -14,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hsync
 from hsync.bench.memory import live_bytes, peak_bytes_during
-from hsync.bench.result import MIB, NAN, Result
+from hsync.bench.result import MIB, NAN, Result, slowest_rank_quantiles
 from hsync.collectives import Channels
 
 SHARD_VARIANTS = ("hsync", "zero", "fsdp2", "ddp")
@@ -73,10 +72,7 @@ def shard_throughput(device: torch.device, rounds: int, steps: int, quick: bool)
                     torch.cuda.synchronize(device)
                 if round_index:
                     times[variant].append(time.perf_counter() - started)
-    slowest = channel.max_over_ranks(torch.tensor([times[v] for v in SHARD_VARIANTS], dtype=torch.float64),
-                                     "the benchmark's step times")
-    med = {v: statistics.median(row) for v, row in zip(SHARD_VARIANTS, slowest.tolist(), strict=True)}
-    p90 = {v: statistics.quantiles(row, n=10)[-1] for v, row in zip(SHARD_VARIANTS, slowest.tolist(), strict=True)}
+    med, p90 = slowest_rank_quantiles(times)
     whole = sum(p.numel() * p.element_size() for p in nets["ddp"].parameters()) * 2  # AdamW's two moments
     held = channel.gather(torch.tensor([state_bytes(optimizers["hsync"].state),
                                         state_bytes(optimizers["zero"].optim.state)], dtype=torch.float64),

@@ -5,6 +5,7 @@ budgets put it, and checkpoints that resume on other ranks and budgets."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,7 @@ def train_side_by_side(rank: int, world_size: int, optimizer: str, budgets, step
                 _, _, parts = global_batch(step, sizes, micro=k, dtype=torch.float32)
                 x, y = (t.to(device) for t in parts[rank])
                 last = k == len(micro) - 1
-                with model.no_sync() if not last else _nothing():
+                with model.no_sync() if not last else contextlib.nullcontext():
                     stats = model.backward(mse(model(x, use_branch=rank == 1), y) if len(x) else
                                            model(x).sum() * 0, weight=len(x))
             assert stats.finite
@@ -84,14 +85,6 @@ def train_side_by_side(rank: int, world_size: int, optimizer: str, budgets, step
                              if isinstance(t, torch.Tensor) and t.dim() > 0)
     out["lr"] = [group["lr"] for group in sharded_opt.param_groups]
     return out
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 def assert_same_training(results: list[dict], exact: bool = True) -> None:
