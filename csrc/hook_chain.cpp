@@ -56,7 +56,17 @@ void HookChain::run() {
     const auto& future = launched_[index].result;
     if (!future->completed()) {
       // The thread that completes it goes on; if that happened meanwhile, this call runs the rest now.
-      future->addCallback([self = shared_from_this()](c10::ivalue::Future&) { self->run(); });
+      {
+        const std::lock_guard<std::mutex> lock(holders_->mutex);
+        ++holders_->count;
+      }
+      future->addCallback([self = shared_from_this(), holders = holders_](c10::ivalue::Future&) mutable {
+        self->run();
+        self.reset();  // before wait() may return: Note [Hook order]
+        const std::lock_guard<std::mutex> lock(holders->mutex);
+        --holders->count;
+        holders->released.notify_all();
+      });
       return;
     }
   }
@@ -98,7 +108,14 @@ void HookChain::wait() {
       idle_.wait_for(lock, std::min<Clock::duration>(FaultMonitor::kPollInterval, deadline - Clock::now()));
     }
   }
-  if (error_) std::rethrow_exception(error_);
+  const std::exception_ptr error = error_;
+  lock.unlock();
+  {
+    // The chain ended in a callback, which lets go of the chain just after: microseconds.
+    std::unique_lock<std::mutex> held(holders_->mutex);
+    holders_->released.wait(held, [&] { return holders_->count == 0; });
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 void HookChain::abandon() {

@@ -15,6 +15,10 @@
 // submits each bucket, and the device still overlaps the buckets' collectives with each other.
 // The chain owns what it touches (it may outlive the engine through a future's callback), and a
 // wait for it has the communicator's deadline, counted from the start of the hook in progress.
+// A step ends only once every callback of the chain has let go of it, so the chain (and the user's
+// hook state, which may hold the last reference to a process group) is never released on the
+// thread that completed a future: a gloo process group ends by joining its own threads, and
+// joining the thread it runs on aborts the process ("Resource deadlock avoided").
 #pragma once
 
 #include <ATen/ATen.h>
@@ -72,6 +76,13 @@ class HookChain : public std::enable_shared_from_this<HookChain> {
     c10::intrusive_ptr<c10::ivalue::Future> result;
   };
 
+  // The callbacks that hold the chain; apart from it, so that one can say it let go after it did.
+  struct Holders {
+    std::mutex mutex;
+    std::condition_variable released;
+    int count = 0;
+  };
+
   void run();  // launches queued buckets until one's hook is still running; on any thread
   void launch(size_t index);
 
@@ -88,6 +99,7 @@ class HookChain : public std::enable_shared_from_this<HookChain> {
   Clock::time_point progress_;     // when the hook in progress was called
   size_t in_progress_ = 0;         // its bucket
   std::exception_ptr error_;       // what stopped the chain
+  std::shared_ptr<Holders> holders_ = std::make_shared<Holders>();
 };
 
 }  // namespace hsync

@@ -38,6 +38,21 @@ _channels_built: collections.defaultdict[str, int] = collections.defaultdict(int
 _channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+_ended_groups: list[dist.ProcessGroup] = []
+
+
+def end_process_group() -> None:
+    """torch.distributed.destroy_process_group(), for a process about to exit, keeping the default group's
+    object until it does. A communication hook's future callbacks (torch's PowerSGD hook's) hold the group,
+    and the gloo thread that completed the future releases them just after the step has ended; were that
+    release the group's last, its destructor would join the very thread it runs on and the process would
+    abort ("Resource deadlock avoided"). torch DDP's programs are exposed alike."""
+    group = dist.group.WORLD
+    if group is not None:
+        _ended_groups.append(group)
+    dist.destroy_process_group()
+
+
 def resolve_timeout(timeout: datetime.timedelta | None) -> float:
     """The collective deadline in seconds, from the argument, else HSYNC_TIMEOUT, else DEFAULT_TIMEOUT."""
     if timeout is None:

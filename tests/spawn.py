@@ -47,7 +47,9 @@ def _entry(rank: int, world_size: int, port: int, backend: str, env: dict[str, s
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            from hsync.collectives import end_process_group
+
+            end_process_group()
 
 
 def _start(fn: Callable, world_size: int, args: tuple, backend: str, env: dict[str, str] | None,
@@ -71,6 +73,7 @@ def _start(fn: Callable, world_size: int, args: tuple, backend: str, env: dict[s
 
 
 _FAILED_RUN_GRACE_S = 5.0
+_DEAD_RESULT_GRACE_S = 2.0
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
@@ -86,13 +89,22 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
     finished = False
+    dead_since: float | None = None
     try:
         while len(values) < world_size:
             try:
-                rank, ok, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, ok, payload = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(values))
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
+                dead = {r: procs[r].exitcode for r in missing if procs[r].exitcode is not None}
+                # A rank that crashed (an abort, a signal) sends nothing: say so now, not at the deadline. The
+                # grace lets a result that a rank queued just before it exited arrive.
+                dead_since = (dead_since or time.monotonic()) if dead else None
+                if dead and time.monotonic() - dead_since > _DEAD_RESULT_GRACE_S:
+                    raise AssertionError(f"ranks exited without a result (rank: exit code) {dead}") from None
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
+                continue
             if not ok:
                 raise RankError(rank, payload)
             values[rank] = pickle.loads(payload)

@@ -23,6 +23,7 @@ from hsync.bench.result import Result
 from hsync.bench.sharding import shard_capacity, shard_throughput
 from hsync.bench.training import time_variants
 from hsync.bench.workloads import bert_workload, dtype_suffix, mover_workload
+from hsync.collectives import end_process_group
 
 
 @dataclass
@@ -134,7 +135,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
             with open(out_path, "w") as f:
                 json.dump(output, f)
     finally:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             output = run_jobs(args)
         finally:
-            dist.destroy_process_group()
+            end_process_group()
         if int(os.environ["RANK"]) == 0:
             write_outputs(args, output)
         return
