@@ -22,7 +22,7 @@ int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1
 
 // The bucket's gradients, flat, without its tail of flags.
 at::Tensor values_of(const Bucket& bucket) {
-  return bucket.buffer.narrow(0, 0, bucket.buffer.numel() - bucket.tail.numel());
+  return bucket.buffer.narrow(0, 0, bucket.values_numel);
 }
 
 bool supported_dtype(at::ScalarType type) {
@@ -134,24 +134,41 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
       offsets.push_back(numel);
       numel = round_up(numel + params_[index].numel(), align);
     }
-    const int64_t tail = 1 + static_cast<int64_t>(indices.size());
     Bucket bucket;
-    bucket.buffer = at::zeros({numel + tail},
-                              params_[indices.front()].options().dtype(dtype).requires_grad(false));
     bucket.params = indices;
+    bucket.offsets = std::move(offsets);
+    bucket.values_numel = numel;
     bucket.owner = owners_.empty() ? -1 : static_cast<int>(owners_[indices.front()]);
-    for (size_t k = 0; k < indices.size(); ++k) {
-      const at::Tensor& param = params_[indices[k]];
-      bucket.slots.push_back(bucket.buffer.narrow(0, offsets[k], param.numel()).view(param.sizes()));
-      bucket.used.push_back(bucket.buffer.narrow(0, numel + 1 + static_cast<int64_t>(k), 1));
-      locator_[indices[k]] = {buckets_.size(), k};
-    }
-    bucket.nonfinite_flag = bucket.buffer.narrow(0, numel, 1);
-    bucket.tail = bucket.buffer.narrow(0, numel, tail);
-    bucket.tail_offset = buckets_.empty() ? 0 : buckets_.back().tail_offset + buckets_.back().tail.numel();
+    bucket.transient = bucket.owner >= 0 && bucket.owner != comm_->rank();
+    for (size_t k = 0; k < indices.size(); ++k) locator_[indices[k]] = {buckets_.size(), k};
+    bucket.tail_offset = buckets_.empty() ? 0 : buckets_.back().tail_offset + buckets_.back().tail_numel();
+    if (!bucket.transient) allocate(bucket);
     buckets_.push_back(std::move(bucket));
   }
   if (hook_chain_) set_hooked_buckets();
+}
+
+void Engine::allocate(Bucket& bucket) {
+  const int64_t first = bucket.params.front();
+  bucket.buffer = at::zeros({bucket.values_numel + bucket.tail_numel()},
+                            params_[first].options().dtype(bucket_dtype(first)).requires_grad(false));
+  bucket.slots.clear();
+  bucket.used.clear();
+  for (size_t k = 0; k < bucket.params.size(); ++k) {
+    const at::Tensor& param = params_[bucket.params[k]];
+    bucket.slots.push_back(bucket.buffer.narrow(0, bucket.offsets[k], param.numel()).view(param.sizes()));
+    bucket.used.push_back(bucket.buffer.narrow(0, bucket.values_numel + 1 + static_cast<int64_t>(k), 1));
+  }
+  bucket.nonfinite_flag = bucket.buffer.narrow(0, bucket.values_numel, 1);
+  bucket.tail = bucket.buffer.narrow(0, bucket.values_numel, bucket.tail_numel());
+}
+
+void Engine::release(Bucket& bucket) {
+  bucket.buffer = at::Tensor();
+  bucket.slots.clear();
+  bucket.used.clear();
+  bucket.nonfinite_flag = at::Tensor();
+  bucket.tail = at::Tensor();
 }
 
 std::vector<std::vector<int64_t>> Engine::bucket_params() const {
@@ -167,7 +184,11 @@ void Engine::start_step() {
   step_.pack_scale = plain_scale_;
   for (Bucket& bucket : buckets_) {
     bucket.pending = bucket.params.size();
-    bucket.tail.zero_();
+    if (bucket.transient) {
+      release(bucket);  // left by a step that failed: allocated anew, zeroed, by its first gradient
+    } else {
+      bucket.tail.zero_();
+    }
   }
 }
 
@@ -361,6 +382,7 @@ void Engine::refuse_a_late_gradient(size_t index) {
 
 void Engine::skip_unused(size_t index) {
   const auto [b, k] = locator_[index];
+  if (!buckets_[b].buffer.defined()) allocate(buckets_[b]);
   buckets_[b].slots[k].zero_();
   HSYNC_ASSERT(buckets_[b].pending > 0, "bucket ", b, " received more gradients than it holds");
   --buckets_[b].pending;
@@ -369,6 +391,7 @@ void Engine::skip_unused(size_t index) {
 void Engine::pack(size_t index, const at::Tensor& grad) {
   const auto [b, k] = locator_[index];
   Bucket& bucket = buckets_[b];
+  if (!bucket.buffer.defined()) allocate(bucket);
   const at::Tensor& slot = bucket.slots[k];
   HSYNC_CHECK(grad.layout() == at::kStrided, "parameter '", names_[index],
               "' has a sparse gradient; hsync reduces dense gradients only (use sparse=False)");
@@ -377,7 +400,11 @@ void Engine::pack(size_t index, const at::Tensor& grad) {
               " elements) does not match its parameter");
   // In place when the gradient already is its slot: Note [Gradients as bucket views].
   scale_and_pack(grad, slot, step_.pack_scale, bucket.nonfinite_flag, bucket.used[k]);
-  if (grad_is_slot(index) && !grad.is_same(slot)) params_[index].mutable_grad() = slot;
+  if (bucket.transient) {
+    params_[index].mutable_grad() = at::Tensor();  // its owner's now: Note [Owned buckets]
+  } else if (grad_is_slot(index) && !grad.is_same(slot)) {
+    params_[index].mutable_grad() = slot;
+  }
   HSYNC_ASSERT(bucket.pending > 0, "bucket ", b, " received more gradients than it holds");
   --bucket.pending;
 }
@@ -395,6 +422,7 @@ void Engine::launch_complete_buckets() {
       const auto index = static_cast<int64_t>(step_.next_bucket);
       bucket.seq = bucket.owner >= 0 ? comm_->reduce_sum(bucket.buffer, bucket.owner, Purpose::kBucket, index)
                                      : comm_->all_reduce_sum(bucket.buffer, Purpose::kBucket, index);
+      if (bucket.transient) release(bucket);  // sent: the communicator holds it until the reduce is done
     }
     ++step_.next_bucket;
   }
@@ -475,7 +503,10 @@ void Engine::finalize_if_pending() {
 void Engine::mark_step_failed() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!step_.active) return;
-  for (size_t b = step_.next_bucket; b < buckets_.size(); ++b) buckets_[b].nonfinite_flag.fill_(1);
+  for (size_t b = step_.next_bucket; b < buckets_.size(); ++b) {
+    if (!buckets_[b].buffer.defined()) allocate(buckets_[b]);
+    buckets_[b].nonfinite_flag.fill_(1);
+  }
 }
 
 void Engine::abandon_step(const std::string& why) {
@@ -510,16 +541,16 @@ void Engine::finalize() {
     write_back(buckets_[b]);
   }
 
-  std::vector<at::Tensor> flags;
   if (owners_.empty()) {
+    std::vector<at::Tensor> flags;
     for (const Bucket& bucket : buckets_) {
       if (bucket.buffer.scalar_type() == at::kHalf) flags.push_back(sum_overflowed(bucket));
+      flags.push_back(bucket.nonfinite_flag.to(at::kDouble));
     }
+    last_grad_nonfinite_ = at::cat(flags).sum();
   } else {
-    flags = share_owned_flags();
+    last_grad_nonfinite_ = share_owned_flags();
   }
-  for (const Bucket& bucket : buckets_) flags.push_back(bucket.nonfinite_flag.to(at::kDouble));
-  last_grad_nonfinite_ = at::cat(flags).sum();
 
   if (!rebuilt_) {
     rebuild_from_ready_order();
@@ -539,8 +570,10 @@ bool Engine::used_on_some_rank(const Bucket& bucket, size_t k) {
     // went without a gradient. synchronize() orders it after every collective, without a host wait.
     comm_->synchronize();
     std::vector<at::Tensor> tails;
-    for (const Bucket& b : buckets_) tails.push_back(b.tail);
-    step_.tails_on_host = at::cat(tails).to(at::kCPU, at::kDouble);
+    for (const Bucket& b : buckets_) {  // another rank's bucket was released once sent: its flags are not read
+      tails.push_back(b.tail.defined() ? b.tail.to(at::kDouble) : at::zeros({b.tail_numel()}, at::kDouble).to(device_));
+    }
+    step_.tails_on_host = at::cat(tails).to(at::kCPU);
     comm_->check();  // a collective that failed meanwhile left garbage in the tails
   }
   return step_.tails_on_host.const_data_ptr<double>()[bucket.tail_offset + 1 + static_cast<int64_t>(k)] > 0;
@@ -558,11 +591,17 @@ at::Tensor Engine::sum_overflowed(const Bucket& bucket) {
 // the one whose optimizer steps it. Buckets then hold one owner's parameters each (one more key of
 // the bucket assignment, beside the dtype) and each is reduced to its owner instead of all-reduced:
 // half a ring all-reduce's bytes, and the owner's broadcast of the updated parameters is the other
-// half. The other ranks drop those gradients at write-back. Every rank must still learn every
-// bucket's flags (a non-finite gradient anywhere skips the step everywhere; a float16 sum's overflow
-// is seen only by its owner), so after the buckets' reduces one all-reduce carries each owner's
-// reduced flags, zeros from the others, and writes them into every rank's bucket tails. Owners are
-// fixed between steps; a communication hook, which hands every bucket to every rank, is refused.
+// half. The other ranks keep nothing of another rank's bucket (ZeRO-2): its buffer is allocated,
+// zeroed, when its first gradient arrives, each gradient is dropped once packed (autograd's fresh
+// tensor is freed at once), and the buffer is released as soon as its reduce is launched. The
+// communicator holds it until the reduce is done: gloo's work frees it when it completes (completed
+// works are let go at each launch), and on a GPU the caching allocator, which saw the buffer used on
+// the communication stream, reuses the memory only once that stream has passed the reduce. So a
+// rank holds its own buckets and the few of others' in flight, not every gradient. Every rank must
+// still learn every bucket's flags (a non-finite gradient anywhere skips the step everywhere; a
+// float16 sum's overflow is seen only by its owner), so after the buckets' reduces one all-reduce
+// carries each owner's reduced flags, zeros from the others. Owners are fixed between steps; a
+// communication hook, which hands every bucket to every rank, is refused.
 void Engine::set_owners(const std::vector<int64_t>& owners) {
   std::lock_guard<std::mutex> lock(mutex_);
   HSYNC_CHECK(!step_.active, "parameter owners are set between steps");
@@ -581,27 +620,25 @@ void Engine::set_owners(const std::vector<int64_t>& owners) {
   if (grads_as_views_) move_grads_into_slots();
 }
 
-std::vector<at::Tensor> Engine::share_owned_flags() {
+at::Tensor Engine::share_owned_flags() {
   const int rank = comm_->rank();
   const auto options = at::TensorOptions().dtype(at::kDouble).device(device_);
-  std::vector<at::Tensor> parts;
+  std::vector<at::Tensor> tails;      // each bucket's, its owner's reduced one, in bucket order
+  std::vector<at::Tensor> overflows;  // each float16 bucket's sum, seen by its owner
   for (const Bucket& bucket : buckets_) {
     const bool owned = bucket.owner == rank;
-    parts.push_back(owned ? bucket.tail.to(at::kDouble) : at::zeros({bucket.tail.numel()}, options));
-    parts.push_back(owned && bucket.buffer.scalar_type() == at::kHalf ? sum_overflowed(bucket)
-                                                                      : at::zeros({1}, options));
+    tails.push_back(owned ? bucket.tail.to(at::kDouble) : at::zeros({bucket.tail_numel()}, options));
+    overflows.push_back(owned && bucket.buffer.scalar_type() == at::kHalf ? sum_overflowed(bucket)
+                                                                          : at::zeros({1}, options));
   }
-  const at::Tensor shared = at::cat(parts);
+  const int64_t tails_numel = buckets_.back().tail_offset + buckets_.back().tail_numel();
+  tails.insert(tails.end(), overflows.begin(), overflows.end());
+  const at::Tensor shared = at::cat(tails);
   comm_->synchronize_through(comm_->all_reduce_sum(shared, Purpose::kBucketFlags));
-  std::vector<at::Tensor> overflowed;
-  int64_t offset = 0;
-  for (const Bucket& bucket : buckets_) {
-    bucket.tail.copy_(shared.narrow(0, offset, bucket.tail.numel()));
-    overflowed.push_back(shared.narrow(0, offset + bucket.tail.numel(), 1));
-    offset += bucket.tail.numel() + 1;
-  }
-  step_.tails_on_host = at::Tensor();  // read before the exchange: stale
-  return overflowed;
+  std::vector<at::Tensor> counted;
+  for (const Bucket& bucket : buckets_) counted.push_back(shared.narrow(0, bucket.tail_offset, 1));
+  counted.push_back(shared.narrow(0, tails_numel, static_cast<int64_t>(buckets_.size())));
+  return at::cat(counted).sum();
 }
 
 void Engine::write_back(const Bucket& bucket) {
@@ -638,8 +675,8 @@ void Engine::write_back(const Bucket& bucket) {
 void Engine::move_grads_into_slots() {
   for (size_t i = 0; i < params_.size(); ++i) {
     at::Tensor& grad = params_[i].mutable_grad();
-    if (!grad.defined() || !grad_is_slot(i)) continue;
     const auto [b, k] = locator_[i];
+    if (!grad.defined() || !grad_is_slot(i) || buckets_[b].transient) continue;
     const at::Tensor& slot = buckets_[b].slots[k];
     slot.copy_(grad);
     grad = slot;

@@ -53,16 +53,21 @@ namespace hsync {
 // Layout: [slot of param 0 | slot of param 1 | ... | nonfinite flag | used flag per param].
 // Slots start at 16-byte boundaries for vectorised packing; padding stays zero.
 struct Bucket {
-  at::Tensor buffer;               // of the communication dtype
+  at::Tensor buffer;               // of the communication dtype; undefined while released
   std::vector<int64_t> params;     // indices into Engine::params_
+  std::vector<int64_t> offsets;    // per param: where its slot starts in the buffer
+  int64_t values_numel = 0;        // the slots and their padding: the tail starts here
   std::vector<at::Tensor> slots;   // per param: its slot, viewed in the parameter's shape
   at::Tensor nonfinite_flag;       // one element
   std::vector<at::Tensor> used;    // per param: its one-element used flag
   at::Tensor tail;                 // nonfinite flag and used flags, zeroed at each step
   int64_t tail_offset = 0;         // where the tail starts among all buckets' tails, in bucket order
   int owner = -1;                  // the rank it is reduced to: Note [Owned buckets]; -1: all-reduced
+  bool transient = false;          // another rank's: its buffer lives from its first gradient to its launch
   size_t pending = 0;              // params not packed yet in this step
   uint64_t seq = 0;                // its all-reduce's sequence number in this step (none with a hook)
+
+  int64_t tail_numel() const { return 1 + static_cast<int64_t>(params.size()); }
 };
 
 // The state of the step in progress, or of the last one until the next begins (its scalars are read
@@ -155,6 +160,8 @@ class Engine {
   at::ScalarType bucket_dtype(size_t index) const;
   bool grad_is_slot(size_t index) const;   // Note [Gradients as bucket views]
   void build_buckets(const std::vector<int64_t>& order);
+  void allocate(Bucket& bucket);            // a zeroed buffer and its views
+  static void release(Bucket& bucket);      // Note [Owned buckets]
   void move_grads_into_slots();  // Note [Gradients as bucket views]
   void on_gradient_ready(size_t index);
   void start_step();                       // resets step_; caller holds mutex_
@@ -172,8 +179,8 @@ class Engine {
   static at::Tensor sum_overflowed(const Bucket& bucket);
   void write_back(const Bucket& bucket);
   // With owners: every bucket's reduced flags (and a float16 bucket's overflow) to every rank, in one
-  // all-reduce after the buckets' reduces; returns each bucket's overflow flag. Note [Owned buckets].
-  std::vector<at::Tensor> share_owned_flags();
+  // all-reduce after the buckets' reduces; returns the flags that count as non-finite. Note [Owned buckets].
+  at::Tensor share_owned_flags();
   // Whether a parameter with no gradient on this rank got one elsewhere (its reduced used flag),
   // which decides whether it gets a .grad here.
   bool used_on_some_rank(const Bucket& bucket, size_t k);

@@ -70,6 +70,12 @@ void ProcessGroupComm::launch(const at::Tensor& tensor, const Collective& collec
     const std::lock_guard<std::mutex> lock(completion->mutex);
     completion->done.notify_all();
   });
+  // Collectives done without error let go of their tensors now rather than when waited for: a bucket
+  // released once sent (Note [Owned buckets]) is freed as its reduce ends, not at the end of the step.
+  const auto done = std::find_if(pending_.begin(), pending_.end(), [](const Pending& p) {
+    return !p.future->completed() || p.future->hasError();
+  });
+  pending_.erase(pending_.begin(), done);
   pending_.push_back({std::move(work), std::move(future), collective});
 }
 

@@ -52,8 +52,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         sizes = [p.numel() * p.element_size() for p in self._all]
         budget = this_ranks_budget(memory_budget, model.rank, model.world_size, model.device, sum(sizes))
         budgets = self._channel.gather_objects(budget, "the memory budgets")
+        # A bucket filling and one in its reduce: Note [Memory shares].
+        in_flight = min(sum(sizes), 2 * model._bucket_bytes_cap)
         self.layout: Layout = plan_layout(sizes, budgets, state_bytes_per_parameter_byte(optimizer_class, defaults,
-                                                                                       model.device))
+                                                                                       model.device), in_flight)
         """Which parameters each rank owns (their indices among the model's trainable parameters)."""
         self._owned = set(self._all[i] for i in self.layout.ranges[model.rank])
         groups = list(params) if params is not None else [{"params": self._all}]

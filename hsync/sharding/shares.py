@@ -2,10 +2,12 @@
 
 Note [Memory shares]
 A rank's budget is the memory it can give to the model's state: its parameters, their gradients and
-the optimizer state it owns. Parameters and gradients are whole on every rank (the gradients are
-all-reduced), so each rank's capacity for optimizer state is its budget less those, and the
-parameters are split, in registration order, into one contiguous range per rank whose optimizer
-state is in proportion to that capacity. A rank that declares nothing shares in proportion to its
+the optimizer state it owns. Parameters are whole on every rank; the gradients a rank keeps are those
+of the parameters it owns (another rank's bucket is freed once sent: Note [Owned buckets] in
+csrc/engine.cpp), plus the few buckets in flight during a backward. So each rank's capacity is its
+budget less the parameters and the buckets in flight, and the parameters are split, in registration
+order, into one contiguous range per rank whose gradients and optimizer state are in proportion to
+that capacity. A rank that declares nothing shares in proportion to its
 free device memory (`torch.cuda.mem_get_info`, measured after the model was placed, so the
 parameters are counted back in); on the CPU, where there is no such measure, ranks that declare
 nothing get equal shares. A model whose state cannot fit is refused before any step, naming each
@@ -66,25 +68,29 @@ class Layout:
 
     ranges: tuple[range, ...]
     needs: tuple[int, ...]
-    """Per rank, the bytes of parameters, gradients and its optimizer state under this layout."""
+    """Per rank, the bytes of parameters, gradients in flight and its gradients and optimizer state under
+    this layout."""
 
 
-def plan_layout(sizes: Sequence[int], budgets: Sequence[int | None], state_per_byte: float) -> Layout:
-    """Splits parameters of `sizes` bytes into contiguous ranges, one per rank, each rank's optimizer state
-    (`state_per_byte` bytes of it per byte of parameter) in proportion to its capacity; refuses a model whose
-    state cannot fit (ValueError naming every rank)."""
+def plan_layout(sizes: Sequence[int], budgets: Sequence[int | None], state_per_byte: float,
+                in_flight: int = 0) -> Layout:
+    """Splits parameters of `sizes` bytes into contiguous ranges, one per rank, each rank's gradients and
+    optimizer state (1 + `state_per_byte` bytes per byte of parameter) in proportion to its capacity: its
+    budget less the parameters and the `in_flight` bytes of gradient buckets a backward holds at once.
+    Refuses a model whose state cannot fit (ValueError naming every rank)."""
     world = len(budgets)
     total = sum(sizes)
-    replicated = 2 * total  # parameters and gradients, whole on every rank
+    whole = total + in_flight  # on every rank
+    per_byte = 1 + state_per_byte  # an owned parameter's gradient and its optimizer state
     if all(b is None for b in budgets):
         capacities = [1.0] * world
     elif any(b is None for b in budgets):
         raise ValueError("memory_budget: declare a budget on every rank or on none")
     else:
-        capacities = [max(0.0, b - replicated) for b in budgets]
-    state = total * state_per_byte
-    if budgets[0] is not None and (sum(capacities) < state or sum(capacities) == 0):
-        raise ValueError(refusal(budgets, replicated, state))
+        capacities = [max(0.0, b - whole) for b in budgets]
+    sharded = total * per_byte
+    if budgets[0] is not None and (sum(capacities) < sharded or sum(capacities) == 0):
+        raise ValueError(refusal(budgets, total, in_flight, sharded))
     weight = sum(capacities)
     bounds, prefix, start = [], 0, 0
     cumulative = 0.0
@@ -97,19 +103,20 @@ def plan_layout(sizes: Sequence[int], budgets: Sequence[int | None], state_per_b
             end += 1
         bounds.append(range(start, end))
         start = end
-    needs = tuple(replicated + int(sum(sizes[i] for i in r) * state_per_byte) for r in bounds)
+    needs = tuple(whole + int(sum(sizes[i] for i in r) * per_byte) for r in bounds)
     if budgets[0] is not None and any(need > budget for need, budget in zip(needs, budgets, strict=True)):
-        raise ValueError(refusal(budgets, replicated, state, needs))
+        raise ValueError(refusal(budgets, total, in_flight, sharded, needs))
     return Layout(tuple(bounds), needs)
 
 
-def refusal(budgets: Sequence[int | None], replicated: int, state: float,
+def refusal(budgets: Sequence[int | None], parameters: int, in_flight: int, sharded: float,
             needs: Sequence[int] | None = None) -> str:
     ranks = ", ".join(f"rank {r}: budget {_mib(b)}" + (f", needs {_mib(needs[r])}" if needs else "")
                       for r, b in enumerate(budgets))
     return (f"hsync.ShardedOptimizer: the model's state does not fit the ranks' memory budgets ({ranks}); every "
-            f"rank holds the parameters and gradients whole ({_mib(replicated)}) and a share of the optimizer "
-            f"state ({_mib(int(state))} in all). Raise the budgets, add ranks or shrink the model")
+            f"rank holds the parameters whole ({_mib(parameters)}) and the gradient buckets in flight "
+            f"({_mib(in_flight)}), and a share of the gradients and optimizer state ({_mib(int(sharded))} in all). "
+            "Raise the budgets, add ranks or shrink the model")
 
 
 def _mib(size: int | None) -> str:

@@ -141,6 +141,44 @@ def test_a_skipped_owner_range_is_caught():
         assert_same_training(results, exact=True)
 
 
+def gradient_bytes_kept(rank: int, world_size: int, sharded: bool) -> tuple[int, int]:
+    """(bytes a model's steps leave alive beyond its parameters, the parameters' bytes) on this rank, with the
+    gradients kept as bucket views and set_to_none=False, so that what stays is what the reduction holds."""
+    import hsync
+    from hsync.bench.memory import live_bytes
+
+    cpu = torch.device("cpu")
+    before = live_bytes(cpu)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(512, 512, bias=False) for _ in range(8)]  # 1 MiB each: a bucket each
+    model = hsync.WeightedDDP(torch.nn.Sequential(*layers), bucket_cap_mb=0.5, gradient_as_bucket_view=True)
+    optimizer = (hsync.ShardedOptimizer(model, torch.optim.SGD, memory_budget=["1GiB"] * world_size, lr=0.1)
+                 if sharded else torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 512)
+    for _ in range(3):  # the buckets are rebuilt after the first
+        model.backward(model(x).square().mean(), weight=len(x))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    return live_bytes(cpu) - before - parameters, parameters
+
+
+def test_a_rank_keeps_no_gradient_memory_of_the_buckets_it_does_not_own():
+    """ZeRO-2: another rank's bucket is freed once sent. Unsharded, every rank keeps every gradient's bucket
+    (the parameters' bytes again, and what the first steps leave to any run: about 15% here); sharded over two
+    equal budgets, each keeps its own half only."""
+    from hsync.bench.memory import measurable
+
+    if not measurable(torch.device("cpu")):
+        pytest.skip("CPU memory is measured through glibc's mallinfo2, which this C library lacks")
+    whole = run_ranks(gradient_bytes_kept, 2, False)
+    sharded = run_ranks(gradient_bytes_kept, 2, True)
+    for rank, ((kept_whole, parameters), (kept_sharded, _)) in enumerate(zip(whole, sharded, strict=True)):
+        assert kept_whole > 0.95 * parameters, (rank, kept_whole / parameters)
+        freed = (kept_whole - kept_sharded) / parameters
+        assert 0.45 < freed < 0.55, (rank, freed)
+
+
 SPLITS = {1: [8], 2: [5, 3], 3: [2, 3, 3]}  # the same 8 examples a step, however many ranks
 
 
