@@ -52,10 +52,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         sizes = [p.numel() * p.element_size() for p in self._all]
         budget = this_ranks_budget(memory_budget, model.rank, model.world_size, model.device, sum(sizes))
         budgets = self._channel.gather_objects(budget, "the memory budgets")
-        # A bucket filling and one in its reduce: Note [Memory shares].
-        in_flight = min(sum(sizes), 2 * model._bucket_bytes_cap)
-        self.layout: Layout = plan_layout(sizes, budgets, state_bytes_per_parameter_byte(optimizer_class, defaults,
-                                                                                       model.device), in_flight)
+        self.layout: Layout = plan_layout(sizes, budgets, owned_bytes_per_parameter_byte(model, optimizer_class,
+                                                                                       defaults),
+                                          bytes_in_flight(model, sizes))
         """Which parameters each rank owns (their indices among the model's trainable parameters)."""
         self._owned = set(self._all[i] for i in self.layout.ranges[model.rank])
         groups = list(params) if params is not None else [{"params": self._all}]
@@ -229,6 +228,24 @@ def merge_shards(shards: list[Mapping]) -> dict:
     for shard in shards:
         state.update(shard["state"])
     return {"state": dict(sorted(state.items())), "param_groups": shards[0]["param_groups"]}
+
+
+def owned_bytes_per_parameter_byte(model: WeightedDDP, optimizer_class: type[torch.optim.Optimizer],
+                                   defaults: Mapping) -> float:
+    """What a rank keeps per byte of a parameter it owns (Note [Memory shares]): the gradient's bucket slot,
+    which is also its .grad with gradient_as_bucket_view (a .grad of its own beside it otherwise), and the
+    optimizer state."""
+    element = next(p for p in model.parameters() if p.requires_grad).element_size()
+    slot = torch.empty((), dtype=model.comm_dtype).element_size() / element if model.comm_dtype else 1.0
+    views = model.gradient_as_bucket_view and model.comm_dtype is None
+    return slot + (0.0 if views else 1.0) + state_bytes_per_parameter_byte(optimizer_class, defaults, model.device)
+
+
+def bytes_in_flight(model: WeightedDDP, sizes: list[int]) -> int:
+    """What a backward holds at once beyond the owned buckets (Note [Memory shares]): a fresh gradient from
+    autograd, the bucket it is packed into, and a bucket in its reduce; a parameter larger than the bucket cap
+    is a bucket of its own."""
+    return min(sum(sizes), 3 * max(model._bucket_bytes_cap, max(sizes)))
 
 
 def state_bytes_per_parameter_byte(optimizer_class: type[torch.optim.Optimizer], defaults: Mapping,

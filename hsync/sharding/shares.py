@@ -57,8 +57,13 @@ def this_ranks_budget(memory_budget: MemoryBudget, rank: int, world_size: int, d
     if memory_budget is not None:
         return parse_bytes(memory_budget)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + parameter_bytes
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        cached = torch.cuda.memory_reserved(device) - allocated  # this process's to reuse, not free to others
+        # A process capped by torch.cuda.set_per_process_memory_fraction gets no more from the caching
+        # allocator than its fraction of the card, whatever the card has free.
+        capped = torch.cuda.get_per_process_memory_fraction(device) * total - allocated
+        return int(max(0, min(free + cached, capped))) + parameter_bytes
     return None
 
 
@@ -72,16 +77,16 @@ class Layout:
     this layout."""
 
 
-def plan_layout(sizes: Sequence[int], budgets: Sequence[int | None], state_per_byte: float,
+def plan_layout(sizes: Sequence[int], budgets: Sequence[int | None], owned_per_byte: float,
                 in_flight: int = 0) -> Layout:
-    """Splits parameters of `sizes` bytes into contiguous ranges, one per rank, each rank's gradients and
-    optimizer state (1 + `state_per_byte` bytes per byte of parameter) in proportion to its capacity: its
-    budget less the parameters and the `in_flight` bytes of gradient buckets a backward holds at once.
-    Refuses a model whose state cannot fit (ValueError naming every rank)."""
+    """Splits parameters of `sizes` bytes into contiguous ranges, one per rank, what each rank keeps for the
+    parameters it owns (`owned_per_byte` bytes per byte of parameter: their gradients and optimizer state) in
+    proportion to its capacity: its budget less the parameters and the `in_flight` bytes a backward holds at
+    once. Refuses a model whose state cannot fit (ValueError naming every rank)."""
     world = len(budgets)
     total = sum(sizes)
     whole = total + in_flight  # on every rank
-    per_byte = 1 + state_per_byte  # an owned parameter's gradient and its optimizer state
+    per_byte = owned_per_byte
     if all(b is None for b in budgets):
         capacities = [1.0] * world
     elif any(b is None for b in budgets):

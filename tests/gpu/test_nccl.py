@@ -179,3 +179,55 @@ def test_nccl_sharded_optimizer_steps_as_the_unsharded_one(optimizer):
                         env=SOCKET_ENV, timeout=120)
     test_sharded_optimizer.assert_same_training(results, exact=False)
     assert sorted(i for r in results for i in r["owned"]) == list(range(10))
+
+
+MEMORY_CAPS = (0.03, 0.01)  # each rank's fraction of the card: 3:1
+
+
+def train_capped(rank: int, world_size: int, even: bool, steps: int) -> dict:
+    """Each rank's caching allocator capped at its fraction of the card (3:1), a stack of linear layers whose
+    parameters take 48% of the small rank's cap, trained with AdamW through a ShardedOptimizer: with shares from
+    the measured memory (what the cap leaves), or `even` ones (both budgets declared alike)."""
+    import datetime
+
+    import hsync
+
+    torch.cuda.set_device(0)
+    torch.cuda.set_per_process_memory_fraction(MEMORY_CAPS[rank], 0)
+    total = torch.cuda.get_device_properties(0).total_memory
+    width = 2048  # 16 MiB a layer
+    layers = max(2, int(0.12 * MEMORY_CAPS[1] * total / (width * width)))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).cuda()
+    model = hsync.WeightedDDP(net, gradient_as_bucket_view=True, timeout=datetime.timedelta(seconds=20))
+    out = {"cap": MEMORY_CAPS[rank] * total, "error": None}
+    try:
+        budgets = ["1TiB"] * world_size if even else None
+        optimizer = hsync.ShardedOptimizer(model, torch.optim.AdamW, memory_budget=budgets, lr=1e-4, fused=True)
+        out["owned"] = sum(p.numel() for i, p in enumerate(model.parameters()) if i in optimizer.layout.ranges[rank])
+        x = torch.randn(4, width, device="cuda")
+        for _ in range(steps):
+            stats = model.backward(model(x).square().mean(), weight=len(x))
+            assert stats.finite
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        out["peak"] = torch.cuda.max_memory_allocated(0)
+        out["checksum"] = sum(p.double().sum().item() for p in model.parameters())
+    except Exception as error:  # noqa: BLE001 - what ended the run is the result
+        out["error"] = f"{type(error).__name__}: {error}"
+    return out
+
+
+def test_memory_proportional_shares_train_where_even_ones_run_out_of_memory():
+    """Real budgets: two ranks on one GPU capped 3:1. Even shares need 10 bytes a parameter on the small rank
+    (4 of parameters, half of 12 of gradients and moments): past its cap, out of memory. Shares from the measured
+    memory put about a fifth of the gradients and moments there, and both ranks train to the same parameters."""
+    even = run_ranks(train_capped, 2, True, 2, env=SOCKET_ENV, timeout=180)
+    assert "out of memory" in (even[1]["error"] or "").lower(), even[1]
+    shares = run_ranks(train_capped, 2, False, 3, env=SOCKET_ENV, timeout=180)
+    note(f"memory caps 3:1, {[r['owned'] for r in shares]} parameters owned, peaks "
+         f"{[round(r['peak'] / r['cap'], 2) for r in shares]} of the caps")
+    assert [r["error"] for r in shares] == [None, None], shares
+    assert shares[0]["owned"] > 2 * shares[1]["owned"] > 0, shares
+    assert all(r["peak"] <= r["cap"] for r in shares), shares
+    assert shares[0]["checksum"] == shares[1]["checksum"], shares

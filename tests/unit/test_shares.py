@@ -35,30 +35,30 @@ def test_a_budget_list_names_one_budget_per_rank():
 def test_ranges_follow_the_capacity_beyond_the_whole_parameters_and_the_buckets_in_flight():
     sizes = [100] * 40  # 4000 bytes of parameters on every rank, 500 of buckets in flight
     # Capacities 3:1 for 12000 bytes of owned gradients (1 per parameter byte) and moments (2)
-    layout = plan_layout(sizes, [4500 + 9000, 4500 + 3000], state_per_byte=2.0, in_flight=500)
+    layout = plan_layout(sizes, [4500 + 9000, 4500 + 3000], owned_per_byte=3.0, in_flight=500)
     assert [len(r) for r in layout.ranges] == [30, 10]
     assert layout.ranges[0] == range(0, 30) and layout.ranges[1] == range(30, 40)
     assert layout.needs == (4500 + 9000, 4500 + 3000)
 
 
 def test_undeclared_budgets_share_equally_and_a_rank_may_own_nothing():
-    assert [len(r) for r in plan_layout([10] * 9, [None] * 3, 2.0).ranges] == [3, 3, 3]
-    assert [len(r) for r in plan_layout([10], [None, None], 2.0).ranges] in ([1, 0], [0, 1])
+    assert [len(r) for r in plan_layout([10] * 9, [None] * 3, 3.0).ranges] == [3, 3, 3]
+    assert [len(r) for r in plan_layout([10], [None, None], 3.0).ranges] in ([1, 0], [0, 1])
 
 
 def test_a_tensor_is_whole_and_goes_to_the_nearest_boundary():
-    layout = plan_layout([10, 80, 10], [None, None], 1.0)  # half of 100 falls inside the big tensor
+    layout = plan_layout([10, 80, 10], [None, None], 2.0)  # half of 100 falls inside the big tensor
     assert sum(len(r) for r in layout.ranges) == 3 and layout.ranges[0].stop in (1, 2)
 
 
 def test_a_model_that_cannot_fit_is_refused_naming_each_rank_its_budget_and_need():
     with pytest.raises(ValueError) as error:  # 4 MiB whole + 1 in flight + 12 MiB of gradients and moments
-        plan_layout([MIB] * 4, [10 * MIB, 11 * MIB], state_per_byte=2.0, in_flight=MIB)
+        plan_layout([MIB] * 4, [10 * MIB, 11 * MIB], owned_per_byte=3.0, in_flight=MIB)
     message = str(error.value)
     assert "rank 0: budget 10.0 MiB" in message and "rank 1: budget 11.0 MiB" in message, message
     assert "parameters whole (4.0 MiB)" in message and "buckets in flight (1.0 MiB)" in message, message
     assert "gradients and optimizer state (12.0 MiB in all)" in message, message
     with pytest.raises(ValueError, match=r"rank 0: budget 12.0 MiB, needs 13.0 MiB"):
-        plan_layout([3 * MIB, MIB], [12 * MIB, 12 * MIB], state_per_byte=2.0)  # fits in sum, not whole tensors
+        plan_layout([3 * MIB, MIB], [12 * MIB, 12 * MIB], owned_per_byte=3.0)  # fits in sum, not whole tensors
     with pytest.raises(ValueError, match="on every rank or on none"):
-        plan_layout([MIB], [None, 4 * MIB], state_per_byte=2.0)
+        plan_layout([MIB], [None, 4 * MIB], owned_per_byte=3.0)
