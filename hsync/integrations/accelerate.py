@@ -27,6 +27,11 @@ runs Balancer.backward and sets Accelerate's sync_gradients to whether the globa
 which is what the prepared optimizer and scheduler step on. So gradient_accumulation_steps stays 1 (a
 rank's share runs in micro-batches by the Balancer's micro_batch_limit), and the Balancer is saved
 and loaded with save_state and load_state.
+
+With Accelerator(shard_optimizer=True), prepare() puts an hsync.ShardedOptimizer of the optimizer's class,
+groups and settings in the optimizer's place, over the prepared model (docs/sharding.md), without device
+placement (which moves a state through a state_dict: for a sharded one, a gathering of the whole state);
+clip_grad_norm_ clips over every rank's shard, and save_state gathers the whole state on every rank first.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from packaging.version import Version
 
 import hsync
 from hsync.integrations._world import ensure_process_group, refuse_a_wrapped_model
+from hsync.sharding.shares import MemoryBudget
 from hsync.stats import StepStats
 
 SUPPORTED = (Version("1.1"), Version("2"))  # [lowest, first unsupported); tested on 1.15
@@ -66,9 +72,12 @@ class BalancedLoader:
 
 
 class Accelerator(accelerate.Accelerator):
-    """accelerate.Accelerator whose ranks train through hsync (Note [Accelerate]); constructed as it is."""
+    """accelerate.Accelerator whose ranks train through hsync (Note [Accelerate]); constructed as it is, and with
+    `shard_optimizer=True` the prepared optimizer's state sharded by each rank's `memory_budget`
+    (hsync.ShardedOptimizer's argument; None: measured on a GPU, equal on the CPU)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, shard_optimizer: bool = False, memory_budget: MemoryBudget = None,
+                 **kwargs: Any) -> None:
         version = Version(accelerate.__version__)
         if not SUPPORTED[0] <= version < SUPPORTED[1]:
             raise RuntimeError(f"hsync.integrations.accelerate supports accelerate >= {SUPPORTED[0]}, "
@@ -81,6 +90,15 @@ class Accelerator(accelerate.Accelerator):
             raise ValueError("hsync.integrations.accelerate: gradient_accumulation_steps must stay 1; the Balancer "
                              "runs a rank's share in micro-batches (BalanceConfig.micro_batch_limit) and says when "
                              "a step ends")
+        if shard_optimizer and self.mixed_precision == "fp16":
+            # GradScaler skips a step on the ranks whose own gradients overflowed, but a sharded step is one
+            # collective step: the ranks would part ways.
+            raise ValueError("hsync.integrations.accelerate: shard_optimizer=True does not take fp16's GradScaler; "
+                             "use bf16, or no sharding")
+        self.shard_optimizer, self.memory_budget = shard_optimizer, memory_budget
+        self.sharded_optimizer: hsync.ShardedOptimizer | None = None
+        """With shard_optimizer, the hsync.ShardedOptimizer prepare() made."""
+        self._weighted_models: list[hsync.WeightedDDP] = []  # Accelerate's _models holds the bare modules
         self.balancer: hsync.Balancer | None = None
         self.step_stats: StepStats | None = None
         """The last complete step's StepStats (examples over every rank, the non-finite flag)."""
@@ -96,7 +114,34 @@ class Accelerator(accelerate.Accelerator):
         prepared = super().prepare_model(model, device_placement, evaluation_mode=True)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ensure_process_group(self.device)
-        return hsync.WeightedDDP(prepared, device_ids=device_ids)
+        weighted = hsync.WeightedDDP(prepared, device_ids=device_ids)
+        self._weighted_models.append(weighted)
+        return weighted
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
+        if not self.shard_optimizer:
+            return super().prepare_optimizer(optimizer, device_placement)
+        if not isinstance(optimizer, hsync.ShardedOptimizer):
+            params = {p for group in optimizer.param_groups for p in group["params"]}
+            models = [m for m in self._weighted_models if params & set(m.parameters())]
+            if len(models) != 1:
+                raise ValueError("hsync.integrations.accelerate: shard_optimizer=True needs the optimizer prepared "
+                                 "with the one model it steps, in the same prepare() call or after it")
+            optimizer = hsync.ShardedOptimizer(models[0], type(optimizer), memory_budget=self.memory_budget,
+                                               params=[dict(group) for group in optimizer.param_groups],
+                                               **optimizer.defaults)
+        self.sharded_optimizer = optimizer
+        return super().prepare_optimizer(optimizer, device_placement=False)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        if self.sharded_optimizer is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        return self.sharded_optimizer.clip_grad_norm_(max_norm, norm_type)  # over every rank's shard
+
+    def save_state(self, *args: Any, **kwargs: Any) -> Any:
+        if self.sharded_optimizer is not None:  # every rank reads state_dict(): the whole state on each
+            self.sharded_optimizer.consolidate_state_dict(to=self.process_index)
+        return super().save_state(*args, **kwargs)
 
     def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Any = None) -> Any:

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.distributed
 pytest.importorskip("accelerate")
 
 EXAMPLES, GLOBAL_BATCH, MICRO_LIMIT, EPOCHS, LR = 96, 32, 8, 2, 0.1
+MOMENTUM, CLIP = 0.9, 0.5
 
 
 def data() -> torch.utils.data.TensorDataset:
@@ -33,19 +34,21 @@ def net() -> nn.Module:
 
 
 def train(rank: int, world_size: int, shares: list[int] | None, state_dir: str, resume: bool,
-          mixed_precision: str = "no", cpu: bool = True) -> dict:
+          mixed_precision: str = "no", cpu: bool = True, shard: bool = False) -> dict:
+    """With `shard`, SGD with momentum through Accelerator(shard_optimizer=True), clipped to CLIP."""
     import hsync
     from hsync.integrations.accelerate import Accelerator
 
-    accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+    accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision, shard_optimizer=shard)
     model = net()
     dtypes = set()  # of every linear layer's output: float32, or bfloat16 under autocast
     for layer in model:
         layer.register_forward_hook(lambda module, inputs, output: dtypes.add(str(output.dtype)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM if shard else 0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     assert type(model) is hsync.WeightedDDP, type(model)
+    assert (type(optimizer.optimizer) is hsync.ShardedOptimizer) == shard, type(optimizer.optimizer)
     balancer = hsync.Balancer(model, EXAMPLES, hsync.BalanceConfig(
         global_batch_size=GLOBAL_BATCH, rank_batch_sizes=shares, micro_batch_limit=MICRO_LIMIT, replan_every=2))
     loader = accelerator.prepare(torch.utils.data.DataLoader(data(), batch_sampler=balancer))
@@ -59,6 +62,8 @@ def train(rank: int, world_size: int, shares: list[int] | None, state_dir: str, 
             with accelerator.accumulate(model):
                 accelerator.backward(nn.functional.mse_loss(model(x), y))
                 steps[-1] += index.tolist()
+                if shard and accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), CLIP)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
@@ -79,12 +84,12 @@ def train(rank: int, world_size: int, shares: list[int] | None, state_dir: str, 
 
 
 def one_process(global_batches: list[list[int]], clip: float | None = None,
-                weights: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                weights: Callable[[torch.Tensor], torch.Tensor] | None = None, momentum: float = 0.0,
                 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """SGD over these global batches in one process, each in one forward; with `clip`, gradients clipped to that
     norm; with `weights` (of the examples' indices), a weighted mean of the examples' squared errors."""
     model, (x, y, index) = net(), data().tensors
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     losses = []
     for indices in global_batches:
         if weights is None:
@@ -134,6 +139,18 @@ def test_load_state_resumes_where_save_state_stood(tmp_path):
     for before, after in zip(straight, resumed, strict=True):
         for name, value in before["params"].items():
             torch.testing.assert_close(after["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_sharded_optimizer_steps_clips_saves_and_resumes_as_one_process(tmp_path):
+    """shard_optimizer=True: momentum's state split across the ranks, clipping over both shards, save_state's
+    whole state read back by load_state, against SGD with momentum and clipping in one process."""
+    straight = run_ranks(train, 2, None, str(tmp_path), False, "no", True, True, env=ENV, timeout=180)
+    expected, losses = one_process(global_batches(straight), clip=CLIP, momentum=MOMENTUM)
+    resumed = run_ranks(train, 2, None, str(tmp_path), True, "no", True, True, env=ENV, timeout=180)
+    for result in straight + resumed:
+        for name, value in expected.items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6)
+    assert straight[0]["losses"] == pytest.approx(losses, rel=1e-5)
 
 
 def test_one_plain_process_trains_as_with_accelerates_own_prepare(tmp_path):
