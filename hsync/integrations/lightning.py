@@ -36,7 +36,14 @@ changes the seams where that happens:
   every checkpoint and restores with ckpt_path=, so a resumed run goes on with the same global batches;
 - evaluation loaders get Lightning's sampler that repeats no example (ranks may run different numbers of
   batches), and the module evaluates without its wrapper, so self.log(..., sync_dist=True) gives exact
-  metrics over the whole set.
+  metrics over the whole set;
+- an hsync.ShardedOptimizer returned by configure_optimizers (over self.trainer.model, the WeightedDDP by
+  then) is checkpointed as Lightning checkpoints torch's ZeroRedundancyOptimizer (consolidate_state_dict,
+  the whole state in the file, loaded on every rank), and gradient_clip_val clips through its
+  clip_grad_norm_: Lightning's precision plugin would take the norm of this rank's gradients alone, which
+  with owners are its own shard. Lightning has no public seam for that, so setup() sets the plugin's
+  clip_grad_by_norm on the instance. The optimizer is the module's to build, not a strategy option:
+  Lightning builds the schedulers in the same call, bound to the optimizer built there.
 """
 
 from __future__ import annotations
@@ -135,6 +142,28 @@ class HsyncStrategy(DDPStrategy):
         # The Balancer cuts each rank's share into micro-batches; Lightning counts one item as one step.
         trainer.accumulate_grad_batches = 1
         super().setup(trainer)
+        if any(isinstance(o, hsync.ShardedOptimizer) for o in self.optimizers):
+            self._clip_sharded_optimizers()
+
+    def _clip_sharded_optimizers(self) -> None:
+        """gradient_clip_val over every rank's shard (Note [Lightning])."""
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError("HsyncStrategy: an hsync.ShardedOptimizer does not take 16-mixed's GradScaler (it skips "
+                             "a step on the ranks whose own gradients overflowed); use bf16-mixed, or no sharding")
+        plugin = self.precision_plugin
+        by_norm = plugin.clip_grad_by_norm
+        if getattr(by_norm, "_over_shards", False):
+            return
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+            if isinstance(optimizer, hsync.ShardedOptimizer):
+                optimizer.clip_grad_norm_(clip_val)
+            else:
+                by_norm(optimizer, clip_val)
+
+        clip_grad_by_norm._over_shards = True
+        plugin.clip_grad_by_norm = clip_grad_by_norm
 
     def _bracket_the_sigterm_broadcast(self, trainer: Any) -> None:
         """Lightning broadcasts rank 0's SIGTERM flag before every training batch, past the strategy: bracketed as

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tests.integrations import LAUNCH_ENV, assert_near_float32
-from tests.integrations.test_accelerate import EPOCHS, EXAMPLES, GLOBAL_BATCH, LR, data, net, one_process
+from tests.integrations.test_accelerate import EPOCHS, EXAMPLES, GLOBAL_BATCH, LR, MOMENTUM, data, net, one_process
 from tests.spawn import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -29,8 +29,10 @@ def example_weights(index: torch.Tensor) -> torch.Tensor:
     return 1.0 + (index % 3).float()
 
 
-def module_class(weighted: bool = False):
+def module_class(weighted: bool = False, sharded: bool = False):
     import lightning as L
+
+    import hsync
 
     class Regression(L.LightningModule):
         """A LightningModule as users write one, recording the examples of each optimizer step (and the dtype of
@@ -78,6 +80,8 @@ def module_class(weighted: bool = False):
             return torch.utils.data.DataLoader(torch.utils.data.Subset(data(), range(VALIDATION)), batch_size=BATCH)
 
         def configure_optimizers(self):
+            if sharded:  # the state of its momentum split across the ranks
+                return hsync.ShardedOptimizer(self.trainer.model, torch.optim.SGD, lr=LR, momentum=MOMENTUM)
             return torch.optim.SGD(self.parameters(), lr=LR)
 
         def train_dataloader(self):
@@ -97,7 +101,7 @@ def fit(rank: int, world_size: int, strategy_options: dict | None, accumulate: i
     from hsync.integrations.lightning import HsyncStrategy
 
     torch.manual_seed(0)
-    module = module_class(weighted=variant == "weighted")()
+    module = module_class(weighted=variant == "weighted", sharded=variant == "sharded-clipped")()
     strategy = "hsync" if strategy_options is None else HsyncStrategy(**strategy_options)
     saver = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}")
     precision = {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(variant, "32-true")
@@ -107,7 +111,7 @@ def fit(rank: int, world_size: int, strategy_options: dict | None, accumulate: i
                         max_steps=max_steps, accumulate_grad_batches=accumulate, callbacks=[saver], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
                         num_sanity_val_steps=0, precision=precision,
-                        gradient_clip_val=CLIP if variant == "clip-compiled" else None)
+                        gradient_clip_val=CLIP if variant in ("clip-compiled", "sharded-clipped") else None)
     compiled = variant == "clip-compiled"
     trainer.fit(torch.compile(module, backend="aot_eager") if compiled else module, ckpt_path=resume_from)
     result = {"params": {n: p.detach().cpu().clone() for n, p in module.net.named_parameters()},
@@ -167,11 +171,12 @@ def test_lightning_steps_equal_one_process_over_the_same_global_batches(options,
         assert result["warned"] == []
 
 
-@pytest.mark.parametrize("variant", ["clip-compiled", "weighted", "comm-hook"])
+@pytest.mark.parametrize("variant", ["clip-compiled", "weighted", "comm-hook", "sharded-clipped"])
 def test_lightnings_options_keep_the_steps_exact(variant, tmp_path):
     # Fixed shares, rank 0's 24 in three micro-batches: clipping acts on the step's whole gradient, after the
     # last, and a compiled module runs the same steps (both in one run); a loss that gives its weight is
-    # weighted by it; a ddp_comm_hook of the user's (an all-reduce divided by the world size) runs on the CPU.
+    # weighted by it; a ddp_comm_hook of the user's (an all-reduce divided by the world size) runs on the CPU;
+    # an hsync.ShardedOptimizer (SGD with momentum) is clipped over both ranks' shards.
     import hsync
     from tests.distributed.test_comm_hooks import mean_allreduce_hook
 
@@ -180,8 +185,10 @@ def test_lightnings_options_keep_the_steps_exact(variant, tmp_path):
     if variant == "comm-hook":
         options["ddp_comm_hook"] = mean_allreduce_hook
     ranks = run_ranks(fit, 2, options, 1, str(tmp_path), None, -1, variant, env=ENV, timeout=240)
-    expected, losses = one_process(global_batches(ranks), clip=CLIP if variant == "clip-compiled" else None,
-                                   weights=example_weights if variant == "weighted" else None)
+    clipped = variant in ("clip-compiled", "sharded-clipped")
+    expected, losses = one_process(global_batches(ranks), clip=CLIP if clipped else None,
+                                   weights=example_weights if variant == "weighted" else None,
+                                   momentum=MOMENTUM if variant == "sharded-clipped" else 0.0)
     for result in ranks:
         assert result["dtypes"] == ["torch.float32"] and result["comm_hook"] == (variant == "comm-hook")
         assert result["loss"] == pytest.approx(losses[-1], rel=1e-5)
