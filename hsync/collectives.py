@@ -42,11 +42,14 @@ _ended_groups: list[dist.ProcessGroup] = []
 
 
 def end_process_group() -> None:
-    """torch.distributed.destroy_process_group(), for a process about to exit, keeping the default group's
-    object until it does. A communication hook's future callbacks (torch's PowerSGD hook's) hold the group,
-    and the gloo thread that completed the future releases them just after the step has ended; were that
-    release the group's last, its destructor would join the very thread it runs on and the process would
-    abort ("Resource deadlock avoided"). torch DDP's programs are exposed alike."""
+    """torch.distributed.destroy_process_group(), for a process about to exit after a run that succeeded,
+    keeping the default group's object until it does. A communication hook's future callbacks (torch's
+    PowerSGD hook's) hold the group, and the gloo thread that completed the future releases them just after
+    the step has ended; were that release the group's last, its destructor would join the very thread it
+    runs on and the process would abort ("Resource deadlock avoided"). torch DDP's programs are exposed
+    alike. After a failure, destroy_process_group() itself is the one to call: the group's destructor then
+    waits for gloo's threads (until gloo's own deadline), and a store this rank hosts stays up meanwhile, so
+    the peers still read the failure posted there (Note [Failing fast])."""
     group = dist.group.WORLD
     if group is not None:
         _ended_groups.append(group)

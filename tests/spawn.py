@@ -39,17 +39,22 @@ def _entry(rank: int, world_size: int, port: int, backend: str, env: dict[str, s
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    finished = False
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
         results.put((rank, True, pickle.dumps(value)))
+        finished = True
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             from hsync.collectives import end_process_group
 
-            end_process_group()
+            if finished:
+                end_process_group()
+            else:
+                dist.destroy_process_group()  # why not end_process_group: its docstring
 
 
 def _start(fn: Callable, world_size: int, args: tuple, backend: str, env: dict[str, str] | None,

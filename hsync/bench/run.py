@@ -131,11 +131,13 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
         output = run_jobs(args)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(output, f)
-    finally:
-        end_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # why not end_process_group: its docstring
+        raise
+    end_process_group()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(output, f)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -188,8 +190,10 @@ def main(argv: list[str] | None = None) -> None:
         args.world_size = dist.get_world_size()
         try:
             output = run_jobs(args)
-        finally:
-            end_process_group()
+        except BaseException:
+            dist.destroy_process_group()  # why not end_process_group: its docstring
+            raise
+        end_process_group()
         if int(os.environ["RANK"]) == 0:
             write_outputs(args, output)
         return
