@@ -5,6 +5,16 @@ from __future__ import annotations
 import torch
 
 
+def obtainable_bytes(device: torch.device) -> int:
+    """The most this process's allocations on `device` may reach in all: what the caching allocator holds and
+    can still take from the device, or less where torch.cuda.set_per_process_memory_fraction caps it (the cap
+    counts the allocator's own segments, whatever the card has free). Shared by the Balancer's micro-batches
+    and hsync.ShardedOptimizer's shares (Note [Memory shares])."""
+    free, total = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_reserved(device) + free
+    return int(min(held, torch.cuda.get_per_process_memory_fraction(device) * total))
+
+
 class DeviceMemory:
     """A GPU's memory: the peak of allocations between two readings, and what allocations may reach."""
 
@@ -23,12 +33,11 @@ class DeviceMemory:
         return allocated
 
     def budget_bytes(self, fraction: float) -> float:
-        """The most bytes allocations may reach at once: `fraction` of what the caching allocator holds and can
-        still take from the device, less the allocator's own overhead. The device's free memory leaves out
+        """The most bytes allocations may reach at once: `fraction` of what they may reach in all
+        (obtainable_bytes), less the allocator's own overhead. The device's free memory leaves out
         what the allocator does not count (the CUDA context, NCCL's buffers, library workspaces, other
         processes); the overhead is the most it has reserved over the most that was allocated (segments
         held for fragments and streams)."""
-        free, _ = torch.cuda.mem_get_info(self.device)
-        usable = torch.cuda.memory_reserved(self.device) + free
+        usable = obtainable_bytes(self.device)
         overhead = self._most_reserved / self._most_allocated if self._most_allocated else 1.0
         return fraction * usable / overhead

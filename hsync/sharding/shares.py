@@ -7,9 +7,11 @@ of the parameters it owns (another rank's bucket is freed once sent: Note [Owned
 csrc/engine.cpp), plus the few buckets in flight during a backward. So each rank's capacity is its
 budget less the parameters and the buckets in flight, and the parameters are split, in registration
 order, into one contiguous range per rank whose gradients and optimizer state are in proportion to
-that capacity. A rank that declares nothing shares in proportion to its
-free device memory (`torch.cuda.mem_get_info`, measured after the model was placed, so the
-parameters are counted back in); on the CPU, where there is no such measure, ranks that declare
+that capacity. A rank that declares nothing shares in proportion to the device memory it can still
+get, measured after the model was placed (the parameters counted back in), as the Balancer measures
+it for its micro-batches (obtainable_bytes: the card's free memory and the allocator's cache, or a
+per-process fraction's cap); so the Balancer then plans micro-batches from what the state leaves. On
+the CPU, where there is no such measure, ranks that declare
 nothing get equal shares. A model whose state cannot fit is refused before any step, naming each
 rank, its budget and what it would need.
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hsync.balance.memory import obtainable_bytes
 from hsync.errors import describe
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -56,14 +59,8 @@ def this_ranks_budget(memory_budget: MemoryBudget, rank: int, world_size: int, d
         return parse_bytes(memory_budget[rank], f"memory_budget[{rank}]")
     if memory_budget is not None:
         return parse_bytes(memory_budget)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        allocated = torch.cuda.memory_allocated(device)
-        cached = torch.cuda.memory_reserved(device) - allocated  # this process's to reuse, not free to others
-        # A process capped by torch.cuda.set_per_process_memory_fraction gets no more from the caching
-        # allocator than its fraction of the card, whatever the card has free.
-        capped = torch.cuda.get_per_process_memory_fraction(device) * total - allocated
-        return int(max(0, min(free + cached, capped))) + parameter_bytes
+    if device.type == "cuda":  # what this process can still allocate, and the parameters it holds already
+        return max(0, obtainable_bytes(device) - torch.cuda.memory_allocated(device)) + parameter_bytes
     return None
 
 
