@@ -111,6 +111,7 @@ PYBIND11_MODULE(_C, m) {
       .def("check", &Engine::check)
       .def_property_readonly("comm", &Engine::comm)
       .def("bucket_params", &Engine::bucket_params)
+      .def("allocated_bucket_bytes", &Engine::allocated_bucket_bytes)
       .def("start_busy_interval", [](Engine& e) { e.clock().start(); })
       .def("end_busy_interval", [](Engine& e) { return e.clock().stop(); })
       .def("busy_seconds_so_far", [](Engine& e) { return e.clock().seconds_so_far(); },

@@ -142,12 +142,17 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
     bucket.transient = bucket.owner >= 0 && bucket.owner != comm_->rank();
     for (size_t k = 0; k < indices.size(); ++k) locator_[indices[k]] = {buckets_.size(), k};
     bucket.tail_offset = buckets_.empty() ? 0 : buckets_.back().tail_offset + buckets_.back().tail_numel();
-    if (!bucket.transient) allocate(bucket);
-    buckets_.push_back(std::move(bucket));
+    buckets_.push_back(std::move(bucket));  // its buffer comes with its first gradient: Note [Bucket memory]
   }
   if (hook_chain_) set_hooked_buckets();
 }
 
+// Note [Bucket memory]
+// A bucket's buffer is allocated, zeroed, when its first gradient of a step arrives (or a hook, or a
+// gradient moved into its slot, needs it), not when the buckets are built: wrapping a model takes no
+// gradient memory, and a ShardedOptimizer built before the first backward measures a rank's memory
+// without gradients that are not its own. Its own buckets then stay; another rank's are released once
+// sent (Note [Owned buckets]).
 void Engine::allocate(Bucket& bucket) {
   const int64_t first = bucket.params.front();
   bucket.buffer = at::zeros({bucket.values_numel + bucket.tail_numel()},
@@ -171,6 +176,14 @@ void Engine::release(Bucket& bucket) {
   bucket.tail = at::Tensor();
 }
 
+int64_t Engine::allocated_bucket_bytes() const {
+  int64_t bytes = 0;
+  for (const Bucket& bucket : buckets_) {
+    if (bucket.buffer.defined()) bytes += bucket.buffer.numel() * static_cast<int64_t>(bucket.buffer.element_size());
+  }
+  return bytes;
+}
+
 std::vector<std::vector<int64_t>> Engine::bucket_params() const {
   std::vector<std::vector<int64_t>> result;
   for (const Bucket& bucket : buckets_) result.push_back(bucket.params);
@@ -186,7 +199,7 @@ void Engine::start_step() {
     bucket.pending = bucket.params.size();
     if (bucket.transient) {
       release(bucket);  // left by a step that failed: allocated anew, zeroed, by its first gradient
-    } else {
+    } else if (bucket.buffer.defined()) {
       bucket.tail.zero_();
     }
   }
@@ -454,7 +467,8 @@ void Engine::set_comm_hook(std::shared_ptr<c10d::CommHookInterface> hook) {
 
 void Engine::set_hooked_buckets() {
   std::vector<HookedBucket> hooked;
-  for (const Bucket& bucket : buckets_) {
+  for (Bucket& bucket : buckets_) {
+    if (!bucket.buffer.defined()) allocate(bucket);  // the hook is handed its values once
     HookedBucket h;
     h.values = values_of(bucket);
     h.tail = bucket.tail;
@@ -677,6 +691,7 @@ void Engine::move_grads_into_slots() {
     at::Tensor& grad = params_[i].mutable_grad();
     const auto [b, k] = locator_[i];
     if (!grad.defined() || !grad_is_slot(i) || buckets_[b].transient) continue;
+    if (!buckets_[b].buffer.defined()) allocate(buckets_[b]);
     const at::Tensor& slot = buckets_[b].slots[k];
     slot.copy_(grad);
     grad = slot;

@@ -24,7 +24,7 @@
 // backward returns. Which graph tasks may feed a step: Note [Nested backwards]. The other Notes
 // of the engine stand in engine.cpp beside the code they explain: [Deferred normalisation],
 // [Gradients as bucket views], [Which backward synchronises], [Nested backwards], [A backward
-// that fails], [Join], [Communication hooks].
+// that fails], [Join], [Communication hooks], [Bucket memory], [Owned buckets].
 #pragma once
 
 #include <ATen/ATen.h>
@@ -145,6 +145,8 @@ class Engine {
   at::Tensor last_grad_nonfinite() const { return last_grad_nonfinite_; }
 
   std::vector<std::vector<int64_t>> bucket_params() const;
+  // The bytes of the bucket buffers allocated now: Note [Bucket memory].
+  int64_t allocated_bucket_bytes() const;
 
   // Times this rank's own work, without its waits for peers: Note [Busy time].
   BusyClock& clock() { return clock_; }

@@ -50,7 +50,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._all = [p for p in reduced_parameters(model.module) if p.requires_grad]
         self._index = {p: i for i, p in enumerate(self._all)}
         sizes = [p.numel() * p.element_size() for p in self._all]
-        budget = this_ranks_budget(memory_budget, model.rank, model.world_size, model.device, sum(sizes))
+        # What the model holds now that its state will be made of: the parameters, and gradient buckets (if a
+        # backward ran already) that the owners will replace.
+        held = sum(sizes) + model._ensure_engine().allocated_bucket_bytes()
+        budget = this_ranks_budget(memory_budget, model.rank, model.world_size, model.device, held)
         budgets = self._channel.gather_objects(budget, "the memory budgets")
         self.layout: Layout = plan_layout(sizes, budgets, owned_bytes_per_parameter_byte(model, optimizer_class,
                                                                                        defaults),

@@ -50,8 +50,9 @@ def parse_bytes(value: int | float | str, what: str = "memory_budget") -> int:
 
 
 def this_ranks_budget(memory_budget: MemoryBudget, rank: int, world_size: int, device: torch.device,
-                      parameter_bytes: int) -> int | None:
-    """This rank's budget in bytes (Note [Memory shares]); None: undeclared on a CPU (an equal share)."""
+                      held_bytes: int) -> int | None:
+    """This rank's budget in bytes (Note [Memory shares]); None: undeclared on a CPU (an equal share).
+    `held_bytes`: what the model's state takes on the device already (counted back into a measured budget)."""
     if isinstance(memory_budget, list | tuple):
         if len(memory_budget) != world_size:
             raise ValueError(f"memory_budget lists {len(memory_budget)} budget(s) for {world_size} ranks: give one "
@@ -60,7 +61,7 @@ def this_ranks_budget(memory_budget: MemoryBudget, rank: int, world_size: int, d
     if memory_budget is not None:
         return parse_bytes(memory_budget)
     if device.type == "cuda":  # what this process can still allocate, and the parameters it holds already
-        return max(0, obtainable_bytes(device) - torch.cuda.memory_allocated(device)) + parameter_bytes
+        return max(0, obtainable_bytes(device) - torch.cuda.memory_allocated(device)) + held_bytes
     return None
 
 

@@ -163,6 +163,42 @@ def gradient_bytes_kept(rank: int, world_size: int, sharded: bool) -> tuple[int,
     return live_bytes(cpu) - before - parameters, parameters
 
 
+def bucket_bytes_over_a_step(rank: int, world_size: int) -> dict[str, float]:
+    """The engine's allocated bucket bytes, over the parameters' bytes: wrapped, after a whole step, and after a
+    sharded step of another model (budgets 3:1)."""
+    import hsync
+
+    def wrapped() -> hsync.WeightedDDP:
+        return hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32), bucket_cap_mb=TINY_BUCKET_MB)
+
+    def step(model: hsync.WeightedDDP, optimizer: torch.optim.Optimizer) -> None:
+        for _ in range(2):  # the first rebuilds the buckets, in the order gradients came, with no buffer yet
+            x = torch.randn(4, 4)
+            model.backward(model(x).square().mean(), weight=len(x))
+            optimizer.step()
+
+    whole, sharded = wrapped(), wrapped()
+    parameters = sum(p.numel() * p.element_size() for p in whole.parameters())
+    out = {"wrapped": whole._engine.allocated_bucket_bytes() / parameters}
+    step(whole, torch.optim.SGD(whole.parameters(), lr=0.1))
+    out["whole step"] = whole._engine.allocated_bucket_bytes() / parameters
+    optimizer = hsync.ShardedOptimizer(sharded, torch.optim.SGD, memory_budget=["3GiB", "1GiB"], lr=0.1)
+    step(sharded, optimizer)
+    out["sharded step"] = sharded._engine.allocated_bucket_bytes() / parameters
+    owned = [p for i, p in enumerate(sharded.parameters()) if i in optimizer.layout.ranges[rank]]
+    out["owned"] = sum(p.numel() * p.element_size() for p in owned) / parameters
+    return out
+
+
+def test_buckets_take_memory_from_the_first_gradient_and_only_the_owners_keep_them():
+    """Note [Bucket memory]: wrapping allocates no bucket; steps allocate them all (a little more than the
+    gradients: slot alignment and flags); with owners, a rank keeps its own buckets only."""
+    for rank, out in enumerate(run_ranks(bucket_bytes_over_a_step, 2)):
+        assert out["wrapped"] == 0, (rank, out)
+        assert 1.0 <= out["whole step"] < 1.5, (rank, out)
+        assert 0 < out["owned"] <= out["sharded step"] < out["owned"] + 0.3, (rank, out)
+
+
 def test_a_rank_keeps_no_gradient_memory_of_the_buckets_it_does_not_own():
     """ZeRO-2: another rank's bucket is freed once sent. Unsharded, every rank keeps every gradient's bucket
     (the parameters' bytes again, and what the first steps leave to any run: about 15% here); sharded over two
