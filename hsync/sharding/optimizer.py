@@ -246,9 +246,11 @@ def owned_bytes_per_parameter_byte(model: WeightedDDP, optimizer_class: type[tor
 
 def bytes_in_flight(model: WeightedDDP, sizes: list[int]) -> int:
     """What a backward holds at once beyond the owned buckets (Note [Memory shares]): a fresh gradient from
-    autograd, the bucket it is packed into, and a bucket in its reduce; a parameter larger than the bucket cap
-    is a bucket of its own."""
-    return min(sum(sizes), 3 * max(model._bucket_bytes_cap, max(sizes)))
+    autograd and the bucket it is packed into (a parameter larger than the bucket cap is a bucket of its
+    own). A bucket sent before is freed once its reduce completes, which happens while the next gradients are
+    computed, unless the network is far slower than the backward (the shard-capacity-3to1 row measures each
+    rank's peak, which stays within this)."""
+    return min(sum(sizes), 2 * max(model._bucket_bytes_cap, max(sizes)))
 
 
 def state_bytes_per_parameter_byte(optimizer_class: type[torch.optim.Optimizer], defaults: Mapping,
