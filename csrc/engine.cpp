@@ -718,15 +718,32 @@ void Engine::rebuild_from_ready_order() {
 }
 
 void Engine::broadcast_coalesced(const std::vector<at::Tensor>& tensors, int root) {
+  // In chunks of at most a bucket's bytes (a larger tensor alone): each travels as one flat copy, and
+  // a flat copy of a whole model would double its memory while it is broadcast (at wrap time, on the
+  // smallest card too).
+  std::vector<at::Tensor> chunk;
+  int64_t bytes = 0;
+  for (const at::Tensor& t : tensors) {
+    HSYNC_CHECK(t.device() == device_, "broadcast: tensor on ", t.device(), ", expected ", device_);
+    if (t.numel() == 0) continue;
+    const int64_t size = t.numel() * static_cast<int64_t>(t.element_size());
+    if (!chunk.empty() && bytes + size > bucket_bytes_cap_) {
+      broadcast_flat(chunk, root);
+      chunk.clear();
+      bytes = 0;
+    }
+    chunk.push_back(t);
+    bytes += size;
+  }
+  if (!chunk.empty()) broadcast_flat(chunk, root);
+}
+
+void Engine::broadcast_flat(const std::vector<at::Tensor>& tensors, int root) {
   // A broadcast copies bytes, whatever they mean: every tensor travels in one flat byte buffer, so
   // one collective carries them all, including dtypes NCCL has no type for (int16, uint16/32/64,
   // float8, complex).
   std::vector<at::Tensor> parts;
-  for (const at::Tensor& t : tensors) {
-    HSYNC_CHECK(t.device() == device_, "broadcast: tensor on ", t.device(), ", expected ", device_);
-    if (t.numel() > 0) parts.push_back(t.contiguous().view({-1}).view(at::kByte));
-  }
-  if (parts.empty()) return;
+  for (const at::Tensor& t : tensors) parts.push_back(t.contiguous().view({-1}).view(at::kByte));
   const at::NoGradGuard no_grad;
   const at::Tensor flat = at::cat(parts);
   {
@@ -736,7 +753,6 @@ void Engine::broadcast_coalesced(const std::vector<at::Tensor>& tensors, int roo
   }
   int64_t offset = 0;
   for (const at::Tensor& t : tensors) {
-    if (t.numel() == 0) continue;
     const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
     // New values, not a new version: a buffer saved for backward by an earlier forward (BatchNorm's
     // running statistics, two forwards before one backward) must not fail autograd's version

@@ -137,7 +137,8 @@ class Engine {
   // an undefined tensor turns that off. Note [Join].
   void set_join_plain_step(const std::optional<at::Tensor>& scalars, bool divide_by_world_size);
 
-  // Broadcasts `tensors` in place from `root`, one collective per dtype; their autograd versions stay.
+  // Broadcasts `tensors` in place from `root`, in collectives of at most a bucket's bytes; their autograd
+  // versions stay.
   void broadcast_coalesced(const std::vector<at::Tensor>& tensors, int root);
 
   // Number of non-finite flags raised in the last completed step, summed over ranks and buckets
@@ -162,6 +163,7 @@ class Engine {
   at::ScalarType bucket_dtype(size_t index) const;
   bool grad_is_slot(size_t index) const;   // Note [Gradients as bucket views]
   void build_buckets(const std::vector<int64_t>& order);
+  void broadcast_flat(const std::vector<at::Tensor>& tensors, int root);  // one collective, non-empty tensors
   void allocate(Bucket& bucket);            // a zeroed buffer and its views
   static void release(Bucket& bucket);      // Note [Owned buckets]
   void move_grads_into_slots();  // Note [Gradients as bucket views]

@@ -123,21 +123,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _share_parameters(self) -> None:
-        """Each owner's parameters to every rank, in broadcasts of at most a bucket's bytes: each flattens its
-        tensors into one buffer, which a whole range at once would make as large as the rank's share."""
+        """Each owner's parameters to every rank (in broadcasts of at most a bucket's bytes each)."""
         engine = self._model._ensure_engine()
-        cap = self._model._bucket_bytes_cap
         for owner, owned in enumerate(self.layout.ranges):
-            chunk, size = [], 0
-            for i in owned:
-                tensor = self._all[i].detach()
-                if chunk and size + tensor.numel() * tensor.element_size() > cap:
-                    engine.broadcast_coalesced(chunk, owner)
-                    chunk, size = [], 0
-                chunk.append(tensor)
-                size += tensor.numel() * tensor.element_size()
-            if chunk:
-                engine.broadcast_coalesced(chunk, owner)
+            engine.broadcast_coalesced([self._all[i].detach() for i in owned], owner)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every parameter's gradient, owned or not, as torch.optim.Optimizer's."""
