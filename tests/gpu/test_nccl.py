@@ -199,9 +199,8 @@ def train_capped(rank: int, world_size: int, even: bool, steps: int) -> dict:
     layers = max(2, int(0.12 * MEMORY_CAPS[1] * total / (width * width)))
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).cuda()
-    # Seeded alike on both ranks: no broadcast from rank 0, whose flat copy would take the small cap's half.
-    model = hsync.WeightedDDP(net, gradient_as_bucket_view=True, init_sync=False,
-                              timeout=datetime.timedelta(seconds=20))
+    # Rank 0's parameters broadcast at wrap time in chunks of a bucket, not one flat copy of all of them.
+    model = hsync.WeightedDDP(net, gradient_as_bucket_view=True, timeout=datetime.timedelta(seconds=20))
     out = {"cap": MEMORY_CAPS[rank] * total, "error": None}
     try:
         budgets = ["1TiB"] * world_size if even else None
