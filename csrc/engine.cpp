@@ -148,24 +148,30 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
 }
 
 // Note [Bucket memory]
-// A bucket's buffer is allocated, zeroed, when its first gradient of a step arrives (or a hook, or a
+// A bucket's buffer is allocated (its padding and flags zeroed) when its first gradient of a step arrives (or a hook, or a
 // gradient moved into its slot, needs it), not when the buckets are built: wrapping a model takes no
 // gradient memory, and a ShardedOptimizer built before the first backward measures a rank's memory
 // without gradients that are not its own. Its own buckets then stay; another rank's are released once
 // sent (Note [Owned buckets]).
 void Engine::allocate(Bucket& bucket) {
   const int64_t first = bucket.params.front();
-  bucket.buffer = at::zeros({bucket.values_numel + bucket.tail_numel()},
+  bucket.buffer = at::empty({bucket.values_numel + bucket.tail_numel()},
                             params_[first].options().dtype(bucket_dtype(first)).requires_grad(false));
   bucket.slots.clear();
   bucket.used.clear();
+  // Every slot is written by its pack (or zeroed as unused) before the bucket is sent: only the padding
+  // between slots and the tail are zeroed here, not the whole buffer once a step for another rank's.
   for (size_t k = 0; k < bucket.params.size(); ++k) {
     const at::Tensor& param = params_[bucket.params[k]];
+    const int64_t end = bucket.offsets[k] + param.numel();
+    const int64_t next = k + 1 < bucket.params.size() ? bucket.offsets[k + 1] : bucket.values_numel;
+    if (next > end) bucket.buffer.narrow(0, end, next - end).zero_();
     bucket.slots.push_back(bucket.buffer.narrow(0, bucket.offsets[k], param.numel()).view(param.sizes()));
     bucket.used.push_back(bucket.buffer.narrow(0, bucket.values_numel + 1 + static_cast<int64_t>(k), 1));
   }
   bucket.nonfinite_flag = bucket.buffer.narrow(0, bucket.values_numel, 1);
   bucket.tail = bucket.buffer.narrow(0, bucket.values_numel, bucket.tail_numel());
+  bucket.tail.zero_();
 }
 
 void Engine::release(Bucket& bucket) {
@@ -198,7 +204,7 @@ void Engine::start_step() {
   for (Bucket& bucket : buckets_) {
     bucket.pending = bucket.params.size();
     if (bucket.transient) {
-      release(bucket);  // left by a step that failed: allocated anew, zeroed, by its first gradient
+      release(bucket);  // left by a step that failed: allocated anew by its first gradient
     } else if (bucket.buffer.defined()) {
       bucket.tail.zero_();
     }
@@ -585,7 +591,8 @@ bool Engine::used_on_some_rank(const Bucket& bucket, size_t k) {
     comm_->synchronize();
     std::vector<at::Tensor> tails;
     for (const Bucket& b : buckets_) {  // another rank's bucket was released once sent: its flags are not read
-      tails.push_back(b.tail.defined() ? b.tail.to(at::kDouble) : at::zeros({b.tail_numel()}, at::kDouble).to(device_));
+      tails.push_back(b.tail.defined() ? b.tail.to(at::kDouble)
+                                       : at::zeros({b.tail_numel()}, at::TensorOptions(at::kDouble).device(device_)));
     }
     step_.tails_on_host = at::cat(tails).to(at::kCPU);
     comm_->check();  // a collective that failed meanwhile left garbage in the tails
@@ -605,8 +612,8 @@ at::Tensor Engine::sum_overflowed(const Bucket& bucket) {
 // the one whose optimizer steps it. Buckets then hold one owner's parameters each (one more key of
 // the bucket assignment, beside the dtype) and each is reduced to its owner instead of all-reduced:
 // half a ring all-reduce's bytes, and the owner's broadcast of the updated parameters is the other
-// half. The other ranks keep nothing of another rank's bucket (ZeRO-2): its buffer is allocated,
-// zeroed, when its first gradient arrives, each gradient is dropped once packed (autograd's fresh
+// half. The other ranks keep nothing of another rank's bucket (ZeRO-2): its buffer is allocated
+// when its first gradient arrives, each gradient is dropped once packed (autograd's fresh
 // tensor is freed at once), and the buffer is released as soon as its reduce is launched. The
 // communicator holds it until the reduce is done: gloo's work frees it when it completes (completed
 // works are let go at each launch), and on a GPU the caching allocator, which saw the buffer used on
