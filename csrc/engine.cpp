@@ -124,6 +124,8 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
 
   buckets_.clear();
   buckets_.reserve(assignment.size());
+  in_flight_buffers_.clear();
+  in_flight_buffer_bytes_ = 0;
   locator_.assign(params_.size(), {0, 0});
   for (const auto& indices : assignment) {
     const at::ScalarType dtype = bucket_dtype(indices.front());
@@ -140,6 +142,10 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
     bucket.values_numel = numel;
     bucket.owner = owners_.empty() ? -1 : static_cast<int>(owners_[indices.front()]);
     bucket.transient = bucket.owner >= 0 && bucket.owner != comm_->rank();
+    if (bucket.transient) {
+      const int64_t bytes = (numel + bucket.tail_numel()) * static_cast<int64_t>(c10::elementSize(dtype));
+      in_flight_buffer_bytes_ = std::max(in_flight_buffer_bytes_, bytes);
+    }
     for (size_t k = 0; k < indices.size(); ++k) locator_[indices[k]] = {buckets_.size(), k};
     bucket.tail_offset = buckets_.empty() ? 0 : buckets_.back().tail_offset + buckets_.back().tail_numel();
     buckets_.push_back(std::move(bucket));  // its buffer comes with its first gradient: Note [Bucket memory]
@@ -151,12 +157,20 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
 // A bucket's buffer is allocated (its padding and flags zeroed) when its first gradient of a step arrives (or a hook, or a
 // gradient moved into its slot, needs it), not when the buckets are built: wrapping a model takes no
 // gradient memory, and a ShardedOptimizer built before the first backward measures a rank's memory
-// without gradients that are not its own. Its own buckets then stay; another rank's are released once
-// sent (Note [Owned buckets]).
+// without gradients that are not its own. Its own buckets then stay; another rank's borrow one of the
+// step's two in-flight buffers until sent (Note [Owned buckets]).
 void Engine::allocate(Bucket& bucket) {
   const int64_t first = bucket.params.front();
-  bucket.buffer = at::empty({bucket.values_numel + bucket.tail_numel()},
-                            params_[first].options().dtype(bucket_dtype(first)).requires_grad(false));
+  const auto options = params_[first].options().dtype(bucket_dtype(first)).requires_grad(false);
+  const int64_t numel = bucket.values_numel + bucket.tail_numel();
+  if (bucket.transient) {  // Note [Owned buckets]
+    bucket.in_flight_buffer = take_in_flight_buffer();
+    const at::Tensor& bytes = in_flight_buffers_[bucket.in_flight_buffer].bytes;
+    bucket.buffer = bytes.narrow(0, 0, numel * static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType())))
+                        .view(options.dtype().toScalarType());
+  } else {
+    bucket.buffer = at::empty({numel}, options);
+  }
   bucket.slots.clear();
   bucket.used.clear();
   // Every slot is written by its pack (or zeroed as unused) before the bucket is sent: only the padding
@@ -175,6 +189,12 @@ void Engine::allocate(Bucket& bucket) {
 }
 
 void Engine::release(Bucket& bucket) {
+  if (bucket.in_flight_buffer >= 0) {
+    InFlightBuffer& in_flight = in_flight_buffers_[bucket.in_flight_buffer];
+    in_flight.filling = false;
+    in_flight.reduce = bucket.seq;
+  }
+  bucket.in_flight_buffer = -1;
   bucket.buffer = at::Tensor();
   bucket.slots.clear();
   bucket.used.clear();
@@ -182,11 +202,36 @@ void Engine::release(Bucket& bucket) {
   bucket.tail = at::Tensor();
 }
 
+int Engine::take_in_flight_buffer() {
+  // The one whose reduce went first, unless fewer than kInFlightBuffers exist: a reduce then overlaps
+  // the next bucket's filling. One still filling (gradients came out of bucket order) is never waited
+  // for, as its launch may need gradients this very wait would hold back: a buffer is added instead.
+  int chosen = -1;
+  for (size_t i = 0; i < in_flight_buffers_.size(); ++i) {
+    const InFlightBuffer& b = in_flight_buffers_[i];
+    if (!b.filling && (chosen < 0 || b.reduce < in_flight_buffers_[chosen].reduce)) chosen = static_cast<int>(i);
+  }
+  const bool busy = chosen < 0 || in_flight_buffers_[chosen].reduce.has_value();
+  if (busy && (chosen < 0 || in_flight_buffers_.size() < kInFlightBuffers)) {
+    const auto options = at::TensorOptions().dtype(at::kByte).device(device_);
+    in_flight_buffers_.push_back({at::empty({in_flight_buffer_bytes_}, options), std::nullopt, false});
+    chosen = static_cast<int>(in_flight_buffers_.size()) - 1;
+  } else if (busy) {
+    // Launched on every rank in bucket order, so it completes without this rank going further. On a GPU
+    // the current stream waits for it, not the host; the caller's packs follow on that stream.
+    comm_->synchronize_through(*in_flight_buffers_[chosen].reduce);
+  }
+  in_flight_buffers_[chosen].filling = true;
+  in_flight_buffers_[chosen].reduce.reset();
+  return chosen;
+}
+
 int64_t Engine::allocated_bucket_bytes() const {
   int64_t bytes = 0;
   for (const Bucket& bucket : buckets_) {
-    if (bucket.buffer.defined()) bytes += bucket.buffer.numel() * static_cast<int64_t>(bucket.buffer.element_size());
+    if (bucket.buffer.defined() && !bucket.transient) bytes += bucket.buffer.nbytes();
   }
+  for (const InFlightBuffer& b : in_flight_buffers_) bytes += b.bytes.nbytes();
   return bytes;
 }
 
@@ -204,11 +249,13 @@ void Engine::start_step() {
   for (Bucket& bucket : buckets_) {
     bucket.pending = bucket.params.size();
     if (bucket.transient) {
+      bucket.in_flight_buffer = -1;
       release(bucket);  // left by a step that failed: allocated anew by its first gradient
     } else if (bucket.buffer.defined()) {
       bucket.tail.zero_();
     }
   }
+  in_flight_buffers_.clear();
 }
 
 void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& ref_weight) {
@@ -435,13 +482,14 @@ void Engine::launch_complete_buckets() {
       step_.scalars_due = false;
     }
     Bucket& bucket = buckets_[step_.next_bucket];
+    if (step_.failed) bucket.nonfinite_flag.fill_(1);  // Note [A backward that fails]
     if (hook_chain_) {  // the flags and used marks stay hsync's, the values go to the hook: Note [Hook order]
       hook_chain_->submit(step_.next_bucket);
     } else {
       const auto index = static_cast<int64_t>(step_.next_bucket);
       bucket.seq = bucket.owner >= 0 ? comm_->reduce_sum(bucket.buffer, bucket.owner, Purpose::kBucket, index)
                                      : comm_->all_reduce_sum(bucket.buffer, Purpose::kBucket, index);
-      if (bucket.transient) release(bucket);  // sent: the communicator holds it until the reduce is done
+      if (bucket.transient) release(bucket);  // sent: its buffer goes to a later bucket once the reduce is done
     }
     ++step_.next_bucket;
   }
@@ -522,11 +570,7 @@ void Engine::finalize_if_pending() {
 // backward's fail when it exits, and its communicator refuses any further collective.
 void Engine::mark_step_failed() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!step_.active) return;
-  for (size_t b = step_.next_bucket; b < buckets_.size(); ++b) {
-    if (!buckets_[b].buffer.defined()) allocate(buckets_[b]);
-    buckets_[b].nonfinite_flag.fill_(1);
-  }
+  if (step_.active) step_.failed = true;  // the buckets not launched yet raise their flag as they go
 }
 
 void Engine::abandon_step(const std::string& why) {
@@ -560,6 +604,7 @@ void Engine::finalize() {
     if (hook_chain_) take_hook_result(b);
     write_back(buckets_[b]);
   }
+  in_flight_buffers_.clear();  // every reduce is done (on a GPU the stream is ordered after them)
 
   if (owners_.empty()) {
     std::vector<at::Tensor> flags;
@@ -612,13 +657,19 @@ at::Tensor Engine::sum_overflowed(const Bucket& bucket) {
 // the one whose optimizer steps it. Buckets then hold one owner's parameters each (one more key of
 // the bucket assignment, beside the dtype) and each is reduced to its owner instead of all-reduced:
 // half a ring all-reduce's bytes, and the owner's broadcast of the updated parameters is the other
-// half. The other ranks keep nothing of another rank's bucket (ZeRO-2): its buffer is allocated
-// when its first gradient arrives, each gradient is dropped once packed (autograd's fresh
-// tensor is freed at once), and the buffer is released as soon as its reduce is launched. The
-// communicator holds it until the reduce is done: gloo's work frees it when it completes (completed
-// works are let go at each launch), and on a GPU the caching allocator, which saw the buffer used on
-// the communication stream, reuses the memory only once that stream has passed the reduce. So a
-// rank holds its own buckets and the few of others' in flight, not every gradient. Every rank must
+// half. The other ranks keep nothing of another rank's bucket (ZeRO-2): it borrows one of two
+// in-flight buffers of the largest such bucket's size from its first gradient, each gradient is
+// dropped once packed (autograd's fresh tensor is freed at once), and the buffer goes back as soon as
+// the reduce is launched. The next bucket then fills the other buffer while this one's reduce runs,
+// and the one after waits for this reduce before it reuses its buffer (double buffering, as
+// DeepSpeed's ZeRO-2 does). Without that bound, a rank's peak would depend on how fast its peers
+// complete reduces: every bucket launched and not yet reduced would hold memory. On a GPU the wait is
+// the current stream's, not the host's (synchronize_through): the host goes on queueing the backward,
+// whose kernels after it wait as a slow network makes them; on the CPU it blocks the backward thread. Only a launched
+// bucket's buffer is waited for: one still filling (gradients that come out of bucket order, as before
+// the first rebuild) may need gradients the wait would hold back, so a third buffer is added instead.
+// The buffers go at the end of the step, so the optimizer's step has that memory. So a
+// rank holds its own buckets and two of others', not every gradient. Every rank must
 // still learn every bucket's flags (a non-finite gradient anywhere skips the step everywhere; a
 // float16 sum's overflow is seen only by its owner), so after the buckets' reduces one all-reduce
 // carries each owner's reduced flags, zeros from the others. Owners are fixed between steps; a

@@ -64,6 +64,7 @@ struct Bucket {
   int64_t tail_offset = 0;         // where the tail starts among all buckets' tails, in bucket order
   int owner = -1;                  // the rank it is reduced to: Note [Owned buckets]; -1: all-reduced
   bool transient = false;          // another rank's: its buffer lives from its first gradient to its launch
+  int in_flight_buffer = -1;       // a transient bucket's: which in-flight buffer it is filling, Note [Owned buckets]
   size_t pending = 0;              // params not packed yet in this step
   uint64_t seq = 0;                // its all-reduce's sequence number in this step (none with a hook)
 
@@ -90,6 +91,15 @@ struct Step {
   at::Tensor scalars_host;             // their copy on the host (GPU only)
   std::optional<c10::Event> scalars_copied;
   at::Tensor ref_weight;               // the weight local gradients are expressed in
+  bool failed = false;                 // this rank's backward raised: Note [A backward that fails]
+};
+
+// Memory that transient buckets (another rank's gradients, Note [Owned buckets]) borrow from their first
+// gradient to their reduce's launch, then hand to the next one once that reduce is done.
+struct InFlightBuffer {
+  at::Tensor bytes;               // uint8, the largest transient bucket's size
+  std::optional<uint64_t> reduce; // the last reduce sent from it; none: free at once
+  bool filling = false;           // a bucket not launched yet holds it
 };
 
 class Engine {
@@ -165,7 +175,8 @@ class Engine {
   void build_buckets(const std::vector<int64_t>& order);
   void broadcast_flat(const std::vector<at::Tensor>& tensors, int root);  // one collective, non-empty tensors
   void allocate(Bucket& bucket);            // a zeroed buffer and its views
-  static void release(Bucket& bucket);      // Note [Owned buckets]
+  void release(Bucket& bucket);             // Note [Owned buckets]
+  int take_in_flight_buffer();              // Note [Owned buckets]
   void move_grads_into_slots();  // Note [Gradients as bucket views]
   void on_gradient_ready(size_t index);
   void start_step();                       // resets step_; caller holds mutex_
@@ -207,6 +218,9 @@ class Engine {
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> locator_;  // param -> (bucket, position in bucket)
   std::vector<int64_t> owners_;             // per param, Note [Owned buckets]; empty: every bucket all-reduced
+  static constexpr size_t kInFlightBuffers = 2;  // double buffering: one reduces while the next fills
+  std::vector<InFlightBuffer> in_flight_buffers_;  // during a step; more only while gradients come out of order
+  int64_t in_flight_buffer_bytes_ = 0;
 
   std::mutex mutex_;
   std::atomic<bool> expect_gradients_{false};  // written by Python, read by autograd's threads

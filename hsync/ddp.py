@@ -188,6 +188,11 @@ class WeightedDDP(DistributedDataParallel):
         self._hook_registered = False  # register_comm_hook was called
         self._comm_hook: tuple[object, Callable] | None = None  # a hook of the user's: Note [Communication hooks]
         self._param_owners: list[int] | None = None  # hsync.ShardedOptimizer's: Note [Owned buckets]
+        self._sharded_optimizer_ref: weakref.ref | None = None  # the ShardedOptimizer's, weakly
+        # Under Join with a ShardedOptimizer: what this rank owes the protocol of Note [Sharded steps under Join]
+        # (hsync/sharding/optimizer.py): "announce" or "step" (active), "shadow" (joined), or nothing.
+        self._sharded_join_step: str | None = None
+        self._join_root = 0  # the lowest rank not joined at the last forward under Join
         self._balanced = False  # an hsync.Balancer declared its metrics: it plans for these ranks
         self._steps_begun = False  # a synchronised forward ran: too late for register_comm_hook
         self.require_backward_grad_sync = True  # public: nanoGPT-style loops set it per micro-step
@@ -274,7 +279,8 @@ class WeightedDDP(DistributedDataParallel):
                                "pickle model.module instead")
         state = self.__dict__.copy()
         state.update(_engine=None, _group=None, _window=None, _plain_steps_join=None, require_forward_param_sync=False,
-                     _before_sync=None, _param_owners=None)  # a copy has no sharded optimizer
+                     _before_sync=None, _param_owners=None, _sharded_optimizer_ref=None,
+                     _sharded_join_step=None)  # a copy has no sharded optimizer
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -424,6 +430,7 @@ class WeightedDDP(DistributedDataParallel):
             engine.set_join_plain_step(plain if joining else None, self._divide_by_initial_world_size)
             self._plain_steps_join = plain_steps
         if joining:
+            self._settle_sharded_join_step()
             Join.notify_join_context(self)
             _, _, root = self._exchange_join_info(synced, buffers_due, joined=False)
             self._join_announced = synced
@@ -520,14 +527,19 @@ class WeightedDDP(DistributedDataParallel):
             return RuntimeError("register_comm_hook must be called before the first backward, as with DDP")
         return None
 
-    def _set_param_owners(self, owners: list[int]) -> None:
+    def _set_param_owners(self, owners: list[int], optimizer: Joinable) -> None:
         """Each trainable parameter's owner, in registration order: its gradient is reduced to that rank only
-        (Note [Owned buckets] in csrc/engine.cpp). hsync.ShardedOptimizer's; every rank, between steps."""
+        (Note [Owned buckets] in csrc/engine.cpp). The ShardedOptimizer's (`optimizer`); every rank, between
+        steps."""
         if self._comm_hook is not None:
             raise RuntimeError("hsync.ShardedOptimizer: this model has a communication hook of the user's, which "
                                "hands every bucket to every rank; sharding reduces each bucket to its owner")
         self._ensure_engine().set_owners(owners)
         self._param_owners = list(owners)
+        self._sharded_optimizer_ref = weakref.ref(optimizer)
+
+    def _sharded_optimizer(self) -> Joinable | None:
+        return self._sharded_optimizer_ref() if self._sharded_optimizer_ref is not None else None
 
     @contextlib.contextmanager
     def waiting_for_peers(self) -> Iterator[None]:
@@ -562,13 +574,8 @@ class WeightedDDP(DistributedDataParallel):
         divide by the world size (divide_by_initial_world_size=True, DDP's default) or by the number of
         ranks not joined yet. At the end every rank holds the parameters of the last rank to join.
         As with DDP, each forward under join must be followed by at most one synchronised backward."""
-        if enable and self._param_owners is not None:
-            # A joined rank would have to shadow the optimizer's broadcasts too (ZeroRedundancyOptimizer is a
-            # Joinable of its own for that); hsync.ShardedOptimizer is not, yet.
-            raise RuntimeError("hsync.WeightedDDP.join: not with an hsync.ShardedOptimizer, whose owners broadcast "
-                               "their parameters after each step; give every rank the same number of steps "
-                               "(hsync.Balancer or ShardSampler do)")
-        return Join([self], enable, throw_on_early_termination,
+        optimizer = self._sharded_optimizer()  # its steps are shadowed too: Note [Sharded steps under Join]
+        return Join([self] + ([optimizer] if optimizer is not None else []), enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs) -> JoinHook:
@@ -584,7 +591,8 @@ class WeightedDDP(DistributedDataParallel):
 
     def _exchange_join_info(self, synced: bool, buffers_due: bool, joined: bool) -> tuple[bool, bool, int]:
         """One all-reduce per forward under Join: whether a synced step and a buffer broadcast follow,
-        and the lowest rank not joined, whose buffers are broadcast (rank 0 may have joined)."""
+        and the lowest rank not joined, whose buffers are broadcast (rank 0 may have joined). Also notes whether
+        a sharded optimizer's step is shadowed (Note [Sharded steps under Join])."""
         info = [0.0] * (2 + self.world_size)
         if not joined:
             info[0], info[1], info[2 + self.rank] = float(synced), float(buffers_due), 1.0
@@ -592,11 +600,39 @@ class WeightedDDP(DistributedDataParallel):
             values = Channels.of_model(self).all_reduce_sum(torch.tensor(info, dtype=torch.float64),
                                                             "the Join state of a forward").tolist()
         active = [r for r in range(self.world_size) if values[2 + r] > 0]
-        return values[0] > 0, values[1] > 0, active[0] if active else 0
+        self._join_root = active[0] if active else 0
+        if values[0] > 0 and len(active) < self.world_size and self._param_owners is not None:
+            self._sharded_join_step = "shadow" if joined else "announce"
+        return values[0] > 0, values[1] > 0, self._join_root
+
+    def _settle_sharded_join_step(self) -> None:
+        """Before an iteration under Join, before its collectives: a ShardedOptimizer joined after the model, and
+        the last synchronised step's optimizer step shadowed if it was finite (Note [Sharded steps under
+        Join])."""
+        optimizer = self._sharded_optimizer()
+        if optimizer is not None and not (optimizer._join_config.enable and self._join_config.is_first_joinable):
+            raise RuntimeError("hsync.WeightedDDP under Join with an hsync.ShardedOptimizer: a joined rank steps its "
+                               "share of the parameters with the others' steps, so the optimizer joins too, after "
+                               "the model: use model.join(), or Join([model, optimizer])")
+        owed, self._sharded_join_step = self._sharded_join_step, None
+        if owed is None or owed == "shadow" or not self._last_step_finite():
+            return
+        raise RuntimeError("hsync.ShardedOptimizer under Join: the last synchronised step's gradients were finite "
+                           "but optimizer.step() did not follow; the joined ranks step their share of the "
+                           "parameters with it, so call it after each such step (skip it only when stats.finite "
+                           "is False)")
+
+    def _last_step_finite(self) -> bool:
+        """Whether the last synchronised step's loss and gradients were finite on every rank (StepStats.finite,
+        for steps with no StepStats too)."""
+        engine = self._ensure_engine()
+        return engine.step_scalars()[LOSS_NONFINITE] == 0 and float(engine.last_grad_nonfinite()) == 0
 
     def _shadow_iteration(self) -> None:
         """A joined rank's side of one iteration of the others (Note [Join] in csrc/engine.h)."""
         engine = self._ensure_engine()
+        self._settle_sharded_join_step()  # this rank's last step, had it just joined
+        optimizer = self._sharded_optimizer()
         synced, buffers_due, root = self._exchange_join_info(False, False, joined=True)
         if buffers_due:
             engine.broadcast_coalesced(self._synced_buffers(), root)
@@ -605,9 +641,12 @@ class WeightedDDP(DistributedDataParallel):
             # The step's collectives with nothing of this rank's in them, and its gradients left as they are, as
             # DDP leaves a joined rank's (a loop that joined with gradients still to use, say for a
             # ZeroRedundancyOptimizer's last step, reads its own): set aside, copied where they are bucket views.
-            kept = [(p, p.grad if p.grad is None or not self.gradient_as_bucket_view else p.grad.clone())
-                    for p in self.module.parameters()]
-            for p, _ in kept:
+            # With a ShardedOptimizer they are instead the reduced ones this rank steps its share with, each
+            # step's own (Note [Sharded steps under Join]).
+            kept = [] if optimizer is not None else \
+                [(p, p.grad if p.grad is None or not self.gradient_as_bucket_view else p.grad.clone())
+                 for p in self.module.parameters()]
+            for p in self.module.parameters():
                 p.grad = None
             try:
                 window = self._open_window()

@@ -5,6 +5,20 @@ user's optimizer class on the parameters it owns (their state exists nowhere els
 broadcasts its updated parameters. The gradients it steps with are WeightedDDP's exact weighted mean, so
 the parameters after each step are those of the unsharded optimizer. Every collective goes through the
 wrapper's communicator, under its deadline. Which rank owns what: Note [Memory shares] (shares.py).
+
+Note [Sharded steps under Join]
+Under Join (uneven inputs), a rank that has run out of data still owns its share of the parameters: the
+others' steps need its optimizer step and broadcast, and it must step with the exact reduced gradient. So a
+ShardedOptimizer is a Joinable (model.join() brings it, as Join([model, optimizer]) does), and a joined
+rank, after shadowing a synchronised step (WeightedDDP's Note [Join]), keeps the reduced gradients of the
+parameters it owns (DDP's joined rank keeps its own stale ones) and shadows the optimizer: clip_grad_norm_
+if the others clip, then step(), with the others' group settings (an LR scheduler runs on them only). What
+they do is not known to it in advance, so the first of clip_grad_norm_ and step after such a step tells it,
+in one broadcast from the lowest active rank: whether to clip and with what, and every group's settings. As
+ZeroRedundancyOptimizer's join hook assumes, each synchronised step whose loss and gradients are finite is
+followed by one step(); a non-finite one by none, on every rank alike (clip_grad_norm_ then returns the
+non-finite norm without a collective, as the joined ranks, which know the flags too, do nothing). A finite
+step left without step() is refused at the next forward.
 """
 
 from __future__ import annotations
@@ -14,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from hsync.collectives import Channels
 from hsync.compat import reduced_parameters
@@ -22,7 +37,7 @@ from hsync.errors import describe
 from hsync.sharding.shares import Layout, MemoryBudget, plan_layout, this_ranks_budget
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     """`optimizer_class` over a WeightedDDP's parameters, its state sharded across the ranks by memory.
 
         model = hsync.WeightedDDP(model)
@@ -36,7 +51,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     or a size such as "6GiB"), or one per rank in rank order; None: measured on a GPU (its free memory), equal
     shares on the CPU. `params`: parameter groups over the model's parameters, as an optimizer takes them
     (default: every trainable parameter the model reduces, in one group). `defaults`: the optimizer's
-    arguments. Every method that changes state is collective: every rank calls it, in the same order."""
+    arguments. Every method that changes state is collective: every rank calls it, in the same order. Under
+    model.join(), ranks that ran out of data shadow the others' steps (Note [Sharded steps under Join])."""
 
     def __init__(self, model: WeightedDDP, optimizer_class: type[torch.optim.Optimizer], *,
                  memory_budget: MemoryBudget = None, params: Iterable | None = None, **defaults: Any) -> None:
@@ -69,9 +85,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._sync_hyperparameters(self.param_groups, self._local.param_groups)
         self.state = self._local.state  # the owned parameters' state, as the local optimizer keeps it
         self._consolidated: dict | None = None
+        Joinable.__init__(self)
         self._built = True
         # Last: once set, the model's gradients go to their owners only, which only this optimizer steps.
-        model._set_param_owners([owner for owner, owned in enumerate(self.layout.ranges) for _ in owned])
+        model._set_param_owners([owner for owner, owned in enumerate(self.layout.ranges) for _ in owned], self)
 
     # --- the parameters -------------------------------------------------------------------------------------
 
@@ -117,6 +134,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._tell_joined_ranks(clip=None):
+            raise RuntimeError("hsync.ShardedOptimizer.step under Join: the last step's loss or gradients were not "
+                               "finite, and the joined ranks skip it; skip step() when stats.finite is False")
         self._sync_hyperparameters(self.param_groups, self._local.param_groups)
         self._local.step()
         self._share_parameters()
@@ -140,6 +160,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         if not (norm_type > 0):
             raise ValueError(f"hsync.ShardedOptimizer.clip_grad_norm_: norm_type must be positive, got {norm_type}")
+        if not self._tell_joined_ranks(clip=(float(max_norm), norm_type)):
+            return torch.tensor(math.nan, device=self._model.device)  # Note [Sharded steps under Join]
         grads = [p.grad for p in self._all if p.grad is not None]
         mine = [p.grad for p in self._all if p.grad is not None and p in self._owned]
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(torch.float64) for g in mine]) if mine \
@@ -154,6 +176,54 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for grad in grads:
             grad.mul_(coefficient.to(grad.device, grad.dtype))
         return total
+
+    # --- under Join: Note [Sharded steps under Join] -------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _ShadowSteps(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._model.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._model.process_group
+
+    def _tell_joined_ranks(self, clip: tuple[float, float] | None) -> bool:
+        """On a rank still active under Join, at clip_grad_norm_ or step: tells the joined ranks, once per step,
+        what to shadow. False if the step is not finite (and so skipped everywhere)."""
+        model = self._model
+        owed = model._sharded_join_step
+        if owed not in ("announce", "step"):
+            return True
+        if not model._last_step_finite():
+            model._sharded_join_step = None
+            return False
+        if owed == "step" and clip is not None:
+            raise RuntimeError("hsync.ShardedOptimizer.clip_grad_norm_ under Join: once per step, before step(); "
+                               "the joined ranks shadow one clip and one step")
+        if owed == "announce":
+            settings = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
+            self._channel.broadcast_object({"clip": clip, "groups": settings}, model._join_root,
+                                           "what the joined ranks' optimizer shadows")
+        model._sharded_join_step = "step" if clip is not None else None
+        return True
+
+    def _shadow_step(self) -> None:
+        """On a joined rank, after the model shadowed a synchronised step: the active ranks' clip and step."""
+        model = self._model
+        if model._sharded_join_step != "shadow":
+            return
+        model._sharded_join_step = None
+        if not model._last_step_finite():
+            return
+        told = self._channel.broadcast_object(None, model._join_root, "what the joined ranks' optimizer shadows")
+        for ours, theirs in zip(self.param_groups, told["groups"], strict=True):
+            ours.update(theirs)
+        if told["clip"] is not None:
+            self.clip_grad_norm_(*told["clip"])
+        self.step()
 
     # --- checkpoints -----------------------------------------------------------------------------------------
 
@@ -214,6 +284,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for group in self.param_groups]
 
 
+class _ShadowSteps(JoinHook):
+    """How a ShardedOptimizer takes part in torch's Join once its rank has run out of inputs."""
+
+    def __init__(self, optimizer: ShardedOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def main_hook(self) -> None:
+        self.optimizer._shadow_step()
+
+
 def merge_shards(shards: list[Mapping]) -> dict:
     """The whole state from every rank's state_dict_shard()."""
     state: dict[int, Any] = {}
@@ -234,12 +314,12 @@ def owned_bytes_per_parameter_byte(model: WeightedDDP, optimizer_class: type[tor
 
 
 def bytes_in_flight(model: WeightedDDP, sizes: list[int]) -> int:
-    """What a backward holds at once beyond the owned buckets (Note [Memory shares]): a fresh gradient from
-    autograd and the bucket it is packed into (a parameter larger than the bucket cap is a bucket of its
-    own). A bucket sent before is freed once its reduce completes, which happens while the next gradients are
-    computed, unless the network is far slower than the backward (the shard-capacity-3to1 row measures each
-    rank's peak, which stays within this)."""
-    return min(sum(sizes), 2 * max(model._bucket_bytes_cap, max(sizes)))
+    """What a backward holds at once beyond the owned buckets (Note [Memory shares]): the two buffers another
+    rank's buckets take turns in (one filling while the other's reduce runs: Note [Owned buckets]), each a
+    bucket's size (a parameter larger than the bucket cap is a bucket of its own), and a fresh gradient from
+    autograd on its way into one."""
+    bucket = min(sum(sizes), max(model._bucket_bytes_cap, model._first_bucket_bytes_cap, max(sizes)))
+    return 2 * bucket + max(sizes)
 
 
 def state_bytes_per_parameter_byte(optimizer_class: type[torch.optim.Optimizer], defaults: Mapping,

@@ -3,9 +3,10 @@
 Note [Memory shares]
 A rank's budget is the memory it can give to the model's state: its parameters, their gradients and
 the optimizer state it owns. Parameters are whole on every rank; the gradients a rank keeps are those
-of the parameters it owns (another rank's bucket is freed once sent: Note [Owned buckets] in
-csrc/engine.cpp), plus the few buckets in flight during a backward. So each rank's capacity is its
-budget less the parameters and the buckets in flight, and the parameters are split, in registration
+of the parameters it owns (another rank's bucket is let go once sent: Note [Owned buckets] in
+csrc/engine.cpp), plus what a backward holds in flight: the two buffers other ranks' buckets take turns
+in, and a fresh gradient. So each rank's capacity is its budget less the parameters and what is in
+flight, and the parameters are split, in registration
 order, into one contiguous range per rank whose gradients and optimizer state are in proportion to
 that capacity. A rank that declares nothing shares in proportion to the device memory it can still
 get, measured after the model was placed (the parameters counted back in), as the Balancer measures
