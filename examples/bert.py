@@ -1,6 +1,6 @@
-"""BERT pretraining across mixed GPUs: see hsync/apps/bert/train.py, or run with --help."""
+"""BERT pretraining across mixed GPUs: see examples/apps/bert/train.py, or run with --help."""
 
-from hsync.apps.bert.train import main
+from apps.bert.train import main
 
 if __name__ == "__main__":
     main()

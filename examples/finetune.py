@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import hsync
-from hsync.apps import labelled
-from hsync.apps.cli import Parser, at_least, init_distributed
+from apps import labelled
+from apps.cli import Parser, at_least, init_distributed
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.Rows, labelled.Rows, int, list[str]]:

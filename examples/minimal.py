@@ -8,12 +8,14 @@ Rank r takes 4 * (r + 1) examples a step, as a faster GPU would; the gradient is
 the one of the mean loss over every example of every rank.
 """
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import hsync
-from hsync.apps.cli import Parser, at_least, device_flag, init_distributed
+from apps.cli import Parser, at_least, device_flag
 
 
 def main() -> None:
@@ -23,7 +25,14 @@ def main() -> None:
                         help="cpu (gloo), cuda (one GPU per rank, NCCL) or auto (cuda when available)")
     args = parser.parse_args()
 
-    device = init_distributed(args.device)  # torchrun's ranks, or one under plain python
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:  # torchrun's ranks: it set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    else:  # plain python: a world of one
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     rank = dist.get_rank()
 
     torch.manual_seed(0)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 
-from hsync.apps import labelled
-from hsync.apps.cli import Parser, at_least
+from apps import labelled
+from apps.cli import Parser, at_least
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.Rows, labelled.Rows, int, list[str]]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from hsync.apps import labelled
-from hsync.apps.cli import Parser, at_least, world_size_from_env
+from apps import labelled
+from apps.cli import Parser, at_least, world_size_from_env
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.Rows, labelled.Rows, int, list[str]]:

@@ -373,6 +373,11 @@ class WeightedDDP(DistributedDataParallel):
         self._before_sync = before_sync
         return BalancedSteps(self)
 
+    @property
+    def has_comm_hook(self) -> bool:
+        """Whether register_comm_hook was called (it may be, once): for a framework that registers its own."""
+        return self._hook_registered
+
     def sync_buffers(self) -> None:
         """Makes every rank's buffers rank 0's, as the next synchronised forward would (a collective, under the
         deadline): for a framework's evaluation, which runs the module directly on each rank's own batches."""

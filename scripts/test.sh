@@ -5,7 +5,7 @@
 #
 #   scripts/test.sh [PYTEST_ARGS...]      everything (under ten minutes on two cores)
 #   scripts/test.sh --quick [PYTEST_ARGS...]   the edit loop's lane (under two minutes): lint and the
-#                                         tests of the core (the weighted maths, bad input, buckets)
+#                                         tests marked quick, the core's (the weighted maths, bad input, buckets)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,10 +16,7 @@ if [ "${1:-}" = "--quick" ]; then
 fi
 .venv/bin/ruff check .
 if $quick; then
-  exec .venv/bin/python -m pytest -n 2 tests/unit tests/distributed/test_parity.py tests/distributed/test_stats.py \
-    tests/distributed/test_vs_torch_ddp.py tests/distributed/test_nonfinite.py tests/distributed/test_buffers.py \
-    tests/distributed/test_bucket_views.py tests/distributed/test_mixed_dtypes.py tests/distributed/test_bad_input.py \
-    "$@"
+  exec .venv/bin/python -m pytest -n 2 -m quick "$@"
 fi
 # C++ unit tests (setup.py already compiled the torch-dependent core against torch 2.14).
 cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release > /dev/null

@@ -1,15 +1,33 @@
-"""What every integration checks before wrapping: a model that is not wrapped already, and the process group
-hsync's wrapper syncs over, where a framework runs without one."""
+"""What every integration checks before wrapping: a framework release it was tested with, a model that is not
+wrapped already, and the process group hsync's wrapper syncs over, where a framework runs without one."""
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
 import torch.distributed as dist
+from packaging.version import Version
 from torch import nn
 
 from hsync.bootstrap import wrapper_kind
+
+# Each framework's supported releases, [lowest, first unsupported), and the one the tests ran on: the
+# integrations reach into hooks and attributes that a framework may change in a release (their Notes say which).
+SUPPORTED = {
+    "transformers": ("5.0", "6", "5.23"),
+    "accelerate": ("1.1", "2", "1.15"),
+    "lightning": ("2.4", "3", "2.6"),
+}
+
+
+def check_framework_version(name: str) -> None:
+    """Refuses a release of framework `name` outside SUPPORTED, in one line naming both."""
+    lowest, unsupported, _ = SUPPORTED[name]
+    found = importlib.import_module(name).__version__
+    if not Version(lowest) <= Version(found) < Version(unsupported):
+        raise RuntimeError(f"hsync.integrations.{name} supports {name} >= {lowest}, < {unsupported}; found {found}")
 
 
 def ensure_process_group(device: torch.device) -> None:

@@ -42,14 +42,11 @@ from typing import Any
 import accelerate
 import torch
 from accelerate.utils import DistributedType, send_to_device
-from packaging.version import Version
 
 import hsync
-from hsync.integrations._world import ensure_process_group, refuse_a_wrapped_model
+from hsync.integrations._world import check_framework_version, ensure_process_group, refuse_a_wrapped_model
 from hsync.sharding.shares import MemoryBudget
 from hsync.stats import StepStats
-
-SUPPORTED = (Version("1.1"), Version("2"))  # [lowest, first unsupported); tested on 1.15
 
 
 class BalancedLoader:
@@ -78,10 +75,7 @@ class Accelerator(accelerate.Accelerator):
 
     def __init__(self, *args: Any, shard_optimizer: bool = False, memory_budget: MemoryBudget = None,
                  **kwargs: Any) -> None:
-        version = Version(accelerate.__version__)
-        if not SUPPORTED[0] <= version < SUPPORTED[1]:
-            raise RuntimeError(f"hsync.integrations.accelerate supports accelerate >= {SUPPORTED[0]}, "
-                               f"< {SUPPORTED[1]}; found {accelerate.__version__}")
+        check_framework_version("accelerate")
         super().__init__(*args, **kwargs)
         if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
             raise ValueError(f"hsync.integrations.accelerate cannot weigh gradients under {self.distributed_type}: "

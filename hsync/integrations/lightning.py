@@ -44,6 +44,17 @@ changes the seams where that happens:
   with owners are its own shard. Lightning has no public seam for that, so setup() sets the plugin's
   clip_grad_by_norm on the instance. The optimizer is the module's to build, not a strategy option:
   Lightning builds the schedulers in the same call, bound to the optimizer built there.
+
+Of hsync, the strategy uses the public API only (WeightedDDP, its balance(), waiting_for_peers(),
+sync_buffers() and has_comm_hook, the Balancer, ShardedOptimizer): the seam every integration uses
+(docs/internals.md). Of Lightning it reaches past the public API in three places, which its releases may
+change: DDPStrategy's hooks named above (_setup_model, _register_ddp_hooks and the _ddp_comm_* arguments
+it keeps, handed to lightning's _register_ddp_comm_hook as DDPStrategy hands them), the precision plugin's
+clip_grad_by_norm, and the fit loop's _broadcast_sigterm_tensor, which it replaces by the same broadcast
+bracketed as a wait for peers: Lightning offers no way to bracket its own collectives. So the releases it
+accepts are pinned (SUPPORTED in _world.py: >= 2.4, < 3; tests/integrations/test_lightning.py runs on 2.6),
+and a release where the loop has no _broadcast_sigterm_tensor leaves the broadcast unbracketed (counted as
+work) rather than failing.
 """
 
 from __future__ import annotations
@@ -52,31 +63,21 @@ import warnings
 from contextlib import nullcontext
 from typing import Any
 
-import lightning
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler, _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
-from packaging.version import Version
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 import hsync
 from hsync.collectives import Channels
 from hsync.integrations._loaders import MicroBatches, StepLoader
+from hsync.integrations._world import check_framework_version
 from hsync.stats import StepStats
 
-SUPPORTED = (Version("2.4"), Version("3"))  # [lowest, first unsupported); tested on 2.6
 _DDP_ONLY = ("model_averaging_period",)
-
-
-def check_version() -> None:
-    """Refuses a Lightning release outside the tested range."""
-    version = Version(lightning.__version__)
-    if not SUPPORTED[0] <= version < SUPPORTED[1]:
-        raise RuntimeError(f"hsync.integrations.lightning supports lightning >= {SUPPORTED[0]}, < {SUPPORTED[1]}; "
-                           f"found {lightning.__version__}")
 
 
 class HsyncStrategy(DDPStrategy):
@@ -87,7 +88,7 @@ class HsyncStrategy(DDPStrategy):
     strategy_name = "hsync"
 
     def __init__(self, balance: hsync.BalanceConfig | None = None, **kwargs: Any) -> None:
-        check_version()
+        check_framework_version("lightning")
         for option in _DDP_ONLY:
             if kwargs.get(option) is not None:
                 raise ValueError(f"HsyncStrategy: {option} averages the ranks' models every few steps, which "
@@ -120,7 +121,7 @@ class HsyncStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # DDPStrategy registers a ddp_comm_hook on GPUs only; hsync runs one on the CPU too, once per wrapper
         # (a later fit() keeps it).
-        if self._ddp_comm_hook is not None and not self.model._hook_registered:
+        if self._ddp_comm_hook is not None and not self.model.has_comm_hook:
             _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state,
                                     ddp_comm_hook=self._ddp_comm_hook, ddp_comm_wrapper=self._ddp_comm_wrapper)
 
@@ -335,6 +336,6 @@ class HsyncStrategy(DDPStrategy):
         return mean.to(tensor.device, tensor.dtype if tensor.is_floating_point() else torch.float64)
 
 
-check_version()
+check_framework_version("lightning")
 if HsyncStrategy.strategy_name not in StrategyRegistry:
     HsyncStrategy.register_strategies(StrategyRegistry)

@@ -40,15 +40,12 @@ from typing import Any
 
 import torch
 import transformers
-from packaging.version import Version
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import hsync
 from hsync.integrations._loaders import StepLoader
-from hsync.integrations._world import ensure_process_group, refuse_a_wrapped_model
-
-SUPPORTED = (Version("5.0"), Version("6"))  # [lowest, first unsupported); tested on 5.23
+from hsync.integrations._world import check_framework_version, ensure_process_group, refuse_a_wrapped_model
 
 
 @dataclass
@@ -292,10 +289,7 @@ def load_balancer_state(checkpoint: str) -> dict:
 
 def check_versions() -> None:
     """Refuses a transformers release outside the tested range, and a run that is distributed in part."""
-    version = Version(transformers.__version__)
-    if not SUPPORTED[0] <= version < SUPPORTED[1]:
-        raise RuntimeError(f"hsync.integrations.transformers supports transformers >= {SUPPORTED[0]}, "
-                           f"< {SUPPORTED[1]}; found {transformers.__version__}")
+    check_framework_version("transformers")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" not in os.environ:
         raise RuntimeError("hsync.integrations.transformers.Trainer: WORLD_SIZE is set without RANK; "
                            "start the ranks with torchrun")

@@ -4,7 +4,7 @@ at the start of optimizer step CRASH_AT_STEP, as a lost machine or the OOM kille
 import os
 import signal
 
-from hsync.apps.bert import train
+from apps.bert import train
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import torch
 from filelock import FileLock
 
 # At module level, so that a spawned rank imports it (unpickling its function) before init_process_group,
-# as examples/bert.py does (hsync/apps/bert/model.py says why).
+# as examples/bert.py does (examples/apps/bert/model.py says why).
 from transformers import AutoTokenizer, BertForPreTraining, BertForSequenceClassification
 
 from tests import examples
@@ -43,7 +43,8 @@ def torchrun(tmp_path: Path, *args: str, nproc: int = 2, launcher: tuple[str, ..
              env: dict[str, str] | None = None, data_dir: Path | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, f"--nproc_per_node={nproc}",
            str(script), "--corpus", str(SLICE), "--data-dir", str(data_dir or shared_data(tmp_path)), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "examples")]), **(env or {})}  # tests, apps
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env)
 
 
@@ -80,7 +81,7 @@ def read_log(path: Path, kind: str = "loss") -> list[dict]:
 
 def held_out_evaluation(rank: int, world_size: int, final: Path, valid_fraction: float) -> dict[str, float]:
     """The trainer's evaluation of the saved model, redone by one process alone."""
-    from hsync.apps.bert import data, model
+    from apps.bert import data, model
 
     documents = data.read_documents(SLICE)
     _, held_out = data.hold_out(documents, valid_fraction, seed=0)
@@ -322,8 +323,8 @@ def test_bad_input_is_one_line_on_every_rank_before_any_work(tmp_path):
 def prepare_three_times(rank: int, world_size: int, corpus: Path, data_dir: Path) -> list[tuple[str, str, int]]:
     """The trainer's data preparation of `corpus`, again, and once more after rank 0 edited it (the same name,
     another text): each time what it reported on rank 0, the vocabulary's digest and the training examples."""
-    from hsync.apps.bert.config import parse_args
-    from hsync.apps.bert.data import prepare_data
+    from apps.bert.config import parse_args
+    from apps.bert.data import prepare_data
 
     cfg, preset = parse_args(["--corpus", str(corpus), "--data-dir", str(data_dir)], world_size=world_size)
     prepared = []

@@ -21,21 +21,21 @@ class KilledWhileSaved:
 
 
 def save_then_die_saving(rank: int, world_size: int, save_dir: str) -> None:
-    from hsync.apps.bert import checkpoint
+    from apps.bert import checkpoint
 
     checkpoint.save(Path(save_dir), 1, {"model": {"w": torch.arange(1000.0)}})
     checkpoint.save(Path(save_dir), 2, {"model": {"w": torch.arange(1000.0) + 1}, "half": KilledWhileSaved()})
 
 
 def save_once_more(rank: int, world_size: int, save_dir: str) -> list[str]:
-    from hsync.apps.bert import checkpoint
+    from apps.bert import checkpoint
 
     checkpoint.save(Path(save_dir), 3, {"model": {"w": torch.zeros(1)}})
     return sorted(p.name for p in Path(save_dir).iterdir())
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_as_the_latest(tmp_path):
-    from hsync.apps.bert import checkpoint
+    from apps.bert import checkpoint
 
     survivors = run_ranks_with_victim(save_then_die_saving, 2, 0, str(tmp_path), timeout=60)
     assert survivors[1].error is not None, "rank 1 did not notice that rank 0 died while saving"
@@ -59,7 +59,7 @@ class RunsCode:
 
 
 def resume_from(rank: int, world_size: int, save_dir: str) -> str:
-    from hsync.apps.bert import checkpoint
+    from apps.bert import checkpoint
 
     with pytest.raises(SystemExit) as stopped:
         checkpoint.load(Path(save_dir), {}, {})
@@ -76,7 +76,7 @@ def test_a_checkpoint_holding_pickled_objects_is_refused_unloaded(tmp_path):
 
 
 def refusals(rank: int, world_size: int, save_dir: str) -> dict[str, str]:
-    from hsync.apps.bert import checkpoint
+    from apps.bert import checkpoint
 
     meta = {"preset": {"name": "tiny"}, "lr": 0.002}
     checkpoint.save(Path(save_dir), 3, {"model": {"w": torch.zeros(1)}, "meta": meta})

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hsync.apps.bert.config import TrainConfig, field_docs, parse_args
-from hsync.apps.bert.train import lr_factor
+from apps.bert.config import TrainConfig, field_docs, parse_args
+from apps.bert.train import lr_factor
 
 
 def test_every_flag_shows_its_default_and_choices(capsys):

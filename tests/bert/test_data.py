@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsync.apps.bert import data
-from hsync.apps.bert.config import parse_rank_values
+from apps.bert import data
+from apps.bert.config import parse_rank_values
 
 SLICE = Path(__file__).parents[1] / "data" / "kjv-genesis.txt"
 

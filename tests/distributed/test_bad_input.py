@@ -10,7 +10,7 @@ from torch import nn
 from tests.distributed.workloads import global_batch, make_net, mse
 from tests.spawn import run_ranks, run_ranks_expecting_errors
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.quick]
 
 
 def bad_step_then_good_step(rank: int, world_size: int, bad: dict) -> tuple[str, float]:

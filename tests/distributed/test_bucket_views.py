@@ -6,7 +6,7 @@ import torch
 from tests.distributed.workloads import TINY_BUCKET_MB, global_batch, make_net, mse
 from tests.spawn import run_ranks
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.quick]
 
 
 def gradient_storages(rank: int, world_size: int, set_to_none: bool) -> list[dict]:

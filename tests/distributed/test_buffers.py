@@ -6,7 +6,7 @@ from torch import nn
 
 from tests.spawn import run_ranks
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.quick]
 
 # NCCL has a type for none of the first six; a broadcast carries bytes, whatever they mean.
 BUFFER_DTYPES = (torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.complex64,

@@ -59,7 +59,7 @@ def wrap(model, rank: int) -> None:
 
 
 def bert_decision(model, rank: int) -> None:
-    from hsync.apps.bert.consensus import agree
+    from apps.bert.consensus import agree
 
     agree("a corpus digest", "the corpus digest")  # the BERT application's decisions, before any model exists
 

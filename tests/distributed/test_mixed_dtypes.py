@@ -9,7 +9,7 @@ from torch import nn
 
 from tests.spawn import run_ranks
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.quick]
 
 SIZES = [3, 8]
 

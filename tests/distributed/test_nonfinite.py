@@ -7,7 +7,7 @@ import torch
 from tests.distributed.workloads import global_batch, make_net, mse
 from tests.spawn import run_ranks
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.quick]
 
 POISONED_STEP, POISONED_RANK = 1, 1
 

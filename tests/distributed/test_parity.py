@@ -6,7 +6,7 @@ import torch
 from tests.distributed.workloads import GRAD_MODES, TINY_BUCKET_MB, reference_training, train_weighted
 from tests.spawn import run_ranks
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.quick]
 
 # float64 throughout: the only differences left are summation order, far below this.
 TOL = dict(rtol=1e-10, atol=1e-12)

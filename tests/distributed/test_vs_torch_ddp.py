@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tests.distributed.workloads import TINY_BUCKET_MB, global_batch, make_net, mse
 from tests.spawn import run_ranks
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.quick]
 
 
 def train_both(rank: int, world_size: int, micro_steps: int, views: bool) -> list[float]:

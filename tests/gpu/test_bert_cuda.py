@@ -14,9 +14,9 @@ def sync_free_micro_steps(rank: int, world_size: int, data_dir: str, steps: int)
     import os
 
     import hsync
-    from hsync.apps.bert import data, train
-    from hsync.apps.bert.config import parse_args
-    from hsync.apps.bert.model import build_model, wrap_model
+    from apps.bert import data, train
+    from apps.bert.config import parse_args
+    from apps.bert.model import build_model, wrap_model
 
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)

@@ -264,9 +264,11 @@ def test_torch_ddps_own_options_are_refused():
 
 
 def test_a_lightning_release_outside_the_tested_range_is_refused(monkeypatch):
+    import lightning
+
     import hsync.integrations.lightning as integration
 
-    monkeypatch.setattr(integration.lightning, "__version__", "2.1.0")
+    monkeypatch.setattr(lightning, "__version__", "2.1.0")
     with pytest.raises(RuntimeError, match="supports lightning >= 2.4, < 3; found 2.1.0"):
         integration.HsyncStrategy()
 

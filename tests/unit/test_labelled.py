@@ -2,7 +2,7 @@
 
 import pytest
 
-from hsync.apps.labelled import class_count
+from apps.labelled import class_count
 
 
 def test_classes_are_counted_and_a_rare_one_is_reported(tmp_path):

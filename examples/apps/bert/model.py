@@ -11,10 +11,10 @@ import torch.distributed as dist
 from torch import nn
 
 import hsync
-from hsync.apps.bert.config import ModelPreset, TrainConfig
-from hsync.apps.bert.consensus import fail_together
-from hsync.apps.bert.data import PretrainingExamples, Vocabulary, to_device
-from hsync.apps.bert.interrupt import StopRequest
+from apps.bert.config import ModelPreset, TrainConfig
+from apps.bert.consensus import fail_together
+from apps.bert.data import PretrainingExamples, Vocabulary, to_device
+from apps.bert.interrupt import StopRequest
 
 COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --comm-dtype: WeightedDDP's comm_dtype
 

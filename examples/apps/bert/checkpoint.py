@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hsync.apps.bert.consensus import fail_together
+from apps.bert.consensus import fail_together
 from hsync.collectives import Channels
 
 PREFIX, SUFFIX = "step-", ".pt"

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import hsync
-from hsync.apps.bert.config import TrainConfig
-from hsync.apps.cli import report
+from apps.bert.config import TrainConfig
+from apps.cli import report
 
 
 class PlanReport:

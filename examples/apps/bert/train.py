@@ -26,12 +26,12 @@ import torch.distributed as dist
 from torch import nn
 
 import hsync
-from hsync.apps.bert import checkpoint
-from hsync.apps.bert.config import TrainConfig, parse_args, parse_rank_values
-from hsync.apps.bert.consensus import fail_together
-from hsync.apps.bert.data import prepare_data, to_device, training_batches
-from hsync.apps.bert.interrupt import StopRequest
-from hsync.apps.bert.model import (
+from apps.bert import checkpoint
+from apps.bert.config import TrainConfig, parse_args, parse_rank_values
+from apps.bert.consensus import fail_together
+from apps.bert.data import prepare_data, to_device, training_batches
+from apps.bert.interrupt import StopRequest
+from apps.bert.model import (
     build_model,
     evaluate,
     import_transformers,
@@ -40,8 +40,8 @@ from hsync.apps.bert.model import (
     save_final_model,
     wrap_model,
 )
-from hsync.apps.bert.report import Logger, PlanReport
-from hsync.apps.cli import init_distributed, report, world_size_from_env
+from apps.bert.report import Logger, PlanReport
+from apps.cli import init_distributed, report, world_size_from_env
 from hsync.balance import split_proportionally
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hsync.apps.cli import at_least, device_flag, positive_float
+from apps.cli import at_least, device_flag, positive_float
 
 Rows = list[tuple[int, str]]
 

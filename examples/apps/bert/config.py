@@ -10,7 +10,7 @@ import math
 import typing
 from dataclasses import dataclass
 
-from hsync.apps.cli import DEVICES, Parser, check_device
+from apps.cli import DEVICES, Parser, check_device
 
 
 @dataclass(frozen=True)
