@@ -10,7 +10,6 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
-from transformers import BertConfig, BertForPreTraining
 
 import hsync
 
@@ -43,9 +42,15 @@ def bert_workload(name: str, hidden: int, layers: int, batch: int, seq: int, dev
                   bucket_cap_mb: float = 25.0, bucket_views: bool = False,
                   comm_dtype: torch.dtype | None = None, compiled: bool = False, powersgd: bool = False) -> Workload:
     vocab = 8000
-    config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=max(1, hidden // 64), intermediate_size=4 * hidden,
-                        max_position_embeddings=seq)
+
+    def make_model() -> nn.Module:
+        # transformers is imported by the ranks that build a BERT, not by the command that plans the rows (3 s).
+        from transformers import BertConfig, BertForPreTraining
+
+        config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                            num_attention_heads=max(1, hidden // 64), intermediate_size=4 * hidden,
+                            max_position_embeddings=seq)
+        return BertForPreTraining(config).to(device)
 
     def make_batch(g: torch.Generator) -> tuple:
         return masked_batch(g, batch, seq, vocab, device)
@@ -57,7 +62,7 @@ def bert_workload(name: str, hidden: int, layers: int, batch: int, seq: int, dev
         mlm = nn.functional.cross_entropy(out.prediction_logits.float().flatten(0, 1), b[1].flatten())
         return mlm + nn.functional.cross_entropy(out.seq_relationship_logits.float(), b[2])
 
-    return Workload(name, lambda: BertForPreTraining(config).to(device), make_batch, loss, batch, bucket_cap_mb,
+    return Workload(name, make_model, make_batch, loss, batch, bucket_cap_mb,
                     bucket_views, comm_dtype, powersgd, compiled)
 
 
