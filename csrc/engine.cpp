@@ -653,27 +653,26 @@ at::Tensor Engine::sum_overflowed(const Bucket& bucket) {
 }
 
 // Note [Owned buckets]
-// With owners (set by hsync.ShardedOptimizer), each parameter's gradient is needed on one rank only,
-// the one whose optimizer steps it. Buckets then hold one owner's parameters each (one more key of
-// the bucket assignment, beside the dtype) and each is reduced to its owner instead of all-reduced:
-// half a ring all-reduce's bytes, and the owner's broadcast of the updated parameters is the other
-// half. The other ranks keep nothing of another rank's bucket (ZeRO-2): it borrows one of two
-// in-flight buffers of the largest such bucket's size from its first gradient, each gradient is
-// dropped once packed (autograd's fresh tensor is freed at once), and the buffer goes back as soon as
-// the reduce is launched. The next bucket then fills the other buffer while this one's reduce runs,
-// and the one after waits for this reduce before it reuses its buffer (double buffering, as
-// DeepSpeed's ZeRO-2 does). Without that bound, a rank's peak would depend on how fast its peers
-// complete reduces: every bucket launched and not yet reduced would hold memory. On a GPU the wait is
-// the current stream's, not the host's (synchronize_through): the host goes on queueing the backward,
-// whose kernels after it wait as a slow network makes them; on the CPU it blocks the backward thread. Only a launched
-// bucket's buffer is waited for: one still filling (gradients that come out of bucket order, as before
-// the first rebuild) may need gradients the wait would hold back, so a third buffer is added instead.
-// The buffers go at the end of the step, so the optimizer's step has that memory. So a
-// rank holds its own buckets and two of others', not every gradient. Every rank must
-// still learn every bucket's flags (a non-finite gradient anywhere skips the step everywhere; a
-// float16 sum's overflow is seen only by its owner), so after the buckets' reduces one all-reduce
-// carries each owner's reduced flags, zeros from the others. Owners are fixed between steps; a
-// communication hook, which hands every bucket to every rank, is refused.
+// With owners (set by hsync.ShardedOptimizer), each parameter's gradient is needed on one rank only, the
+// one whose optimizer steps it. Buckets then hold one owner's parameters each (one more key of the bucket
+// assignment, beside the dtype) and each is reduced to its owner instead of all-reduced: half a ring
+// all-reduce's bytes, and the owner's broadcast of the updated parameters is the other half. The other
+// ranks keep nothing of another rank's bucket (ZeRO-2): it borrows one of two in-flight buffers of the
+// largest such bucket's size from its first gradient, each gradient is dropped once packed (autograd's
+// fresh tensor is freed at once), and the buffer goes back as soon as the reduce is launched. The next
+// bucket then fills the other buffer while this one's reduce runs, and the one after waits for this reduce
+// before it reuses its buffer (double buffering, as DeepSpeed's ZeRO-2 does). Without that bound, a rank's
+// peak would depend on how fast its peers complete reduces: every bucket launched and not yet reduced would
+// hold memory. On a GPU the wait is the current stream's, not the host's (synchronize_through): the host
+// goes on queueing the backward, whose kernels after it wait as a slow network makes them; on the CPU it
+// blocks the backward thread. Only a launched bucket's buffer is waited for: one still filling (gradients
+// that come out of bucket order, as before the first rebuild) may need gradients the wait would hold back,
+// so a third buffer is added instead. The buffers go at the end of the step, so the optimizer's step has
+// that memory. So a rank holds its own buckets and two of others', not every gradient. Every rank must
+// still learn every bucket's flags (a non-finite gradient anywhere skips the step everywhere; a float16
+// sum's overflow is seen only by its owner), so after the buckets' reduces one all-reduce carries each
+// owner's reduced flags, zeros from the others. Owners are fixed between steps; a communication hook, which
+// hands every bucket to every rank, is refused.
 void Engine::set_owners(const std::vector<int64_t>& owners) {
   std::lock_guard<std::mutex> lock(mutex_);
   HSYNC_CHECK(!step_.active, "parameter owners are set between steps");

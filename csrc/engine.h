@@ -64,7 +64,7 @@ struct Bucket {
   int64_t tail_offset = 0;         // where the tail starts among all buckets' tails, in bucket order
   int owner = -1;                  // the rank it is reduced to: Note [Owned buckets]; -1: all-reduced
   bool transient = false;          // another rank's: its buffer lives from its first gradient to its launch
-  int in_flight_buffer = -1;       // a transient bucket's: which in-flight buffer it is filling, Note [Owned buckets]
+  int in_flight_buffer = -1;       // a transient one's in-flight buffer while it fills: Note [Owned buckets]
   size_t pending = 0;              // params not packed yet in this step
   uint64_t seq = 0;                // its all-reduce's sequence number in this step (none with a hook)
 
