@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hsync._extension import _C
 from hsync.bootstrap import engine_key
-from hsync.collectives import Channels, make_comm, resolve_timeout
+from hsync.collectives import make_comm, resolve_timeout
 from hsync.compat import (
     BUILTIN_HOOKS,
     DDP_DEPRECATES_BROADCAST_BUFFERS,
@@ -36,7 +36,8 @@ from hsync.compat import (
     tensors_in,
 )
 from hsync.errors import describe
-from hsync.stats import BAD_RANKS, LOSS_NONFINITE, WEIGHT, StepStats, Window, bad_input_message
+from hsync.join import JoinState, ShadowSteps
+from hsync.stats import BAD_RANKS, LOSS_NONFINITE, StepStats, Window, bad_input_message
 
 _MIB = 1024 * 1024
 _COMM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -189,17 +190,11 @@ class WeightedDDP(DistributedDataParallel):
         self._comm_hook: tuple[object, Callable] | None = None  # a hook of the user's: Note [Communication hooks]
         self._param_owners: list[int] | None = None  # hsync.ShardedOptimizer's: Note [Owned buckets]
         self._sharded_optimizer_ref: weakref.ref | None = None  # the ShardedOptimizer's, weakly
-        # Under Join with a ShardedOptimizer: what this rank owes the protocol of Note [Sharded steps under Join]
-        # (hsync/sharding/optimizer.py): "announce" or "step" (active), "shadow" (joined), or nothing.
-        self._sharded_join_step: str | None = None
-        self._join_root = 0  # the lowest rank not joined at the last forward under Join
         self._balanced = False  # an hsync.Balancer declared its metrics: it plans for these ranks
         self._steps_begun = False  # a synchronised forward ran: too late for register_comm_hook
         self.require_backward_grad_sync = True  # public: nanoGPT-style loops set it per micro-step
         self.require_forward_param_sync = True  # public: the last forward fed a synced step
-        self._join_announced = False  # what this rank's last forward under Join told the joined ranks
-        self._plain_steps_join: bool | None = None  # the engine's plain steps under Join: their divide flag
-        self._divide_by_initial_world_size = True
+        self._join = JoinState(self)  # hsync/join.py
         self._window: Window | None = None
         self._engine = None
         self._before_sync: Callable[[], None] | None = None  # runs when a weighted step's local work is done
@@ -278,14 +273,14 @@ class WeightedDDP(DistributedDataParallel):
                                "process group (no process_group or device_mesh argument), as with DDP; "
                                "pickle model.module instead")
         state = self.__dict__.copy()
-        state.update(_engine=None, _group=None, _window=None, _plain_steps_join=None, require_forward_param_sync=False,
-                     _before_sync=None, _param_owners=None, _sharded_optimizer_ref=None,
-                     _sharded_join_step=None)  # a copy has no sharded optimizer
+        state.update(_engine=None, _group=None, _window=None, _join=None, require_forward_param_sync=False,
+                     _before_sync=None, _param_owners=None, _sharded_optimizer_ref=None)  # no sharded optimizer
         return state
 
     def __setstate__(self, state: dict) -> None:
         nn.Module.__setstate__(self, state)  # DDP's would build a reducer
         self._join_config = _JoinConfig.construct_disabled_join_config()
+        self._join = JoinState(self)
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
@@ -355,7 +350,7 @@ class WeightedDDP(DistributedDataParallel):
         if previous is not None:
             previous.expect_gradients(False)  # a forward before this call no longer feeds a step
         self._uses_default_group = new_process_group == dist.group.WORLD
-        self._plain_steps_join = None  # the new engine has not been told
+        self._join.engine_rebuilt()
 
     def to_kwargs(self, inputs: tuple, kwargs: dict | None, device_id: int) -> tuple[tuple, tuple[dict, ...]]:
         """Inputs and kwargs moved to device `device_id` of the module's type (DDP keeps it for old code)."""
@@ -425,20 +420,7 @@ class WeightedDDP(DistributedDataParallel):
             engine.expect_gradients(True)
             self._steps_begun = True
         buffers_due = self.require_forward_param_sync and self.forward_sync_buffers
-        root = 0
-        joining = self._join_config.enable
-        plain_steps = self._divide_by_initial_world_size if joining else None
-        if plain_steps != self._plain_steps_join:
-            # Under Join plain steps carry step scalars too, so joined ranks can shadow them: Note [Join].
-            plain = self._open_window().local
-            plain[WEIGHT] = 1.0
-            engine.set_join_plain_step(plain if joining else None, self._divide_by_initial_world_size)
-            self._plain_steps_join = plain_steps
-        if joining:
-            self._settle_sharded_join_step()
-            Join.notify_join_context(self)
-            _, _, root = self._exchange_join_info(synced, buffers_due, joined=False)
-            self._join_announced = synced
+        root = self._join.before_forward(synced, buffers_due)
         if buffers_due:
             buffers = self._synced_buffers()
             if buffers:
@@ -584,7 +566,7 @@ class WeightedDDP(DistributedDataParallel):
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs) -> JoinHook:
-        return _JoinHook(self, bool(kwargs.get("divide_by_initial_world_size", True)))
+        return ShadowSteps(self._join, bool(kwargs.get("divide_by_initial_world_size", True)))
 
     @property
     def join_device(self) -> torch.device:
@@ -593,85 +575,6 @@ class WeightedDDP(DistributedDataParallel):
     @property
     def join_process_group(self) -> dist.ProcessGroup | None:
         return self.process_group
-
-    def _exchange_join_info(self, synced: bool, buffers_due: bool, joined: bool) -> tuple[bool, bool, int]:
-        """One all-reduce per forward under Join: whether a synced step and a buffer broadcast follow,
-        and the lowest rank not joined, whose buffers are broadcast (rank 0 may have joined). Also notes whether
-        a sharded optimizer's step is shadowed (Note [Sharded steps under Join])."""
-        info = [0.0] * (2 + self.world_size)
-        if not joined:
-            info[0], info[1], info[2 + self.rank] = float(synced), float(buffers_due), 1.0
-        with self.waiting_for_peers():
-            values = Channels.of_model(self).all_reduce_sum(torch.tensor(info, dtype=torch.float64),
-                                                            "the Join state of a forward").tolist()
-        active = [r for r in range(self.world_size) if values[2 + r] > 0]
-        self._join_root = active[0] if active else 0
-        if values[0] > 0 and len(active) < self.world_size and self._param_owners is not None:
-            self._sharded_join_step = "shadow" if joined else "announce"
-        return values[0] > 0, values[1] > 0, self._join_root
-
-    def _settle_sharded_join_step(self) -> None:
-        """Before an iteration under Join, before its collectives: a ShardedOptimizer joined after the model, and
-        the last synchronised step's optimizer step shadowed if it was finite (Note [Sharded steps under
-        Join])."""
-        optimizer = self._sharded_optimizer()
-        if optimizer is not None and not (optimizer._join_config.enable and self._join_config.is_first_joinable):
-            raise RuntimeError("hsync.WeightedDDP under Join with an hsync.ShardedOptimizer: a joined rank steps its "
-                               "share of the parameters with the others' steps, so the optimizer joins too, after "
-                               "the model: use model.join(), or Join([model, optimizer])")
-        owed, self._sharded_join_step = self._sharded_join_step, None
-        if owed is None or owed == "shadow" or not self._last_step_finite():
-            return
-        raise RuntimeError("hsync.ShardedOptimizer under Join: the last synchronised step's gradients were finite "
-                           "but optimizer.step() did not follow; the joined ranks step their share of the "
-                           "parameters with it, so call it after each such step (skip it only when stats.finite "
-                           "is False)")
-
-    def _last_step_finite(self) -> bool:
-        """Whether the last synchronised step's loss and gradients were finite on every rank (StepStats.finite,
-        for steps with no StepStats too)."""
-        engine = self._ensure_engine()
-        return engine.step_scalars()[LOSS_NONFINITE] == 0 and float(engine.last_grad_nonfinite()) == 0
-
-    def _shadow_iteration(self) -> None:
-        """A joined rank's side of one iteration of the others (Note [Join] in csrc/engine.h)."""
-        engine = self._ensure_engine()
-        self._settle_sharded_join_step()  # this rank's last step, had it just joined
-        optimizer = self._sharded_optimizer()
-        synced, buffers_due, root = self._exchange_join_info(False, False, joined=True)
-        if buffers_due:
-            engine.broadcast_coalesced(self._synced_buffers(), root)
-        self.require_forward_param_sync = synced
-        if synced:
-            # The step's collectives with nothing of this rank's in them, and its gradients left as they are, as
-            # DDP leaves a joined rank's (a loop that joined with gradients still to use, say for a
-            # ZeroRedundancyOptimizer's last step, reads its own): set aside, copied where they are bucket views.
-            # With a ShardedOptimizer they are instead the reduced ones this rank steps its share with, each
-            # step's own (Note [Sharded steps under Join]).
-            kept = [] if optimizer is not None else \
-                [(p, p.grad if p.grad is None or not self.gradient_as_bucket_view else p.grad.clone())
-                 for p in self.module.parameters()]
-            for p in self.module.parameters():
-                p.grad = None
-            try:
-                window = self._open_window()
-                engine.begin_weighted_step(window.local, window.ref)
-                engine.finalize_if_pending()
-            finally:
-                for p, grad in kept:
-                    p.grad = grad
-            host = engine.step_scalars()
-            if host[BAD_RANKS] > 0:
-                raise ValueError(bad_input_message(host, None, self.rank))
-
-    def _sync_final_model(self, is_last_joiner: bool) -> None:
-        """After Join: every rank takes the model of the highest-ranked last joiner."""
-        last_joiners = Channels.of_model(self).gather(torch.tensor([float(is_last_joiner)], dtype=torch.float64),
-                                                      "the last joiners after Join")
-        root = max((r for r in range(self.world_size) if last_joiners[r, 0] > 0), default=0)
-        tensors = [p.detach() for p in reduced_parameters(self.module)]
-        tensors += self._synced_buffers() if self.forward_sync_buffers else []
-        self._ensure_engine().broadcast_coalesced(tensors, root)
 
     def backward(
         self,
@@ -693,10 +596,7 @@ class WeightedDDP(DistributedDataParallel):
                              "(computed under no_grad, or detached?), but with cross_rank_backward every rank's "
                              "backward takes part in collectives that its peers are waiting in: this rank cannot "
                              "go on, and its peers fail when it exits or at their process group's timeout")
-        if self._join_config.enable and self._join_announced != self.require_backward_grad_sync:
-            raise RuntimeError("hsync: under join(), run each micro-step's forward in the same no_sync() "
-                               "state as its backward: the joined ranks were told at the forward whether "
-                               "this step synchronises")
+        self._join.check_backward()
         window = self._window or self._open_window()
         self._window = window
         w = window.add(loss, weight, metrics or {}, self.metric_names)
@@ -811,20 +711,6 @@ class BalancedSteps:
             self._model._window = saved
 
         return restore
-
-
-class _JoinHook(JoinHook):
-    """How a WeightedDDP takes part in torch's Join once its rank has run out of inputs."""
-
-    def __init__(self, model: WeightedDDP, divide_by_initial_world_size: bool) -> None:
-        self.model = model
-        model._divide_by_initial_world_size = divide_by_initial_world_size
-
-    def main_hook(self) -> None:
-        self.model._shadow_iteration()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        self.model._sync_final_model(is_last_joiner)
 
 
 def _on_backward_start(output, callback: Callable[[], None]) -> None:

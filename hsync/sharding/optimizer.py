@@ -193,32 +193,32 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def _tell_joined_ranks(self, clip: tuple[float, float] | None) -> bool:
         """On a rank still active under Join, at clip_grad_norm_ or step: tells the joined ranks, once per step,
         what to shadow. False if the step is not finite (and so skipped everywhere)."""
-        model = self._model
-        owed = model._sharded_join_step
+        join = self._model._join
+        owed = join.sharded_step
         if owed not in ("announce", "step"):
             return True
-        if not model._last_step_finite():
-            model._sharded_join_step = None
+        if not join.last_step_finite():
+            join.sharded_step = None
             return False
         if owed == "step" and clip is not None:
             raise RuntimeError("hsync.ShardedOptimizer.clip_grad_norm_ under Join: once per step, before step(); "
                                "the joined ranks shadow one clip and one step")
         if owed == "announce":
             settings = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
-            self._channel.broadcast_object({"clip": clip, "groups": settings}, model._join_root,
+            self._channel.broadcast_object({"clip": clip, "groups": settings}, join.root,
                                            "what the joined ranks' optimizer shadows")
-        model._sharded_join_step = "step" if clip is not None else None
+        join.sharded_step = "step" if clip is not None else None
         return True
 
     def _shadow_step(self) -> None:
         """On a joined rank, after the model shadowed a synchronised step: the active ranks' clip and step."""
-        model = self._model
-        if model._sharded_join_step != "shadow":
+        join = self._model._join
+        if join.sharded_step != "shadow":
             return
-        model._sharded_join_step = None
-        if not model._last_step_finite():
+        join.sharded_step = None
+        if not join.last_step_finite():
             return
-        told = self._channel.broadcast_object(None, model._join_root, "what the joined ranks' optimizer shadows")
+        told = self._channel.broadcast_object(None, join.root, "what the joined ranks' optimizer shadows")
         for ours, theirs in zip(self.param_groups, told["groups"], strict=True):
             ours.update(theirs)
         if told["clip"] is not None:

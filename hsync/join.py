@@ -1,0 +1,165 @@
+"""A WeightedDDP under torch's Join (uneven inputs): what it keeps between forwards and its part in the protocol.
+
+Note [Join] (csrc/engine.h) says what a joined rank shadows and why weighted steps stay exact; Note [Sharded
+steps under Join] (hsync/sharding/optimizer.py) what a ShardedOptimizer adds. The wrapper calls this module at
+three points only: before each forward's collectives (before_forward), before a backward (check_backward), and
+through the join hook torch's Join runs on a joined rank (ShadowSteps).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.algorithms.join import Join, JoinHook
+
+from hsync.collectives import Channels
+from hsync.compat import reduced_parameters
+from hsync.stats import BAD_RANKS, LOSS_NONFINITE, WEIGHT, bad_input_message
+
+if TYPE_CHECKING:
+    from hsync.ddp import WeightedDDP
+
+
+class JoinState:
+    """One wrapper's Join state: how plain steps divide, what its last forward announced, and what a sharded
+    optimizer's step owes the protocol."""
+
+    def __init__(self, model: WeightedDDP) -> None:
+        self.model = model
+        self.divide_by_initial_world_size = True  # the join() argument, for plain loss.backward() steps
+        self.plain_steps: bool | None = None  # what the engine was told of plain steps under Join (None: outside)
+        self.announced = False  # whether this rank's last forward under Join told the joined ranks it synchronises
+        self.root = 0  # the lowest rank not joined at the last forward under Join
+        # With a ShardedOptimizer, what this rank owes Note [Sharded steps under Join]: "announce" or "step"
+        # (active), "shadow" (joined), or nothing.
+        self.sharded_step: str | None = None
+
+    def engine_rebuilt(self) -> None:
+        """A new engine has not been told how plain steps divide."""
+        self.plain_steps = None
+
+    def before_forward(self, synced: bool, buffers_due: bool) -> int:
+        """An active rank's share of the protocol before its forward's collectives: the engine told how plain steps
+        divide (outside Join too, once, to undo it), the joined ranks told what follows. Returns the rank whose
+        buffers are broadcast (rank 0 may have joined)."""
+        model, joining = self.model, self.model._join_config.enable
+        plain_steps = self.divide_by_initial_world_size if joining else None
+        if plain_steps != self.plain_steps:
+            # Under Join plain steps carry step scalars too, so joined ranks can shadow them: Note [Join].
+            plain = model._open_window().local
+            plain[WEIGHT] = 1.0
+            model._ensure_engine().set_join_plain_step(plain if joining else None, self.divide_by_initial_world_size)
+            self.plain_steps = plain_steps
+        if not joining:
+            return 0
+        self._settle_sharded_step()
+        Join.notify_join_context(model)
+        _, _, root = self._exchange(synced, buffers_due, joined=False)
+        self.announced = synced
+        return root
+
+    def check_backward(self) -> None:
+        """A backward under Join must be in the no_sync() state its forward announced."""
+        model = self.model
+        if model._join_config.enable and self.announced != model.require_backward_grad_sync:
+            raise RuntimeError("hsync: under join(), run each micro-step's forward in the same no_sync() "
+                               "state as its backward: the joined ranks were told at the forward whether "
+                               "this step synchronises")
+
+    def last_step_finite(self) -> bool:
+        """Whether the last synchronised step's loss and gradients were finite on every rank (StepStats.finite,
+        for steps with no StepStats too)."""
+        engine = self.model._ensure_engine()
+        return engine.step_scalars()[LOSS_NONFINITE] == 0 and float(engine.last_grad_nonfinite()) == 0
+
+    def _exchange(self, synced: bool, buffers_due: bool, joined: bool) -> tuple[bool, bool, int]:
+        """One all-reduce per forward under Join: whether a synced step and a buffer broadcast follow, and the
+        lowest rank not joined, whose buffers are broadcast. Also notes whether a sharded optimizer's step is
+        shadowed (Note [Sharded steps under Join])."""
+        model = self.model
+        info = [0.0] * (2 + model.world_size)
+        if not joined:
+            info[0], info[1], info[2 + model.rank] = float(synced), float(buffers_due), 1.0
+        with model.waiting_for_peers():
+            values = Channels.of_model(model).all_reduce_sum(torch.tensor(info, dtype=torch.float64),
+                                                             "the Join state of a forward").tolist()
+        active = [r for r in range(model.world_size) if values[2 + r] > 0]
+        self.root = active[0] if active else 0
+        if values[0] > 0 and len(active) < model.world_size and model._param_owners is not None:
+            self.sharded_step = "shadow" if joined else "announce"
+        return values[0] > 0, values[1] > 0, self.root
+
+    def _settle_sharded_step(self) -> None:
+        """Before an iteration under Join, before its collectives: a ShardedOptimizer joined after the model, and
+        the last synchronised step's optimizer step shadowed if it was finite (Note [Sharded steps under
+        Join])."""
+        model = self.model
+        optimizer = model._sharded_optimizer()
+        if optimizer is not None and not (optimizer._join_config.enable and model._join_config.is_first_joinable):
+            raise RuntimeError("hsync.WeightedDDP under Join with an hsync.ShardedOptimizer: a joined rank steps its "
+                               "share of the parameters with the others' steps, so the optimizer joins too, after "
+                               "the model: use model.join(), or Join([model, optimizer])")
+        owed, self.sharded_step = self.sharded_step, None
+        if owed is None or owed == "shadow" or not self.last_step_finite():
+            return
+        raise RuntimeError("hsync.ShardedOptimizer under Join: the last synchronised step's gradients were finite "
+                           "but optimizer.step() did not follow; the joined ranks step their share of the "
+                           "parameters with it, so call it after each such step (skip it only when stats.finite "
+                           "is False)")
+
+    def shadow_iteration(self) -> None:
+        """A joined rank's side of one iteration of the others (Note [Join] in csrc/engine.h)."""
+        model = self.model
+        engine = model._ensure_engine()
+        self._settle_sharded_step()  # this rank's last step, had it just joined
+        synced, buffers_due, root = self._exchange(False, False, joined=True)
+        if buffers_due:
+            engine.broadcast_coalesced(model._synced_buffers(), root)
+        model.require_forward_param_sync = synced
+        if not synced:
+            return
+        # The step's collectives with nothing of this rank's in them, and its gradients left as they are, as
+        # DDP leaves a joined rank's (a loop that joined with gradients still to use, say for a
+        # ZeroRedundancyOptimizer's last step, reads its own): set aside, copied where they are bucket views.
+        # With a ShardedOptimizer they are instead the reduced ones this rank steps its share with, each
+        # step's own (Note [Sharded steps under Join]).
+        kept = [] if model._sharded_optimizer() is not None else \
+            [(p, p.grad if p.grad is None or not model.gradient_as_bucket_view else p.grad.clone())
+             for p in model.module.parameters()]
+        for p in model.module.parameters():
+            p.grad = None
+        try:
+            window = model._open_window()
+            engine.begin_weighted_step(window.local, window.ref)
+            engine.finalize_if_pending()
+        finally:
+            for p, grad in kept:
+                p.grad = grad
+        host = engine.step_scalars()
+        if host[BAD_RANKS] > 0:
+            raise ValueError(bad_input_message(host, None, model.rank))
+
+    def sync_final_model(self, is_last_joiner: bool) -> None:
+        """After Join: every rank takes the model of the highest-ranked last joiner."""
+        model = self.model
+        last_joiners = Channels.of_model(model).gather(torch.tensor([float(is_last_joiner)], dtype=torch.float64),
+                                                       "the last joiners after Join")
+        root = max((r for r in range(model.world_size) if last_joiners[r, 0] > 0), default=0)
+        tensors = [p.detach() for p in reduced_parameters(model.module)]
+        tensors += model._synced_buffers() if model.forward_sync_buffers else []
+        model._ensure_engine().broadcast_coalesced(tensors, root)
+
+
+class ShadowSteps(JoinHook):
+    """How a WeightedDDP takes part in torch's Join once its rank has run out of inputs."""
+
+    def __init__(self, state: JoinState, divide_by_initial_world_size: bool) -> None:
+        self.state = state
+        state.divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        self.state.shadow_iteration()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.state.sync_final_model(is_last_joiner)
