@@ -197,16 +197,18 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         owed = join.sharded_step
         if owed not in ("announce", "step"):
             return True
+        if owed == "step":  # after the clip that announced it, whose step was finite
+            if clip is not None:
+                raise RuntimeError("hsync.ShardedOptimizer.clip_grad_norm_ under Join: once per step, before "
+                                   "step(); the joined ranks shadow one clip and one step")
+            join.sharded_step = None
+            return True
         if not join.last_step_finite():
             join.sharded_step = None
             return False
-        if owed == "step" and clip is not None:
-            raise RuntimeError("hsync.ShardedOptimizer.clip_grad_norm_ under Join: once per step, before step(); "
-                               "the joined ranks shadow one clip and one step")
-        if owed == "announce":
-            settings = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
-            self._channel.broadcast_object({"clip": clip, "groups": settings}, join.root,
-                                           "what the joined ranks' optimizer shadows")
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
+        self._channel.broadcast_object({"clip": clip, "groups": settings}, join.root,
+                                       "what the joined ranks' optimizer shadows")
         join.sharded_step = "step" if clip is not None else None
         return True
 

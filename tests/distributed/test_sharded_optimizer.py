@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.distributed.workloads import TINY_BUCKET_MB, global_batch, make_net, mse
-from tests.spawn import run_ranks
+from tests.spawn import run_ranks, run_ranks_expecting_errors
 
 pytestmark = pytest.mark.distributed
 
@@ -271,17 +271,9 @@ def test_under_join_the_joined_ranks_step_their_share_exactly(micro_steps, join)
 
 
 def test_join_without_the_optimizer_is_refused_on_every_rank_before_any_collective():
-    for rank, error in enumerate(run_ranks(raised_by, 3, sharded_under_join, 1, "Join([model])")):
+    for rank, error in enumerate(run_ranks_expecting_errors(sharded_under_join, 3, 1, "Join([model])")):
         assert "so the optimizer joins too, after the model: use model.join(), or Join([model, optimizer])" \
             in error, (rank, error)
-
-
-def raised_by(rank: int, world_size: int, function: Callable, *args) -> str:
-    try:
-        function(rank, world_size, *args)
-    except RuntimeError as error:
-        return str(error)
-    return "nothing raised"
 
 
 LAGGING_LAYER_BYTES = 256 * 256 * 4
