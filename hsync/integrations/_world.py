@@ -3,8 +3,8 @@ wrapped already, and the process group hsync's wrapper syncs over, where a frame
 
 from __future__ import annotations
 
-import importlib
 import os
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -23,10 +23,12 @@ SUPPORTED = {
 }
 
 
-def check_framework_version(name: str) -> None:
-    """Refuses a release of framework `name` outside SUPPORTED, in one line naming both."""
+def check_framework_version(framework: ModuleType) -> None:
+    """Refuses a release of `framework` (the module the integration imported) outside SUPPORTED, in one line
+    naming both."""
+    name = framework.__name__
     lowest, unsupported = SUPPORTED[name]
-    found = importlib.import_module(name).__version__
+    found = framework.__version__
     if not Version(lowest) <= Version(found) < Version(unsupported):
         raise RuntimeError(f"hsync.integrations.{name} supports {name} >= {lowest}, < {unsupported}; found {found}")
 

@@ -75,7 +75,7 @@ class Accelerator(accelerate.Accelerator):
 
     def __init__(self, *args: Any, shard_optimizer: bool = False, memory_budget: MemoryBudget = None,
                  **kwargs: Any) -> None:
-        check_framework_version("accelerate")
+        check_framework_version(accelerate)
         super().__init__(*args, **kwargs)
         if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
             raise ValueError(f"hsync.integrations.accelerate cannot weigh gradients under {self.distributed_type}: "

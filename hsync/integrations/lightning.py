@@ -63,6 +63,7 @@ import warnings
 from contextlib import nullcontext
 from typing import Any
 
+import lightning
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler, _register_ddp_comm_hook
@@ -88,7 +89,7 @@ class HsyncStrategy(DDPStrategy):
     strategy_name = "hsync"
 
     def __init__(self, balance: hsync.BalanceConfig | None = None, **kwargs: Any) -> None:
-        check_framework_version("lightning")
+        check_framework_version(lightning)
         for option in _DDP_ONLY:
             if kwargs.get(option) is not None:
                 raise ValueError(f"HsyncStrategy: {option} averages the ranks' models every few steps, which "
@@ -336,6 +337,6 @@ class HsyncStrategy(DDPStrategy):
         return mean.to(tensor.device, tensor.dtype if tensor.is_floating_point() else torch.float64)
 
 
-check_framework_version("lightning")
+check_framework_version(lightning)
 if HsyncStrategy.strategy_name not in StrategyRegistry:
     HsyncStrategy.register_strategies(StrategyRegistry)

@@ -289,7 +289,7 @@ def load_balancer_state(checkpoint: str) -> dict:
 
 def check_versions() -> None:
     """Refuses a transformers release outside the tested range, and a run that is distributed in part."""
-    check_framework_version("transformers")
+    check_framework_version(transformers)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" not in os.environ:
         raise RuntimeError("hsync.integrations.transformers.Trainer: WORLD_SIZE is set without RANK; "
                            "start the ranks with torchrun")
