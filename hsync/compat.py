@@ -1,11 +1,14 @@
-"""DDP's surface as WeightedDDP meets it: the hooks it recognises, the machinery it leaves out, and DDP's
-rules for which parameters, outputs and devices count."""
+"""DDP's surface as WeightedDDP meets it: its arguments parsed into WrapSettings, the hooks it recognises, the
+machinery it leaves out, and DDP's rules for which parameters, outputs and devices count."""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import inspect
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import NoReturn
 
 import torch
@@ -14,7 +17,12 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from hsync._extension import _C
+from hsync.collectives import resolve_timeout
 from hsync.errors import describe
+
+MIB = 1024 * 1024
+COMM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 # torch's hooks whose arithmetic the pack does itself, and the comm_dtype each means. A wrapper such as
 # bf16_compress_wrapper(allreduce_hook) is a closure, recognised by its code and the hook it closes over.
@@ -44,6 +52,150 @@ DDP_MACHINERY = (
     "_set_ddp_runtime_logging_sample_rate", "_set_sparse_metadata", "_setup_in_backward_optimizers",
     "_sync_buffers", "_sync_final_model", "_sync_module_buffers",
 )
+
+
+@dataclass(frozen=True)
+class WrapSettings:
+    """WeightedDDP's arguments, checked once (WrapSettings.parse) and kept as one value: a copy of the wrapper
+    carries them, and a call that changes one (register_comm_hook's comm_dtype, a Balancer's metric names, a
+    DDP attribute assigned) replaces them whole (`changed`)."""
+
+    dim: int
+    """DDP's `dim`: meaningless for a single-device module, kept for code that reads it."""
+    init_sync: bool
+    """Whether wrapping broadcasts rank 0's parameters (and buffers: `init_buffers`) to every rank."""
+    init_buffers: bool
+    """Whether that broadcast takes the buffers too (not with broadcast_buffers=False alone)."""
+    forward_sync_buffers: bool
+    """Whether each forward that follows a synchronised one first receives rank 0's buffers."""
+    find_unused_parameters: bool
+    """DDP's flag, accepted: hsync finds unused parameters always."""
+    static_graph: bool
+    """DDP's flag, accepted: hsync needs no static graph."""
+    gradient_as_bucket_view: bool
+    """Whether each .grad is a view into its bucket (no second copy of the gradients)."""
+    skip_all_reduce_unused_params: bool
+    """DDP's flag, accepted: changes nothing."""
+    batched_grad_copy: bool
+    """DDP's flag, accepted: changes nothing."""
+    bucket_bytes_cap: int
+    """The bytes (of the wire's dtype) at which a bucket is full."""
+    first_bucket_bytes_cap: int
+    """The first bucket's cap, kept small so that communication starts early."""
+    timeout_s: float
+    """How long any one collective may take before this rank gives up with an error naming the peer."""
+    comm_dtype: torch.dtype | None
+    """The dtype gradients travel in; None: each gradient's own."""
+    cross_rank_backward: bool
+    """Whether the ranks' backward passes send gradients to each other (a SyncBatchNorm)."""
+    metric_names: tuple[str, ...]
+    """The names of the extra sums that backward(..., metrics={...}) may report."""
+
+    # The flags that DDP lets a program assign after wrapping (torch's own code does for static_graph).
+    ASSIGNABLE = ("find_unused_parameters", "static_graph", "forward_sync_buffers")
+
+    @classmethod
+    def parse(cls, module: nn.Module, *, dim, broadcast_buffers, init_sync, bucket_cap_mb, find_unused_parameters,
+              check_reduction, gradient_as_bucket_view, static_graph, delay_all_reduce_named_params,
+              param_to_hook_all_reduce, mixed_precision, skip_all_reduce_unused_params, bucket_cap_mb_list,
+              batched_grad_copy, forward_sync_buffers, first_bucket_cap_mb, metric_names,
+              timeout: datetime.timedelta | None, comm_dtype, cross_rank_backward) -> WrapSettings:
+        """The settings of WeightedDDP(module, ...) (its arguments by name), or the error that names a bad one."""
+        flags = dict(init_sync=init_sync, find_unused_parameters=find_unused_parameters,
+                     check_reduction=check_reduction, gradient_as_bucket_view=gradient_as_bucket_view,
+                     static_graph=static_graph, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+                     batched_grad_copy=batched_grad_copy)
+        for name, value in flags.items():
+            check_flag(name, value)
+        for name, value in dict(broadcast_buffers=broadcast_buffers, forward_sync_buffers=forward_sync_buffers,
+                                cross_rank_backward=cross_rank_backward).items():
+            if value is not None:
+                check_flag(name, value)
+        unsupported = dict(delay_all_reduce_named_params=delay_all_reduce_named_params,
+                           param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
+                           bucket_cap_mb_list=bucket_cap_mb_list)
+        for name, value in unsupported.items():
+            if value is not None:
+                raise ValueError(f"hsync.WeightedDDP does not support DDP's {name}; leave it unset "
+                                 "(see docs/ddp-compat.md)")
+        if check_reduction:
+            warnings.warn("The `check_reduction` argument is deprecated (as in DDP) and has no effect.",
+                          FutureWarning, stacklevel=3)
+        if broadcast_buffers is not None and DDP_DEPRECATES_BROADCAST_BUFFERS:
+            warnings.warn("`broadcast_buffers` is deprecated (as in this torch's DDP) and ignored when "
+                          "`forward_sync_buffers` is given" if forward_sync_buffers is not None else
+                          "`broadcast_buffers` is deprecated (as in this torch's DDP); use `forward_sync_buffers`, "
+                          "which, unlike `broadcast_buffers=False`, still broadcasts rank 0's buffers at wrap time",
+                          FutureWarning, stacklevel=3)
+        if not isinstance(dim, int):
+            raise TypeError(f"hsync.WeightedDDP: dim must be an int, got {describe(dim)}")
+        bucket_cap_mb = _C.default_bucket_bytes_cap / MIB if bucket_cap_mb is None else bucket_cap_mb
+        if not (bucket_cap_mb > 0 and first_bucket_cap_mb > 0):
+            raise ValueError(f"bucket caps must be positive, got {bucket_cap_mb} and {first_bucket_cap_mb} MiB")
+        if comm_dtype is not None and comm_dtype not in COMM_DTYPES:
+            raise (ValueError if isinstance(comm_dtype, torch.dtype) else TypeError)(
+                f"hsync.WeightedDDP: comm_dtype must be None or one of "
+                f"{', '.join(map(str, COMM_DTYPES))}, got {describe(comm_dtype)}")
+        return cls(
+            dim=dim, init_sync=init_sync,
+            # broadcast_buffers=False also skips the buffers at wrap time; forward_sync_buffers=False does not.
+            init_buffers=forward_sync_buffers is not None or broadcast_buffers is not False,
+            forward_sync_buffers=forward_sync_buffers if forward_sync_buffers is not None else (
+                broadcast_buffers is not False),
+            find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params, batched_grad_copy=batched_grad_copy,
+            bucket_bytes_cap=int(bucket_cap_mb * MIB), first_bucket_bytes_cap=int(first_bucket_cap_mb * MIB),
+            timeout_s=resolve_timeout(timeout), comm_dtype=comm_dtype,
+            cross_rank_backward=cross_rank_backward if cross_rank_backward is not None else any(
+                isinstance(m, nn.SyncBatchNorm) for m in module.modules()),
+            metric_names=tuple(metric_names))
+
+    def changed(self, **values) -> WrapSettings:
+        """These settings with `values` in place of their own."""
+        return dataclasses.replace(self, **values)
+
+    def that_must_agree(self, communication_hook: str) -> dict[str, object]:
+        """What shapes the collectives: ranks that disagree would send buckets that don't match."""
+        return dict(comm_dtype=self.comm_dtype, communication_hook=communication_hook,
+                    bucket_cap_mb=self.bucket_bytes_cap / MIB, first_bucket_cap_mb=self.first_bucket_bytes_cap / MIB,
+                    cross_rank_backward=self.cross_rank_backward)
+
+
+class Setting:
+    """A public attribute of WeightedDDP (DDP's name) that reads its WrapSettings. Assigning one of
+    WrapSettings.ASSIGNABLE replaces the settings; the others are fixed at wrap time, where they shape the
+    engine."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance, owner: type | None = None):
+        return self if instance is None else getattr(instance._settings, self.name)
+
+    def __set__(self, instance, value) -> None:
+        if self.name not in WrapSettings.ASSIGNABLE:
+            raise AttributeError(f"hsync.WeightedDDP.{self.name} is fixed at wrap time; pass it to the constructor")
+        check_flag(self.name, value)
+        instance._settings = instance._settings.changed(**{self.name: value})
+
+
+def check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"hsync.WeightedDDP: {name} must be True or False, got {describe(value)}")
+
+
+def resolve_group(process_group: dist.ProcessGroup | None, device_mesh) -> dist.ProcessGroup:
+    """The group that DDP's `process_group` or 1-D `device_mesh` argument names (the default group if neither)."""
+    if not dist.is_initialized():
+        raise RuntimeError("hsync.WeightedDDP needs torch.distributed.init_process_group() first")
+    if process_group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        return device_mesh.get_group(mesh_dim=0)
+    return process_group or dist.group.WORLD
 
 
 class _Absent:

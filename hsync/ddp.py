@@ -11,9 +11,9 @@ import contextlib
 import copy
 import datetime
 import os
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,24 +24,24 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hsync._extension import _C
 from hsync.bootstrap import engine_key
-from hsync.collectives import make_comm, resolve_timeout
+from hsync.collectives import make_comm
 from hsync.compat import (
     BUILTIN_HOOKS,
-    DDP_DEPRECATES_BROADCAST_BUFFERS,
+    MIB,
+    Setting,
+    WrapSettings,
     check_device_ids,
+    check_flag,
     hook_comm_dtype,
     ignored_names,
     leave_out_machinery,
     reduced_parameters,
+    resolve_group,
     tensors_in,
 )
 from hsync.errors import describe
 from hsync.join import JoinState, ShadowSteps
 from hsync.stats import BAD_RANKS, LOSS_NONFINITE, StepStats, Window, bad_input_message
-
-_MIB = 1024 * 1024
-_COMM_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_FLAGS_WITH_DEFAULT_NONE = ("broadcast_buffers", "forward_sync_buffers", "cross_rank_backward")
 
 
 class WeightedDDP(DistributedDataParallel):
@@ -117,7 +117,7 @@ class WeightedDDP(DistributedDataParallel):
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
         *,
-        first_bucket_cap_mb: float = _C.default_first_bucket_bytes_cap / _MIB,
+        first_bucket_cap_mb: float = _C.default_first_bucket_bytes_cap / MIB,
         metric_names: tuple[str, ...] = (),
         timeout: datetime.timedelta | None = None,
         comm_dtype: torch.dtype | None = None,
@@ -125,79 +125,36 @@ class WeightedDDP(DistributedDataParallel):
     ) -> None:
         nn.Module.__init__(self)  # not DDP's: see the class docstring
         Joinable.__init__(self)
-        flags = dict(init_sync=init_sync, find_unused_parameters=find_unused_parameters,
-                     check_reduction=check_reduction, gradient_as_bucket_view=gradient_as_bucket_view,
-                     static_graph=static_graph, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-                     batched_grad_copy=batched_grad_copy, broadcast_buffers=broadcast_buffers,
-                     forward_sync_buffers=forward_sync_buffers, cross_rank_backward=cross_rank_backward)
-        for name, value in flags.items():
-            if not isinstance(value, bool) and not (value is None and name in _FLAGS_WITH_DEFAULT_NONE):
-                raise TypeError(f"hsync.WeightedDDP: {name} must be True or False, got {describe(value)}")
-        unsupported = dict(delay_all_reduce_named_params=delay_all_reduce_named_params,
-                           param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
-                           bucket_cap_mb_list=bucket_cap_mb_list)
-        for name, value in unsupported.items():
-            if value is not None:
-                raise ValueError(f"hsync.WeightedDDP does not support DDP's {name}; leave it unset "
-                                 "(see docs/ddp-compat.md)")
-        if check_reduction:
-            warnings.warn("The `check_reduction` argument is deprecated (as in DDP) and has no effect.",
-                          FutureWarning, stacklevel=2)
-        if broadcast_buffers is not None and DDP_DEPRECATES_BROADCAST_BUFFERS:
-            warnings.warn("`broadcast_buffers` is deprecated (as in this torch's DDP) and ignored when "
-                          "`forward_sync_buffers` is given" if forward_sync_buffers is not None else
-                          "`broadcast_buffers` is deprecated (as in this torch's DDP); use `forward_sync_buffers`, "
-                          "which, unlike `broadcast_buffers=False`, still broadcasts rank 0's buffers at wrap time",
-                          FutureWarning, stacklevel=2)
-        if not isinstance(dim, int):
-            raise TypeError(f"hsync.WeightedDDP: dim must be an int, got {describe(dim)}")
-        if not dist.is_initialized():
-            raise RuntimeError("hsync.WeightedDDP needs torch.distributed.init_process_group() first")
-        if process_group is not None and device_mesh is not None:
-            raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
-        if device_mesh is not None:
-            if device_mesh.ndim != 1:
-                raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
-            process_group = device_mesh.get_group(mesh_dim=0)
-        bucket_cap_mb = _C.default_bucket_bytes_cap / _MIB if bucket_cap_mb is None else bucket_cap_mb
-        if not (bucket_cap_mb > 0 and first_bucket_cap_mb > 0):
-            raise ValueError(f"bucket caps must be positive, got {bucket_cap_mb} and {first_bucket_cap_mb} MiB")
-        if comm_dtype is not None and comm_dtype not in _COMM_DTYPES:
-            raise (ValueError if isinstance(comm_dtype, torch.dtype) else TypeError)(
-                f"hsync.WeightedDDP: comm_dtype must be None or one of "
-                f"{', '.join(map(str, _COMM_DTYPES))}, got {describe(comm_dtype)}")
+        self._settings = WrapSettings.parse(
+            module, dim=dim, broadcast_buffers=broadcast_buffers, init_sync=init_sync, bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters, check_reduction=check_reduction,
+            gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params, bucket_cap_mb_list=bucket_cap_mb_list,
+            batched_grad_copy=batched_grad_copy, forward_sync_buffers=forward_sync_buffers,
+            first_bucket_cap_mb=first_bucket_cap_mb, metric_names=metric_names, timeout=timeout,
+            comm_dtype=comm_dtype, cross_rank_backward=cross_rank_backward)
+        group = resolve_group(process_group, device_mesh)
         if not any(p.requires_grad for p in reduced_parameters(module)):
             raise RuntimeError("hsync.WeightedDDP (like DistributedDataParallel) is not needed when a module "
                                "doesn't have any parameter that requires a gradient.")
 
+        # The wrapper's state, apart from what is set once: its settings (self._settings, which a copy keeps);
+        # what ties it to this process (self._attached: the engine, the group and what drives it beside the
+        # loop; a copy has none); and the step in progress (self._window, opened by a step's first backward
+        # and dropped when it synchronises; DDP's require_*_sync flags; Join's part of a forward, self._join).
         self.module = module
-        self.dim = dim
-        self.find_unused_parameters = find_unused_parameters
-        self.static_graph = static_graph
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        # broadcast_buffers=False also skips the buffers at wrap time; forward_sync_buffers=False does not.
-        self.forward_sync_buffers = forward_sync_buffers if forward_sync_buffers is not None else (
-            broadcast_buffers is not False)
-        self.metric_names = tuple(metric_names)
-        self._bucket_bytes_cap = int(bucket_cap_mb * _MIB)
-        self._first_bucket_bytes_cap = int(first_bucket_cap_mb * _MIB)
-        self._timeout_s = resolve_timeout(timeout)
-        self.comm_dtype = comm_dtype
-        self._cross_rank_backward = cross_rank_backward if cross_rank_backward is not None else any(
-            isinstance(m, nn.SyncBatchNorm) for m in module.modules())
-        self._uses_default_group = process_group is None or process_group == dist.group.WORLD
+        self._uses_default_group = group == dist.group.WORLD
         self._hook_registered = False  # register_comm_hook was called
         self._comm_hook: tuple[object, Callable] | None = None  # a hook of the user's: Note [Communication hooks]
-        self._param_owners: list[int] | None = None  # hsync.ShardedOptimizer's: Note [Owned buckets]
-        self._sharded_optimizer_ref: weakref.ref | None = None  # the ShardedOptimizer's, weakly
         self._balanced = False  # an hsync.Balancer declared its metrics: it plans for these ranks
         self._steps_begun = False  # a synchronised forward ran: too late for register_comm_hook
         self.require_backward_grad_sync = True  # public: nanoGPT-style loops set it per micro-step
         self.require_forward_param_sync = True  # public: the last forward fed a synced step
         self._join = JoinState(self)  # hsync/join.py
-        self._window: Window | None = None
-        self._engine = None
-        self._before_sync: Callable[[], None] | None = None  # runs when a weighted step's local work is done
+        self._window: Window | None = None  # the step in progress: its micro-steps so far (None between steps)
+        self._attached = _Attachments()
         self._weighted_steps_done = 0  # completed on every rank, even where backward raised: BalancedSteps
         device = next(p.device for p in reduced_parameters(module) if p.requires_grad)
         self.device_ids, self.output_device = check_device_ids(device_ids, output_device, device)
@@ -209,16 +166,13 @@ class WeightedDDP(DistributedDataParallel):
             self.device_mesh = device_mesh
         self.device_type = device.type
         self.is_multi_device_module = False  # refused otherwise, by _model_signature
-        self.mixed_precision = None  # refused otherwise, above
-        self.broadcast_bucket_size = 250 * _MIB
-        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params  # accepted; changes nothing
-        self.batched_grad_copy = batched_grad_copy  # accepted; changes nothing
-        self._build_engine(process_group or dist.group.WORLD)
-        if init_sync:
+        self.mixed_precision = None  # refused otherwise, by WrapSettings.parse
+        self.broadcast_bucket_size = 250 * MIB
+        self._build_engine(group)
+        if self._settings.init_sync:
             # Every rank starts from rank 0's parameters (and buffers, unless broadcast_buffers=False).
-            init_buffers = forward_sync_buffers is not None or broadcast_buffers is not False
-            buffers = self._synced_buffers() if init_buffers else []
-            self._engine.broadcast_coalesced([p.detach() for p in reduced_parameters(module)] + buffers, 0)
+            buffers = self._synced_buffers() if self._settings.init_buffers else []
+            self._attached.engine.broadcast_coalesced([p.detach() for p in reduced_parameters(module)] + buffers, 0)
 
     def _build_engine(self, group: dist.ProcessGroup, refusal: Exception | None = None) -> None:
         """Checks the model across ranks and builds the engine: at wrap time, lazily for a copy, and for a
@@ -226,44 +180,39 @@ class WeightedDDP(DistributedDataParallel):
         Nothing changes unless every check passes."""
         named = [(name, p) for name, p in reduced_parameters(self.module, named=True) if p.requires_grad]
         device = named[0][1].device
-        key = engine_key(group, device, self.module, self._settings_that_must_agree(), refusal, self._timeout_s)
-        self._engine = _C.Engine(
+        settings = self._settings
+        must_agree = settings.that_must_agree("the user's" if self._comm_hook else "hsync's")
+        key = engine_key(group, device, self.module, must_agree, refusal, settings.timeout_s)
+        self._attached.engine = _C.Engine(
             [p for _, p in named],
             [name for name, _ in named],
-            make_comm(group, device, self._timeout_s, key),
-            self._bucket_bytes_cap,
-            self._first_bucket_bytes_cap,
-            self.gradient_as_bucket_view,
-            self.comm_dtype,
+            make_comm(group, device, settings.timeout_s, key),
+            settings.bucket_bytes_cap,
+            settings.first_bucket_bytes_cap,
+            settings.gradient_as_bucket_view,
+            settings.comm_dtype,
         )
         if self._comm_hook is not None:  # an engine built anew (a copy, a new group) keeps the user's hook
-            self._engine.set_comm_hook(*self._comm_hook)
-        if self._param_owners is not None:
-            self._engine.set_owners(self._param_owners)
+            self._attached.engine.set_comm_hook(*self._comm_hook)
+        if self._attached.param_owners is not None:
+            self._attached.engine.set_owners(self._attached.param_owners)
         # Weakly, like the engine: destroy_process_group() must be able to free the group (and join
         # its threads) while the model lives on; a group freed at interpreter exit aborts it.
-        self._group = weakref.ref(group)
+        self._attached.group = weakref.ref(group)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = device
 
-    def _settings_that_must_agree(self) -> dict[str, object]:
-        """What shapes the collectives: ranks that disagree would send buckets that don't match."""
-        return dict(comm_dtype=self.comm_dtype, communication_hook="the user's" if self._comm_hook else "hsync's",
-                    bucket_cap_mb=self._bucket_bytes_cap / _MIB,
-                    first_bucket_cap_mb=self._first_bucket_bytes_cap / _MIB,
-                    cross_rank_backward=self.cross_rank_backward)
-
     def _ensure_engine(self):
         """The engine; a copy made by pickling or deepcopy builds its own on first use (see __getstate__)."""
-        if self._engine is None:
+        if self._attached.engine is None:
             if not dist.is_initialized():
                 raise RuntimeError("hsync.WeightedDDP: this copy of a wrapper (unpickled or deep-copied) "
                                    "synchronises over the default process group, so call "
                                    "torch.distributed.init_process_group() before training it, or use "
                                    "its .module alone")
             self._build_engine(dist.group.WORLD)
-        return self._engine
+        return self._attached.engine
 
     def __getstate__(self) -> dict:
         # A copy keeps module and settings, not the communicator; it reduces over the default
@@ -273,8 +222,7 @@ class WeightedDDP(DistributedDataParallel):
                                "process group (no process_group or device_mesh argument), as with DDP; "
                                "pickle model.module instead")
         state = self.__dict__.copy()
-        state.update(_engine=None, _group=None, _window=None, _join=None, require_forward_param_sync=False,
-                     _before_sync=None, _param_owners=None, _sharded_optimizer_ref=None)  # no sharded optimizer
+        state.update(_attached=_Attachments(), _window=None, _join=None, require_forward_param_sync=False)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -285,18 +233,12 @@ class WeightedDDP(DistributedDataParallel):
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The group gradients are reduced over (None once it was destroyed)."""
-        return self._group() if self._group is not None else None
+        return self._attached.group() if self._attached.group is not None else None
 
     @property
     def parameters_to_ignore(self) -> set[str]:
         """The names of parameters and buffers neither reduced nor broadcast."""
         return ignored_names(self.module)
-
-    @property
-    def cross_rank_backward(self) -> bool:
-        """Whether the ranks' backward passes send gradients to each other (see the constructor): fixed at
-        wrap time, the same on every rank."""
-        return self._cross_rank_backward
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -306,8 +248,7 @@ class WeightedDDP(DistributedDataParallel):
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
         # Settable (a plain attribute of torch 2.11's DDP, a property since).
-        if not isinstance(value, bool):
-            raise TypeError(f"hsync.WeightedDDP.broadcast_buffers must be a bool, got {value!r}")
+        check_flag("broadcast_buffers", value)
         self.forward_sync_buffers = value
 
     def will_sync_module_buffers(self) -> bool:
@@ -317,6 +258,18 @@ class WeightedDDP(DistributedDataParallel):
     def _set_static_graph(self) -> None:
         """DDP's late form of static_graph=True, which hsync needs no more than the argument (docs/ddp-compat.md)."""
         self.static_graph = True
+
+    # DDP's attributes of the same names, read from the wrapper's WrapSettings (hsync/compat.py).
+    dim = Setting()
+    find_unused_parameters = Setting()
+    static_graph = Setting()
+    gradient_as_bucket_view = Setting()
+    forward_sync_buffers = Setting()
+    skip_all_reduce_unused_params = Setting()
+    batched_grad_copy = Setting()
+    comm_dtype = Setting()
+    cross_rank_backward = Setting()
+    metric_names = Setting()
 
     def _register_buffer_comm_hook(self, *args, **kwargs) -> None:
         raise RuntimeError("hsync.WeightedDDP runs no buffer communication hooks (see docs/ddp-compat.md)")
@@ -345,7 +298,7 @@ class WeightedDDP(DistributedDataParallel):
         if self._balanced:
             raise RuntimeError("hsync.WeightedDDP._update_process_group: an hsync.Balancer plans this wrapper's "
                                "steps for its ranks; wrap the model anew, with a new Balancer, for the new group")
-        previous = self._engine
+        previous = self._attached.engine
         self._build_engine(new_process_group)
         if previous is not None:
             previous.expect_gradients(False)  # a forward before this call no longer feeds a step
@@ -364,8 +317,9 @@ class WeightedDDP(DistributedDataParallel):
         if self._window is not None:
             raise RuntimeError("hsync.WeightedDDP: metrics can be added between steps only, not inside no_sync")
         self._balanced = True
-        self.metric_names = (*self.metric_names, *(n for n in metric_names if n not in self.metric_names))
-        self._before_sync = before_sync
+        added = tuple(n for n in metric_names if n not in self.metric_names)
+        self._settings = self._settings.changed(metric_names=self.metric_names + added)
+        self._attached.before_sync = before_sync
         return BalancedSteps(self)
 
     @property
@@ -413,7 +367,7 @@ class WeightedDDP(DistributedDataParallel):
             # torch's own move (a PackedSequence keeps its batch sizes on the host).
             moved_inputs, moved_kwargs = _to_kwargs(inputs, kwargs, self.device, self.use_side_stream_for_tensor_copies)
             inputs, kwargs = moved_inputs[0], moved_kwargs[0]
-        if self._engine is None and not synced and not self._join_config.enable:
+        if self._attached.engine is None and not synced and not self._join_config.enable:
             return inputs, kwargs, False  # a copy not trained yet: nothing to synchronise
         engine = self._ensure_engine()
         if synced:
@@ -444,7 +398,7 @@ class WeightedDDP(DistributedDataParallel):
     @torch._disable_dynamo
     def _finish_forward(self, output, synced: bool):
         if synced:
-            _on_backward_start(output, self._engine.begin_backward)
+            _on_backward_start(output, self._attached.engine.begin_backward)
         return output
 
     @property
@@ -452,7 +406,7 @@ class WeightedDDP(DistributedDataParallel):
         """The size in bytes at which torch.compile splits the module's graphs, so that each
         piece's gradients reach their buckets while backward goes on (`bucket_cap_mb`, but at least
         the first-bucket cap of dynamo's DDPOptimizer, which refuses anything smaller)."""
-        return max(self._bucket_bytes_cap, dist._DEFAULT_FIRST_BUCKET_BYTES)
+        return max(self._settings.bucket_bytes_cap, dist._DEFAULT_FIRST_BUCKET_BYTES)
 
     @contextlib.contextmanager
     @torch._disable_dynamo(recursive=False)
@@ -484,9 +438,9 @@ class WeightedDDP(DistributedDataParallel):
         As with DDP, call it once, on every rank, before the first backward."""
         known, comm_dtype = hook_comm_dtype(hook)
         refusal = self._comm_hook_refusal(state, hook, known)
-        previous = self.comm_dtype, self._comm_hook
+        previous = self._settings, self._comm_hook
         if refusal is None and known:
-            self.comm_dtype = comm_dtype
+            self._settings = self._settings.changed(comm_dtype=comm_dtype)
         elif refusal is None:
             self._comm_hook = (state, hook)
         try:
@@ -494,7 +448,7 @@ class WeightedDDP(DistributedDataParallel):
             # so is a hook of the user's on some ranks only (their buckets would travel differently).
             self._build_engine(self.process_group or dist.group.WORLD, refusal)
         except BaseException:
-            self.comm_dtype, self._comm_hook = previous
+            self._settings, self._comm_hook = previous
             raise
         self._hook_registered = True
 
@@ -506,7 +460,7 @@ class WeightedDDP(DistributedDataParallel):
                               "hooks must be None or the wrapper's own process group")
         if self._hook_registered:
             return RuntimeError("register_comm_hook can only be called once, as with DDP")
-        if self._param_owners is not None and not known:
+        if self._attached.param_owners is not None and not known:
             return RuntimeError("hsync.WeightedDDP.register_comm_hook: an hsync.ShardedOptimizer reduces each "
                                 "bucket to the rank that owns its parameters, and a communication hook hands every "
                                 "bucket to every rank; register the hook without sharding the optimizer")
@@ -522,11 +476,11 @@ class WeightedDDP(DistributedDataParallel):
             raise RuntimeError("hsync.ShardedOptimizer: this model has a communication hook of the user's, which "
                                "hands every bucket to every rank; sharding reduces each bucket to its owner")
         self._ensure_engine().set_owners(owners)
-        self._param_owners = list(owners)
-        self._sharded_optimizer_ref = weakref.ref(optimizer)
+        self._attached.param_owners = list(owners)
+        self._attached.sharded_optimizer = weakref.ref(optimizer)
 
     def _sharded_optimizer(self) -> Joinable | None:
-        return self._sharded_optimizer_ref() if self._sharded_optimizer_ref is not None else None
+        return self._attached.sharded_optimizer() if self._attached.sharded_optimizer is not None else None
 
     @contextlib.contextmanager
     def waiting_for_peers(self) -> Iterator[None]:
@@ -643,8 +597,8 @@ class WeightedDDP(DistributedDataParallel):
         """Runs the weighted step's remaining collectives; returns this rank's own work since the last
         step ended, without its waits for peers (none after a step that failed): Note [Busy time] in
         csrc/busy_clock.h."""
-        if self._before_sync is not None:
-            self._before_sync()
+        if self._attached.before_sync is not None:
+            self._attached.before_sync()
         busy = engine.end_busy_interval()
         engine.finalize_if_pending()
         self._weighted_steps_done += 1
@@ -655,7 +609,7 @@ class WeightedDDP(DistributedDataParallel):
 
     def _step_stats(self, host: torch.Tensor, busy: Callable[[], float] | None) -> StepStats:
         """The StepStats of the step whose reduced scalars are `host`."""
-        engine = self._engine
+        engine = self._attached.engine
         return StepStats(host, engine.last_grad_nonfinite(), self.metric_names, engine.check, busy)
 
     def _backprop_micro_step(self, loss, weight: torch.Tensor | None, ref: torch.Tensor) -> None:
@@ -677,6 +631,19 @@ class WeightedDDP(DistributedDataParallel):
 
 
 leave_out_machinery(WeightedDDP)
+
+
+@dataclass
+class _Attachments:
+    """What ties a wrapper to this process: its engine and group, and what drives it beside the training loop
+    (a ShardedOptimizer, a Balancer). A copy (pickle, deepcopy) has none: it builds an engine over the default
+    group when first trained."""
+
+    engine: _C.Engine | None = None
+    group: weakref.ref | None = None  # weakly, like the engine: see WeightedDDP._build_engine
+    param_owners: list[int] | None = None  # a ShardedOptimizer's: Note [Owned buckets] in csrc/engine.cpp
+    sharded_optimizer: weakref.ref | None = None  # that ShardedOptimizer, weakly
+    before_sync: Callable[[], None] | None = None  # a Balancer's: runs when a weighted step's own work is done
 
 
 class BalancedSteps:

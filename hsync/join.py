@@ -86,7 +86,7 @@ class JoinState:
                                                              "the Join state of a forward").tolist()
         active = [r for r in range(model.world_size) if values[2 + r] > 0]
         self.root = active[0] if active else 0
-        if values[0] > 0 and len(active) < model.world_size and model._param_owners is not None:
+        if values[0] > 0 and len(active) < model.world_size and model._attached.param_owners is not None:
             self.sharded_step = "shadow" if joined else "announce"
         return values[0] > 0, values[1] > 0, self.root
 

@@ -13,12 +13,16 @@ needs more: the same number of micro-batches on every rank and no filler, checke
 its batch statistics then also depend on how a rank's share is cut into micro-batches, so only one
 micro-batch per rank and step keeps the updates independent of the plan.
 
-Measurements travel in the step's fused scalars, as WeightedDDP metrics (one slot per rank and
-quantity): every rank fits the same cost models from the same numbers and takes the same decisions,
-with no collective of its own. A rank reports its previous step (its busy time is known only once
-that step ends): its StepStats.busy_seconds, its units of work, the micro-batch its memory allows,
-and the last step its sampler has already split. The sampler runs ahead of the loop (a DataLoader
-with workers prefetches), so a new cost model takes effect at the first step no rank has split yet.
+Measurements travel in the step's fused scalars (hsync.balance.reports): every rank fits the same
+cost models from the same numbers and takes the same decisions, with no collective of its own. A
+rank reports its previous step (its busy time is known only once that step ends): its time by the
+balancer's clock (StepStats.busy_seconds), its units of work, the micro-batch its memory allows, and
+the last step its sampler has already split. The sampler runs ahead of the loop (a DataLoader with
+workers prefetches), so a new cost model takes effect at the first step no rank has split yet.
+
+The parts: StepSplitter (splitter.py) cuts steps, pure; Policy (policy.py) decides plans from the
+reports; MicroBatchMemory (memory.py) bounds a GPU rank's micro-batches; the Balancer drives them
+from the training loop's side, through WeightedDDP's BalancedSteps.
 
 When and to what the split changes is decided by hsync.balance.policy (Note [Balancing policy]), from
 these measurements alone.
@@ -40,36 +44,23 @@ from __future__ import annotations
 import array
 import hashlib
 import math
-import statistics
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hsync.balance.memory import DeviceMemory
-from hsync.balance.planner import (
-    RankCost,
-    fit_affine,
-    longest_first,
-    micro_batches,
-    split_proportionally,
-    split_step,
-)
+from hsync.balance.clock import StepClock
+from hsync.balance.memory import DeviceMemory, MicroBatchMemory
+from hsync.balance.planner import RankCost, split_proportionally, split_step
 from hsync.balance.policy import Policy, PolicyConfig
+from hsync.balance.reports import Report, ReportCodec
 from hsync.balance.retry import GradientBackup, halves, rows_of
-from hsync.balance.simulate import SimulatedSlowdown
+from hsync.balance.splitter import MicroBatch, StepSplitter
 from hsync.collectives import Channels
 from hsync.ddp import WeightedDDP
 from hsync.stats import StepStats
-
-_BIN_RATIO = 1.1  # measurements of sizes within 10% of each other share a bin
-_BINS = 8  # sizes remembered per rank; the least recently seen is dropped
-_BIN_DEPTH = 16  # measurements per size; their median is the bin's time
-_BIN_QUORUM = 3
-_CAPACITY_GROWTH = 2.0  # a micro-batch may grow at most this much beyond the largest one measured
-_QUANTITIES = ("busy", "units", "capacity", "split_through")
 
 
 @dataclass
@@ -100,8 +91,6 @@ class BalanceConfig:
     """Seeds the order of examples: epoch e is a permutation drawn from (seed, e)."""
     shuffle: bool = True
     """Whether each epoch shuffles the examples; False keeps the dataset's order."""
-    simulate_slowdown: float = 1.0
-    """For benchmarks and tests: this rank's steps are made this many times longer (SimulatedSlowdown)."""
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value, least: int = 1) -> None:
@@ -123,41 +112,6 @@ class BalanceConfig:
                                  f"up to global_batch_size {self.global_batch_size}")
 
 
-@dataclass
-class _MicroBatch:
-    step: int            # global step index
-    last: bool           # the step's last micro-batch on this rank: its backward synchronises
-    examples: int
-    units: float
-    filler: bool         # a rank without examples in this step: run with weight 0
-
-
-@dataclass
-class _Fit:
-    """This rank's peak memory against units of work, binned by size."""
-
-    bins: dict[int, deque] = field(default_factory=dict)
-
-    def add(self, units: float, value: float) -> None:
-        key = round(math.log(units) / math.log(_BIN_RATIO))
-        points = self.bins.pop(key, None) or deque(maxlen=_BIN_DEPTH)
-        points.append((units, value))
-        self.bins[key] = points  # most recently seen last
-        while len(self.bins) > _BINS:
-            del self.bins[next(iter(self.bins))]
-
-    def line(self) -> tuple[float, float] | None:
-        """(fixed, per_unit) through each bin's median, weighted by its measurements (Note [Cost model]
-        in planner.py). Bins of fewer than _BIN_QUORUM measurements count only while no bin has more:
-        a size seen once (an epoch's short last step) is a guess, not a measurement."""
-        bins = [p for p in self.bins.values() if len(p) >= _BIN_QUORUM] or list(self.bins.values())
-        return fit_affine([(statistics.fmean(u for u, _ in p), statistics.median(v for _, v in p), len(p))
-                           for p in bins])
-
-    def largest_units(self) -> float:
-        return max((u for points in self.bins.values() for u, _ in points), default=0.0)
-
-
 class Balancer:
     """A batch sampler that hands each rank its share of every global batch, planned from measurements.
 
@@ -176,10 +130,13 @@ class Balancer:
     backward() once per micro-batch, in order, or forward_backward(batch, loss_of), which on a GPU runs
     a micro-batch that does not fit again in parts (Note [Out of memory]). `examples` is the dataset's
     size, or one cost per example (its length in tokens) to balance and weigh by tokens. See Note
-    [Balancer].
+    [Balancer]. For benchmarks and tests, keyword only: `clock` times this rank's steps (default:
+    StepStats.busy_seconds; a simulated slow GPU, known costs), `memory` reads its device's memory (default:
+    the GPU's allocator; none on the CPU; a simulated device).
     """
 
-    def __init__(self, model: WeightedDDP, examples: int | Sequence[float], config: BalanceConfig) -> None:
+    def __init__(self, model: WeightedDDP, examples: int | Sequence[float], config: BalanceConfig, *,
+                 clock: StepClock | None = None, memory: DeviceMemory | None = None) -> None:
         model = getattr(model, "_orig_mod", model)  # torch.compile(WeightedDDP(net)): the wrapper it compiled
         if not isinstance(model, WeightedDDP):
             raise TypeError(f"hsync.Balancer needs the hsync.WeightedDDP that trains, got {type(model).__name__}")
@@ -187,40 +144,41 @@ class Balancer:
         self.config = config
         self.rank, self.world_size = model.rank, model.world_size
         # What bounds micro-batches besides micro_batch_limit: a GPU's memory (on the CPU, nothing).
-        self._memory = DeviceMemory(model.device) if model.device.type == "cuda" else None
+        if memory is None and model.device.type == "cuda":
+            memory = DeviceMemory(model.device)
+        self._memory = MicroBatchMemory(memory, config.memory_fraction) if memory is not None else None
         # A refusal of this rank's own arguments is raised on every rank, so no peer waits in the check.
         refusal = None
         try:
-            self._costs = self._example_costs(examples)
+            costs = _example_costs(examples)
             self._limits = self._micro_batch_limits()
         except ValueError as error:
-            refusal = str(error)
+            costs, refusal = [1.0], str(error)
+        self._splitter = StepSplitter(costs, config.global_batch_size, self.world_size, seed=config.seed,
+                                      shuffle=config.shuffle, rank_batch_sizes=config.rank_batch_sizes)
         self._check_same_everywhere(refusal)
         # A GPU rank's micro-batch before its memory is measured: an equal share, at the longest length.
-        self._equal_share_units = -(-config.global_batch_size // self.world_size) * max(self._costs)
+        self._equal_share_units = -(-config.global_batch_size // self.world_size) * max(costs)
         if model.cross_rank_backward:
-            self._check_epoch_end_lockstep()
-        self._names = {q: [f"hsync.balance.{q}/{r}" for r in range(self.world_size)] for q in _QUANTITIES}
-        self.slowdown = SimulatedSlowdown(config.simulate_slowdown, model.device,
-                                          lambda: self._steps.busy_seconds_so_far())
-        """The simulated slowdown of this rank's steps (BalanceConfig.simulate_slowdown)."""
-        self._steps = model._balance([name for names in self._names.values() for name in names],
-                                     self.slowdown.pause if config.simulate_slowdown > 1 else None)
+            self._splitter.check_epoch_end_lockstep()
+        self._codec = ReportCodec(self.world_size)
+        self._clock = clock or StepClock()
+        self._steps = model._balance(self._codec.metric_names,
+                                     lambda: self._clock.own_work_done(self._steps.busy_seconds_so_far))
         self.epoch = 0
         self._step_in_epoch = 0     # steps of this epoch completed
         self.global_step = 0        # steps completed, over all epochs (and runs, once resumed)
         self._policy = Policy(self._policy_config())
-        self._pending: deque[_MicroBatch] = deque()
+        self._pending: deque[MicroBatch] = deque()
         self._split_through = -1    # the last step the sampler has split
         # Per step split and not completed yet: each rank's number of examples, and the step's costs.
         self._split_steps: dict[int, tuple[list[int], list[float]]] = {}
         self._step_units = 0.0      # this rank's units of work in the current step
         self._previous: tuple[StepStats, float] | None = None  # the last step's stats and this rank's units
         self._measured_step_full = True  # whether the last step held a whole global batch
-        self._memory_fit = _Fit()   # this rank's peak memory per micro-batch
-        self._largest_run = 0.0     # units of the largest micro-batch this rank has run: Note [Out of memory]
-        self._memory_ceiling = math.inf  # half the smallest micro-batch that ran out of memory
-        self._capacities = [0.0] * self.world_size
+        self.last_reports: list[Report] = []
+        """What each rank reported with the last completed step (Note [Balancer]: its time and units are of the
+        step before)."""
         self.last_plan: list[int] = []
         """Examples of each rank in the last completed step."""
 
@@ -229,7 +187,7 @@ class Balancer:
     @property
     def steps_per_epoch(self) -> int:
         """Optimizer steps in an epoch: ceil(examples / global_batch_size), on every rank."""
-        return -(-len(self._costs) // self.config.global_batch_size)
+        return self._splitter.steps_per_epoch
 
     def __len__(self) -> int:
         """steps_per_epoch, so that len(loader) sizes a learning-rate schedule or a progress bar as with
@@ -261,29 +219,14 @@ class Balancer:
         self._split_through = self.global_step - 1
         first = self._step_in_epoch
         base = self.global_step - first  # the global index of this epoch's step 0
-        order = self._order(self.epoch)
-        batch = self.config.global_batch_size
-        for s in range(first, self.steps_per_epoch):
-            step = base + s
-            positions = order[s * batch:(s + 1) * batch]
-            costs = [self._costs[i] for i in positions]
-            ranks = self._models_for(step)
-            shares = self._split(costs, ranks)
-            self._split_steps[step] = ([len(share) for share in shares], costs)
+        for split in self._splitter.steps(self.epoch, first, base, self.rank, self._models_for,
+                                          lockstep=self.model.cross_rank_backward):
+            step = split.micro_batches[0].step
+            self._split_steps[step] = (split.sizes, split.costs)
             self._split_through = step
-            if self.model.cross_rank_backward:
-                self._check_lockstep(step, [[costs[p] for p in share] for share in shares], ranks)
-            mine = [positions[p] for p in shares[self.rank]]
-            ranges = micro_batches([self._costs[i] for i in mine], ranks[self.rank].micro_cap)
-            if not ranges:
-                batches, filler = [[positions[0]]], True
-            else:
-                batches, filler = [mine[a:b] for a, b in ranges], False
-            for j, indices in enumerate(batches):
-                units = len(indices) * max(self._costs[i] for i in indices)
-                self._pending.append(_MicroBatch(step, j == len(batches) - 1, 0 if filler else len(indices),
-                                                 units, filler))
-                yield indices
+            for micro in split.micro_batches:
+                self._pending.append(micro)
+                yield micro.indices
 
     def steps(self) -> Iterator[list[list[int]]]:
         """Iterates as iter(self) does, a step at a time: the list of this rank's micro-batches of each step, for a
@@ -294,50 +237,6 @@ class Balancer:
             if self._pending[-1].last:
                 yield micro_batches
                 micro_batches = []
-
-    def _check_epoch_end_lockstep(self) -> None:
-        """No step of an epoch, its last included, leaves a rank without an example (_check_lockstep): found
-        before training, not at the epoch's end."""
-        batch = self.config.global_batch_size
-        last = len(self._costs) - (self.steps_per_epoch - 1) * batch
-        fixed = self.config.rank_batch_sizes
-        for size in (batch, last):
-            if size < self.world_size or (fixed is not None and 0 in split_proportionally(size, fixed)):
-                raise ValueError(
-                    f"hsync.Balancer: a step of size {size} would leave a rank without an example, but the model's "
-                    "backward passes exchange gradients between ranks (WeightedDDP.cross_rank_backward, a "
-                    "SyncBatchNorm), so every rank must run every step; choose a global_batch_size whose "
-                    f"remainder in the {len(self._costs)} examples, if any, gives each rank one")
-
-    @staticmethod
-    def _check_lockstep(step: int, share_costs: list[list[float]], ranks: list[RankCost]) -> None:
-        """With cross_rank_backward (a SyncBatchNorm) every forward is a collective, so every rank must run
-        the same number of micro-batches, none of them a filler, whose example would enter the others'
-        statistics. Raised on every rank alike (the plan is the same everywhere), before the step runs."""
-        counts = [len(micro_batches(costs, rank.micro_cap)) for costs, rank in zip(share_costs, ranks, strict=True)]
-        if min(counts) == 0 or len(set(counts)) > 1:
-            raise RuntimeError(
-                f"hsync.Balancer: step {step} would give the ranks {counts} micro-batches, but the model's "
-                "backward passes exchange gradients between ranks (WeightedDDP.cross_rank_backward, a "
-                "SyncBatchNorm), so every rank must run the same number of forwards, with one example at "
-                "least; plan one micro-batch per rank and step (no micro_batch_limit)")
-
-    def _order(self, epoch: int) -> list[int]:
-        if not self.config.shuffle:
-            return list(range(len(self._costs)))
-        g = torch.Generator().manual_seed(self.config.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self._costs), generator=g).tolist()
-
-    def _split(self, costs: list[float], ranks: list[RankCost]) -> list[list[int]]:
-        fixed = self.config.rank_batch_sizes
-        if fixed is None:
-            return split_step(costs, ranks)
-        sizes = split_proportionally(len(costs), fixed)
-        bounds = [sum(sizes[:r]) for r in range(self.world_size + 1)]
-        # Runs of the step's shuffled order, so that a share's tokens follow its examples; each ordered
-        # longest first, as micro_batches() cuts them by the longest of each.
-        return [[bounds[r] + p for p in longest_first(costs[bounds[r]:bounds[r + 1]])]
-                for r in range(self.world_size)]
 
     # -- the training loop's side ------------------------------------------------------------------
 
@@ -354,7 +253,7 @@ class Balancer:
         measurements back and returns the step's StepStats (None before). `weight` defaults to the
         micro-batch's number of examples; pass tokens when the loss is a mean over tokens."""
         micro = self._take_micro_batch()
-        weight = self._weight(micro, weight, micro.examples)
+        weight = _weight(micro, weight, micro.examples)
         if not micro.last:
             self._accumulate(loss, weight, metrics, micro.units)
             return None
@@ -378,57 +277,52 @@ class Balancer:
         nothing = torch.zeros((), dtype=torch.float64, device=self.model.device)
         return self._synchronise(micro, nothing, 0.0, None, measured_units=None)
 
-    def _peek_micro_batch(self) -> _MicroBatch:
+    def _peek_micro_batch(self) -> MicroBatch:
         if not self._pending:
             raise RuntimeError("hsync.Balancer.backward: no micro-batch of this balancer is waiting for its "
                                "backward (call it once per batch its sampler yielded, in order)")
         return self._pending[0]
 
-    def _take_micro_batch(self) -> _MicroBatch:
+    def _take_micro_batch(self) -> MicroBatch:
         micro = self._peek_micro_batch()
         self._pending.popleft()
         self._step_units += micro.units
         return micro
 
-    @staticmethod
-    def _weight(micro: _MicroBatch, weight: float | torch.Tensor | None, examples: int) -> float | torch.Tensor:
-        return 0.0 if micro.filler else (examples if weight is None else weight)
-
     def _accumulate(self, loss: torch.Tensor, weight, metrics, units: float) -> None:
         with self.model.no_sync():
             self.model.backward(loss, weight, metrics)
-        self._measure_memory(units)
+        if self._memory is not None:
+            self._memory.measure(units)
 
-    def _synchronise(self, micro: _MicroBatch, loss: torch.Tensor, weight, metrics,
+    def _synchronise(self, micro: MicroBatch, loss: torch.Tensor, weight, metrics,
                      measured_units: float | None) -> StepStats:
-        """The step's synchronised backward, with this rank's measurements in its scalars."""
-        ours = dict(metrics or {})
-        if self._previous is not None and (busy := self._busy_seconds(self._previous[0])) is not None:
-            ours[self._names["busy"][self.rank]] = busy
-            ours[self._names["units"][self.rank]] = self._previous[1]
-        ours[self._names["capacity"][self.rank]] = self._capacity()
-        ours[self._names["split_through"][self.rank]] = self._split_through + 1  # 0: nothing split
+        """The step's synchronised backward, with this rank's report in its scalars."""
+        busy, units = 0.0, 0.0
+        if self._previous is not None and (seconds := self._clock.step_seconds(*self._previous)) is not None:
+            busy, units = seconds, self._previous[1]
+        report = Report(busy, units, self._capacity(), self._split_through + 1)
         steps_before = self._steps.completed
         try:
-            stats = self.model.backward(loss, weight, ours)
+            stats = self.model.backward(loss, weight, {**(metrics or {}), **self._codec.encode(self.rank, report)})
         except BaseException:
             if self._steps.completed > steps_before:
                 # The step ran on every rank (a backward that raised still completes it): counted here as
                 # by the peers, or this rank would number, and so split, its later steps differently.
                 self._step_done(micro.step, self._steps.last_stats())
             raise
-        if measured_units is not None:
-            self._measure_memory(measured_units)
-        self.slowdown.step_done()
+        if measured_units is not None and self._memory is not None:
+            self._memory.measure(measured_units)
+        self._clock.step_done()
         self._step_done(micro.step, stats)
         return stats
 
     def _may_run_out(self, units: float) -> bool:
         """Whether a micro-batch of `units` is run with a way back (Note [Out of memory]): on a GPU, larger
         than any this rank has run. Not with cross_rank_backward, whose ranks must run the same forwards."""
-        return self._memory is not None and not self.model.cross_rank_backward and units > self._largest_run
+        return self._memory is not None and not self.model.cross_rank_backward and self._memory.may_run_out(units)
 
-    def _run_in_parts(self, micro: _MicroBatch, batch: Any, loss_of: Callable[[Any], Any]) -> None:
+    def _run_in_parts(self, micro: MicroBatch, batch: Any, loss_of: Callable[[Any], Any]) -> None:
         """Runs `batch` under no_sync, again in halves of what runs out of memory: Note [Out of memory]."""
         parts = [(batch, micro.units)]
         while parts:
@@ -437,7 +331,7 @@ class Balancer:
                 self._may_run_out(units)) else None
             try:
                 loss, weight, metrics = _loss_weight_metrics(loss_of(part))
-                self._accumulate(loss, self._weight(micro, weight, rows_of(part)), metrics, units)
+                self._accumulate(loss, _weight(micro, weight, rows_of(part)), metrics, units)
                 continue
             except torch.OutOfMemoryError:
                 if backup is None or rows_of(part) < 2:
@@ -447,24 +341,18 @@ class Balancer:
             gradients, restore_window = backup
             gradients.restore()
             restore_window()
-            self._memory.take_peak_bytes()  # the failed attempt's peak is no measurement
-            self._memory_ceiling = min(self._memory_ceiling, units / 2)
+            self._memory.ran_out(units)
             first, second = halves(part)
             rows = rows_of(part)
             parts[:0] = [(first, units * rows_of(first) / rows), (second, units * rows_of(second) / rows)]
 
-    def _busy_seconds(self, stats: StepStats) -> float | None:
-        """This rank's time for the step (tests replace it with a known cost model)."""
-        return stats.busy_seconds
-
     def _step_done(self, step: int, stats: StepStats) -> None:
-        values = stats.metrics
-        names = self._names
+        reports = self._codec.decode(stats.metrics)
         # What the ranks reported is the step before this one.
-        busy, units = ([values[name] for name in names[q]] for q in ("busy", "units"))
-        self._policy.observe(step - 1, busy, units, full=self._measured_step_full)
-        self._capacities = [values[name] for name in names["capacity"]]
-        split_through = max(values[name] for name in names["split_through"]) - 1
+        self._policy.observe(step - 1, [r.busy_s for r in reports], [r.units for r in reports],
+                             full=self._measured_step_full)
+        self.last_reports = reports
+        split_through = max(r.split_through for r in reports) - 1
         self._previous = (stats, self._step_units)
         self._step_units = 0.0
         self.last_plan, costs = self._split_steps.pop(step, ([], []))
@@ -474,11 +362,11 @@ class Balancer:
             self.epoch, self._step_in_epoch = self.epoch + 1, 0
         # An epoch's short last step would judge plans on its few examples: full ones decide, and only
         # their times, reported a step later, compare plans (its own still fit the cost models).
-        full = len(costs) == min(self.config.global_batch_size, len(self._costs))
+        full = len(costs) == min(self.config.global_batch_size, len(self._splitter.costs))
         self._measured_step_full = full
         if self._decides and full and self._policy.due(step):
             caps = [self._micro_cap(r) for r in range(self.world_size)]
-            self._policy.decide(step, costs, int(split_through) + 1, caps)
+            self._policy.decide(step, costs, split_through + 1, caps)
 
     @property
     def _decides(self) -> bool:
@@ -527,34 +415,16 @@ class Balancer:
     def _micro_cap(self, rank: int, measured: bool = True) -> float:
         """Units of work rank `rank` may run in one micro-batch: the configured limit, and on a GPU what its
         memory allows as it last reported, or, before that is known, an equal share. With cross_rank_backward
-        only the limit: a share split by memory would break the ranks' lockstep (_check_lockstep)."""
+        only the limit: a share split by memory would break the ranks' lockstep (check_lockstep)."""
         cap = self._limits[rank]
         if self._memory is not None and not self.model.cross_rank_backward:
-            capacity = self._capacities[rank] if measured else 0.0
+            capacity = self.last_reports[rank].capacity if measured and self.last_reports else 0.0
             cap = min(cap, capacity if capacity > 0 else self._equal_share_units)
         return cap
 
-    def _measure_memory(self, units: float) -> None:
-        if self._memory is None:
-            return
-        # The peak since the last micro-batch's backward: this micro-batch's forward and backward
-        # (and the optimizer step before it, when it is a step's first). The engine's buckets are
-        # resident throughout, so they are part of the fitted base.
-        self._memory_fit.add(units, float(self._memory.take_peak_bytes()))
-        self._largest_run = max(self._largest_run, units)
-
     def _capacity(self) -> float:
-        """This rank's largest micro-batch in units by its measured peak memory, and at most half of one that
-        ran out of memory (0: not known)."""
-        if self._memory is None:
-            return 0.0
-        capacity = self._memory_ceiling
-        line = self._memory_fit.line()
-        if line is not None:
-            base, per_unit = line
-            room = self._memory.budget_bytes(self.config.memory_fraction) - base
-            capacity = min(capacity, room / per_unit, _CAPACITY_GROWTH * self._memory_fit.largest_units())
-        return 0.0 if math.isinf(capacity) else max(1.0, capacity)
+        """This rank's largest micro-batch in units by its memory (0: not known, or not bounded)."""
+        return self._memory.capacity() if self._memory is not None else 0.0
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -564,15 +434,16 @@ class Balancer:
         as many ranks goes on with (on another number, it measures its ranks anew). Plain values only."""
         state = {"epoch": self.epoch, "step_in_epoch": self._step_in_epoch, "global_step": self.global_step,
                  "seed": self.config.seed, "shuffle": self.config.shuffle,
-                 "global_batch_size": self.config.global_batch_size, "num_examples": len(self._costs)}
+                 "global_batch_size": self.config.global_batch_size, "num_examples": len(self._splitter.costs)}
         if self._decides:
             state["policy"] = self._policy.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping) -> None:
-        kept = {**state, "shuffle": state.get("shuffle", self.config.shuffle)}  # older checkpoints lack it
-        for key, ours in (("num_examples", len(self._costs)), ("global_batch_size", self.config.global_batch_size),
-                          ("seed", self.config.seed), ("shuffle", self.config.shuffle)):
+        config = self.config
+        kept = {**state, "shuffle": state.get("shuffle", config.shuffle)}  # older checkpoints lack it
+        for key, ours in (("num_examples", len(self._splitter.costs)), ("global_batch_size", config.global_batch_size),
+                          ("seed", config.seed), ("shuffle", config.shuffle)):
             if kept[key] != ours:
                 raise ValueError(f"hsync.Balancer: the checkpoint has {key} {kept[key]}, this run {ours}: "
                                  "it was written for other data or another batch")
@@ -597,27 +468,12 @@ class Balancer:
             raise ValueError(f"BalanceConfig.rank_batch_sizes has {len(fixed)} sizes for {self.world_size} ranks")
         return [math.inf if v is None else float(v) for v in limits]
 
-    @staticmethod
-    def _example_costs(examples: int | Sequence[float]) -> list[float]:
-        if isinstance(examples, int) and not isinstance(examples, bool):
-            if examples < 1:
-                raise ValueError(f"hsync.Balancer needs at least one example, got {examples}")
-            return [1.0] * examples
-        try:
-            costs = [float(c) for c in examples]
-        except (TypeError, ValueError):
-            costs = []
-        if not costs or any(not (c > 0) or math.isinf(c) for c in costs):
-            raise ValueError("hsync.Balancer: example costs must be finite positive numbers (lengths), and "
-                             "there must be at least one")
-        return costs
-
     def _check_same_everywhere(self, refusal: str | None) -> None:
         """Every rank must split the same steps of the same data: a difference, or a rank's refusal of its
         own arguments, is raised on every rank."""
-        config = self.config
+        config, costs = self.config, self._splitter.costs
         mine = refusal if refusal is not None else (
-            len(self._costs), _digest(self._costs), config.global_batch_size, config.seed, config.shuffle,
+            len(costs), _digest(costs), config.global_batch_size, config.seed, config.shuffle,
             config.rank_batch_sizes and list(config.rank_batch_sizes), self._limits, config.replan_every,
             config.warmup_steps, config.probe_steps, config.min_gain, self._memory is not None)
         everyone = Channels.of_model(self.model).gather_objects(mine, "the Balancer's settings")
@@ -629,6 +485,25 @@ class Balancer:
             raise ValueError(f"hsync.Balancer: ranks {different} were given other data or settings than rank 0 "
                              f"(examples, a digest of their costs, the BalanceConfig): rank 0 has {everyone[0]}, "
                              f"rank {different[0]} {everyone[different[0]]}")
+
+
+def _example_costs(examples: int | Sequence[float]) -> list[float]:
+    if isinstance(examples, int) and not isinstance(examples, bool):
+        if examples < 1:
+            raise ValueError(f"hsync.Balancer needs at least one example, got {examples}")
+        return [1.0] * examples
+    try:
+        costs = [float(c) for c in examples]
+    except (TypeError, ValueError):
+        costs = []
+    if not costs or any(not (c > 0) or math.isinf(c) for c in costs):
+        raise ValueError("hsync.Balancer: example costs must be finite positive numbers (lengths), and "
+                         "there must be at least one")
+    return costs
+
+
+def _weight(micro: MicroBatch, weight: float | torch.Tensor | None, examples: int) -> float | torch.Tensor:
+    return 0.0 if micro.filler else (examples if weight is None else weight)
 
 
 def _digest(costs: list[float]) -> str:

@@ -1,4 +1,5 @@
-"""A simulated slow GPU, for benchmarks and tests on equal hardware."""
+"""A simulated slow GPU, for benchmarks and tests on equal hardware: Balancer(..., clock=SimulatedSlowdown(f, device)),
+and the same object's pause_ahead() and step_done() around a plain loop's steps."""
 
 from __future__ import annotations
 
@@ -7,26 +8,28 @@ from collections.abc import Callable
 
 import torch
 
+from hsync.balance.clock import StepClock
 
-class SimulatedSlowdown:
+
+class SimulatedSlowdown(StepClock):
     """Makes this rank's steps `factor` times longer than its own work takes.
 
-    A step's work runs from one step_done() to the next. pause(), at the end of the work, sleeps
+    A step's work runs from one step_done() to the next. own_work_done(), at the end of the work, sleeps
     (factor - 1) times it. Work is counted in CPU seconds of this process on the CPU, so what other
     processes do to the same cores (compete for them, or sleep and leave them free) does not change
-    it. On a GPU it is `busy_so_far` where given: the rank's own time on the device since its last step
+    it. On a GPU it is `busy_so_far()` where given: the rank's own time on the device since its last step
     ended, less its waits for peers (Note [Busy time] in csrc/busy_clock.h). Counted as work, a wait for
     a faster peer (the step's total weight, say) made the slowed rank sleep for it too, and look slower
     the more examples its peers had. Without it, or before the first step has ended, it is the
-    device's wall time less the sleeps; either reading synchronises."""
+    device's wall time less the sleeps; either reading synchronises.
 
-    def __init__(self, factor: float, device: torch.device,
-                 busy_so_far: Callable[[], float | None] | None = None) -> None:
+    Handed to a Balancer as its clock, it pauses there when each step's own work is done."""
+
+    def __init__(self, factor: float, device: torch.device) -> None:
         if not (1.0 <= factor < float("inf")):
             raise ValueError(f"a simulated slowdown must be a finite factor >= 1, got {factor}")
         self.factor = factor
         self._device = device
-        self._busy_so_far = busy_so_far
         self._started = self._now()
         self._slept = 0.0      # in the current step
         self._last_work = 0.0  # of the last complete step
@@ -44,10 +47,10 @@ class SimulatedSlowdown:
         time.sleep(seconds)
         self._slept += seconds
 
-    def pause(self) -> None:
+    def own_work_done(self, busy_so_far: Callable[[], float | None] | None = None) -> None:
         """Sleeps for the rest of the slowed step: call it when the step's own work is done."""
         if self.factor > 1.0:
-            busy = self._busy_so_far() if self._busy_so_far and self._device.type == "cuda" else None
+            busy = busy_so_far() if busy_so_far is not None and self._device.type == "cuda" else None
             self._sleep((self.factor - 1.0) * (self._work() if busy is None else busy))
 
     def pause_ahead(self) -> None:

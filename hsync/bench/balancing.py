@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import hsync
-from hsync.balance import SimulatedSlowdown
+from hsync.balance.simulate import SimulatedSlowdown
 from hsync.bench.result import NAN, Result, slowest_rank_quantiles
 from hsync.bench.workloads import bert_workload, masked_batch
 from hsync.compat import DDP_DEPRECATES_BROADCAST_BUFFERS
@@ -80,9 +80,9 @@ def _mixed_speeds(name: str, device: torch.device, slowdowns: list[float], round
     ours = hsync.WeightedDDP(workload.make_model(), **no_buffer_sync)
     torch.manual_seed(0)
     theirs = DistributedDataParallel(workload.make_model(), **no_buffer_sync)
-    balancer = hsync.Balancer(ours, len(pool[0]), hsync.BalanceConfig(
-        global_batch_size=global_batch, replan_every=10, simulate_slowdown=slowdowns[rank]))
-    ddp_slowdown = SimulatedSlowdown(slowdowns[rank], device)
+    our_slowdown, ddp_slowdown = SimulatedSlowdown(slowdowns[rank], device), SimulatedSlowdown(slowdowns[rank], device)
+    balancer = hsync.Balancer(ours, len(pool[0]), hsync.BalanceConfig(global_batch_size=global_batch, replan_every=10),
+                              clock=our_slowdown)
     optimizers = {"hsync": torch.optim.SGD(ours.parameters(), lr=1e-4),
                   "ddp": torch.optim.SGD(theirs.parameters(), lr=1e-4)}
 
@@ -115,7 +115,7 @@ def _mixed_speeds(name: str, device: torch.device, slowdowns: list[float], round
         ddp_slowdown.step_done()
 
     def timed(step: Callable[[], None], count: int) -> list[float]:
-        slowdown = balancer.slowdown if step is hsync_step else ddp_slowdown
+        slowdown = our_slowdown if step is hsync_step else ddp_slowdown
         slowdown.restart()  # the other variant's work is no part of this one's first step
         return _timed(step, count, device)
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import hsync
-from hsync.balance import SimulatedSlowdown
+from hsync.balance.simulate import SimulatedSlowdown
 from hsync.bench.balancing import core_per_rank
 from hsync.bench.result import NAN, Result, slowest_rank_quantiles
 
@@ -87,37 +87,42 @@ def _trainer_variants(model: Callable[[], torch.nn.Module], examples: list[dict]
             max_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, logging_strategy="no",
             use_cpu=device.type == "cpu", dataloader_pin_memory=False)
 
-    class StepClock(transformers.TrainerCallback):
+    class StepTimer(transformers.TrainerCallback):
         """Times the intervals between optimizer steps; slows the plain Trainer's rank with a pause before each
-        step's work, as for torch DDP (SimulatedSlowdown.pause_ahead)."""
+        step's work, as for torch DDP (SimulatedSlowdown.pause_ahead). A balanced Trainer's slowdown is its
+        Balancer's clock, which pauses when each step's own work is done."""
 
-        def __init__(self, slowdown: SimulatedSlowdown | None) -> None:
-            self.slowdown, self.intervals, self.last = slowdown, [], 0.0
+        def __init__(self, slowdown: SimulatedSlowdown, balanced: bool) -> None:
+            self.slowdown, self.balanced, self.intervals, self.last = slowdown, balanced, [], 0.0
 
-        def reset(self, balancer: hsync.Balancer | None) -> None:
+        def reset(self) -> None:
             self.intervals, self.last = [], time.perf_counter()
-            for pause in (self.slowdown, balancer.slowdown if balancer is not None else None):
-                if pause is not None:
-                    pause.restart()  # the other variant's work is no part of this one's first step
+            self.slowdown.restart()  # the other variant's work is no part of this one's first step
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if self.slowdown is not None:
+            if not self.balanced:  # a Balancer pauses with its clock itself
                 self.slowdown.pause_ahead()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if self.slowdown is not None:
+            if not self.balanced:
                 self.slowdown.step_done()
             now = time.perf_counter()
             self.intervals.append(now - self.last)
             self.last = now
 
+    class SlowedTrainer(Trainer):
+        def _new_balancer(self, model: Any, examples: Any, config: hsync.BalanceConfig) -> hsync.Balancer:
+            return hsync.Balancer(model, examples, config, clock=our_slowdown)
+
+    our_slowdown = SimulatedSlowdown(slowdown, device)
     plain = transformers.Trainer(model=model(), args=arguments(per_rank), train_dataset=examples,
-                                 data_collator=_collate, callbacks=[StepClock(SimulatedSlowdown(slowdown, device))])
+                                 data_collator=_collate,
+                                 callbacks=[StepTimer(SimulatedSlowdown(slowdown, device), balanced=False)])
     # A share of up to the whole global batch in one micro-batch, as plain Trainer's per-rank batch is one.
-    ours = Trainer(model=model(), args=arguments(global_batch), train_dataset=examples, data_collator=_collate,
-                   callbacks=[StepClock(None)],
-                   balancing=BalancingArguments(global_batch_size=global_batch, replan_every=10, by_tokens=False,
-                                                simulate_slowdown=slowdown))
+    ours = SlowedTrainer(model=model(), args=arguments(global_batch), train_dataset=examples, data_collator=_collate,
+                         callbacks=[StepTimer(our_slowdown, balanced=True)],
+                         balancing=BalancingArguments(global_batch_size=global_batch, replan_every=10,
+                                                      by_tokens=False))
 
     def run(trainer: transformers.Trainer) -> Callable[[int], list[float]]:
         def steps(count: int) -> list[float]:
@@ -127,13 +132,13 @@ def _trainer_variants(model: Callable[[], torch.nn.Module], examples: list[dict]
                 # Each train() starts at epoch 0 (Trainer's set_epoch(0)); a Balancer still in epoch 0 would go on
                 # where the last call left it, and its epoch would end before max_steps.
                 balancer.set_epoch(balancer.epoch + 1)
-            clock_of(trainer).reset(balancer)
+            clock_of(trainer).reset()
             trainer.train()
             return clock_of(trainer).intervals[1:]
         return steps
 
-    def clock_of(trainer: transformers.Trainer) -> StepClock:
-        return next(c for c in trainer.callback_handler.callbacks if isinstance(c, StepClock))
+    def clock_of(trainer: transformers.Trainer) -> StepTimer:
+        return next(c for c in trainer.callback_handler.callbacks if isinstance(c, StepTimer))
 
     variants = {"ddp": run(plain), "hsync": run(ours)}
     variants["hsync"](2)  # builds the Balancer
@@ -155,8 +160,9 @@ def _accelerate_variants(model: Callable[[], torch.nn.Module], examples: list[di
     ours = Accelerator(cpu=device.type == "cpu")
     net = ours.prepare(model())
     optimizer = ours.prepare(torch.optim.AdamW(net.parameters(), lr=1e-4))
-    balancer = hsync.Balancer(net, len(examples), hsync.BalanceConfig(
-        global_batch_size=global_batch, replan_every=10, simulate_slowdown=slowdown))
+    our_slowdown = SimulatedSlowdown(slowdown, device)
+    balancer = hsync.Balancer(net, len(examples), hsync.BalanceConfig(global_batch_size=global_batch, replan_every=10),
+                              clock=our_slowdown)
     loader = ours.prepare(torch.utils.data.DataLoader(examples, batch_sampler=balancer, collate_fn=_collate))
     plain_slowdown = SimulatedSlowdown(slowdown, device)
 
@@ -197,7 +203,7 @@ def _accelerate_variants(model: Callable[[], torch.nn.Module], examples: list[di
             return times
         return steps
 
-    return ({"ddp": timed(plain_step, plain_slowdown.restart), "hsync": timed(our_step, balancer.slowdown.restart)},
+    return ({"ddp": timed(plain_step, plain_slowdown.restart), "hsync": timed(our_step, our_slowdown.restart)},
             lambda: balancer)
 
 
@@ -223,30 +229,30 @@ def _lightning_variants(model: Callable[[], torch.nn.Module], examples: list[dic
         def train_dataloader(self) -> torch.utils.data.DataLoader:
             return torch.utils.data.DataLoader(examples, batch_size=per_rank, shuffle=True, collate_fn=_collate)
 
-    class StepClock(L.Callback):
+    class StepTimer(L.Callback):
         """Times the intervals between optimizer steps; slows the plain strategy's rank with a pause before each
-        step's work, as for torch DDP (SimulatedSlowdown.pause_ahead)."""
+        step's work, as for torch DDP (SimulatedSlowdown.pause_ahead). HsyncStrategy's slowdown is its Balancer's
+        clock, which pauses when each step's own work is done."""
 
-        def __init__(self, slowdown: SimulatedSlowdown | None) -> None:
-            self.slowdown, self.intervals, self.last = slowdown, [], 0.0
+        def __init__(self, slowdown: SimulatedSlowdown, balanced: bool) -> None:
+            self.slowdown, self.balanced, self.intervals, self.last = slowdown, balanced, [], 0.0
 
         def reset(self) -> None:
             self.intervals, self.last = [], time.perf_counter()
-            if self.slowdown is not None:
-                self.slowdown.restart()  # the other variant's work is no part of this one's first step
+            self.slowdown.restart()  # the other variant's work is no part of this one's first step
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
-            if self.slowdown is not None:
+            if not self.balanced:
                 self.slowdown.pause_ahead()
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if self.slowdown is not None:
+            if not self.balanced:
                 self.slowdown.step_done()
             now = time.perf_counter()
             self.intervals.append(now - self.last)
             self.last = now
 
-    def variant(strategy: Any, clock: StepClock) -> Callable[[int], list[float]]:
+    def variant(strategy: Any, clock: StepTimer) -> Callable[[int], list[float]]:
         trainer = L.Trainer(strategy=strategy, accelerator="gpu" if device.type == "cuda" else "cpu",
                             devices=dist.get_world_size(), max_epochs=-1, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
@@ -259,10 +265,14 @@ def _lightning_variants(model: Callable[[], torch.nn.Module], examples: list[dic
             return clock.intervals[1:]
         return steps
 
+    class SlowedStrategy(HsyncStrategy):
+        def _new_balancer(self, model: Any, examples: Any, config: hsync.BalanceConfig) -> hsync.Balancer:
+            return hsync.Balancer(model, examples, config, clock=our_slowdown)
+
+    our_slowdown = SimulatedSlowdown(slowdown, device)
     # A rank's share in one micro-batch, as plain DDP's per-rank batch is one.
-    ours = HsyncStrategy(balance=hsync.BalanceConfig(global_batch_size=global_batch, replan_every=10,
-                                                     simulate_slowdown=slowdown))
-    variants = {"ddp": variant(DDPStrategy(), StepClock(SimulatedSlowdown(slowdown, device))),
-                "hsync": variant(ours, StepClock(None))}
+    ours = SlowedStrategy(balance=hsync.BalanceConfig(global_batch_size=global_batch, replan_every=10))
+    variants = {"ddp": variant(DDPStrategy(), StepTimer(SimulatedSlowdown(slowdown, device), balanced=False)),
+                "hsync": variant(ours, StepTimer(our_slowdown, balanced=True))}
     variants["hsync"](2)  # builds the Balancer
     return variants, lambda: ours.balancer

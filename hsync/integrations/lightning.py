@@ -210,6 +210,10 @@ class HsyncStrategy(DDPStrategy):
             return _update_dataloader(dataloader, unrepeated, mode=stage)
         return dataloader
 
+    def _new_balancer(self, model: hsync.WeightedDDP, examples: int, config: hsync.BalanceConfig) -> hsync.Balancer:
+        # One place that builds it, for a benchmark's subclass to give it another clock.
+        return hsync.Balancer(model, examples, config)
+
     def _step_loader(self, loader: DataLoader) -> StepLoader:
         if not isinstance(loader.sampler, DistributedSampler | RandomSampler | SequentialSampler) or (
                 loader.batch_size is None):
@@ -221,7 +225,7 @@ class HsyncStrategy(DDPStrategy):
             global_batch_size=loader.batch_size * self._micro_batches_per_step * world,
             micro_batch_limit=loader.batch_size if self._micro_batches_per_step > 1 else None)
         if self.balancer is None or self.balancer.model is not self.model:  # a first fit(), or another module
-            self.balancer = hsync.Balancer(self.model, len(loader.dataset), config)
+            self.balancer = self._new_balancer(self.model, len(loader.dataset), config)
         workers = loader.num_workers
         options = dict(num_workers=workers, pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn,
                        persistent_workers=loader.persistent_workers, timeout=loader.timeout)

@@ -65,8 +65,6 @@ class BalancingArguments:
     """Steps between two fits of the ranks' speeds (BalanceConfig.replan_every)."""
     min_gain: float = 0.04
     """A new split is taken only if it predicts steps at least this much shorter (BalanceConfig.min_gain)."""
-    simulate_slowdown: float = 1.0
-    """For benchmarks and tests: this rank's steps are made this many times longer."""
     shard_optimizer: bool = False
     """Keep the optimizer's state sharded across the ranks by their memory (hsync.ShardedOptimizer over the
     optimizer TrainingArguments choose, with its parameter groups): the same updates, each rank holding its
@@ -196,16 +194,20 @@ class Trainer(transformers.Trainer):
             rank_batch_sizes=self.balancing.rank_batch_sizes,
             micro_batch_limit=per_device * (max(costs) if isinstance(costs, list) else 1),
             replan_every=self.balancing.replan_every, min_gain=self.balancing.min_gain,
-            seed=args.data_seed if args.data_seed is not None else args.seed,
-            simulate_slowdown=self.balancing.simulate_slowdown)
+            seed=args.data_seed if args.data_seed is not None else args.seed)
         if self.balancer is None:
-            self.balancer = hsync.Balancer(self._weighted(), costs, config)
+            self.balancer = self._new_balancer(self._weighted(), costs, config)
             if self._resume_from is not None:
                 self.balancer.load_state_dict(load_balancer_state(self._resume_from))
         workers = args.dataloader_num_workers
         return StepLoader(dataset, self.balancer, collate, num_workers=workers, pin_memory=args.dataloader_pin_memory,
                           persistent_workers=workers > 0 and args.dataloader_persistent_workers,
                           prefetch_factor=args.dataloader_prefetch_factor)
+
+    def _new_balancer(self, model: hsync.WeightedDDP, examples: int | list[float],
+                      config: hsync.BalanceConfig) -> hsync.Balancer:
+        # One place that builds it, for a benchmark's subclass to give it another clock.
+        return hsync.Balancer(model, examples, config)
 
     def _example_costs(self, dataset: Dataset) -> int | list[float]:
         """The dataset's size, or each example's tokens where examples are balanced by tokens."""

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
+from hsync.balance.memory import StateBytes
 from hsync.collectives import Channels
 from hsync.compat import reduced_parameters
 from hsync.ddp import WeightedDDP
@@ -71,9 +72,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         held = sum(sizes) + model._ensure_engine().allocated_bucket_bytes()
         budget = this_ranks_budget(memory_budget, model.rank, model.world_size, model.device, held)
         budgets = self._channel.gather_objects(budget, "the memory budgets")
-        self.layout: Layout = plan_layout(sizes, budgets, owned_bytes_per_parameter_byte(model, optimizer_class,
-                                                                                       defaults),
-                                          bytes_in_flight(model, sizes))
+        state_bytes = StateBytes(model, optimizer_class, defaults)
+        self.layout: Layout = plan_layout(sizes, budgets, state_bytes.owned_per_parameter_byte(),
+                                          state_bytes.in_flight(sizes))
         """Which parameters each rank owns (their indices among the model's trainable parameters)."""
         self._owned = set(self._all[i] for i in self.layout.ranges[model.rank])
         groups = list(params) if params is not None else [{"params": self._all}]
@@ -302,38 +303,6 @@ def merge_shards(shards: list[Mapping]) -> dict:
     for shard in shards:
         state.update(shard["state"])
     return {"state": dict(sorted(state.items())), "param_groups": shards[0]["param_groups"]}
-
-
-def owned_bytes_per_parameter_byte(model: WeightedDDP, optimizer_class: type[torch.optim.Optimizer],
-                                   defaults: Mapping) -> float:
-    """What a rank keeps per byte of a parameter it owns (Note [Memory shares]): the gradient's bucket slot,
-    which is also its .grad with gradient_as_bucket_view (a .grad of its own beside it otherwise), and the
-    optimizer state."""
-    element = next(p for p in model.parameters() if p.requires_grad).element_size()
-    slot = torch.empty((), dtype=model.comm_dtype).element_size() / element if model.comm_dtype else 1.0
-    views = model.gradient_as_bucket_view and model.comm_dtype is None
-    return slot + (0.0 if views else 1.0) + state_bytes_per_parameter_byte(optimizer_class, defaults, model.device)
-
-
-def bytes_in_flight(model: WeightedDDP, sizes: list[int]) -> int:
-    """What a backward holds at once beyond the owned buckets (Note [Memory shares]): the two buffers another
-    rank's buckets take turns in (one filling while the other's reduce runs: Note [Owned buckets]), each a
-    bucket's size (a parameter larger than the bucket cap is a bucket of its own), and a fresh gradient from
-    autograd on its way into one."""
-    bucket = min(sum(sizes), max(model._bucket_bytes_cap, model._first_bucket_bytes_cap, max(sizes)))
-    return 2 * bucket + max(sizes)
-
-
-def state_bytes_per_parameter_byte(optimizer_class: type[torch.optim.Optimizer], defaults: Mapping,
-                                   device: torch.device) -> float:
-    """How many bytes of state `optimizer_class` keeps per byte of parameter (AdamW's two moments: 2), from one
-    step on a small parameter: the state tensors of the parameter's size."""
-    probe = torch.zeros(16, device=device, requires_grad=True)
-    probe.grad = torch.ones_like(probe)
-    optimizer = optimizer_class([probe], **defaults)
-    optimizer.step()
-    sized = [t for t in optimizer.state[probe].values() if isinstance(t, torch.Tensor) and t.numel() == probe.numel()]
-    return sum(t.numel() * t.element_size() for t in sized) / (probe.numel() * probe.element_size())
 
 
 def _to_cpu(state: dict) -> dict:

@@ -10,6 +10,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from hsync.balance.clock import StepClock
+from hsync.balance.simulate import SimulatedSlowdown
 from tests.distributed.workloads import compiled_backward_nodes
 from tests.spawn import run_ranks
 
@@ -70,9 +72,9 @@ def each_example_once(rank, world_size, slowdown: float, lengths: bool):
     model = hsync.WeightedDDP(make_model())
     costs = [float(1 + (i * 7) % 13) for i in range(size)] if lengths else size
     config = hsync.BalanceConfig(global_batch_size=16, replan_every=4, warmup_steps=1, probe_steps=1,
-                                 simulate_slowdown=slowdown if rank == 1 else 1.0,
                                  micro_batch_limit=6 if lengths else None)
-    balancer = hsync.Balancer(model, costs, config)
+    balancer = hsync.Balancer(model, costs, config,
+                              clock=SimulatedSlowdown(slowdown if rank == 1 else 1.0, model.device))
     loader = DataLoader(Numbers(size), batch_sampler=balancer, num_workers=2, pin_memory=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     plans, epochs = set(), []
@@ -164,7 +166,7 @@ def test_gradients_are_exact_with_per_rank_accumulation_counts(lengths, compiled
 
 
 def train(model, balancer, optimizer, steps: int) -> None:
-    data = Numbers(len(balancer._costs))
+    data = Numbers(balancer.state_dict()["num_examples"])
     done = 0
     while done < steps:
         for indices in balancer:
@@ -185,9 +187,9 @@ def resume(rank, world_size):
 
     def fresh():
         model = hsync.WeightedDDP(make_model())
-        config = hsync.BalanceConfig(global_batch_size=12, warmup_steps=0, probe_steps=1, replan_every=2,
-                                     simulate_slowdown=2.0 if rank == 1 else 1.0)
-        return model, hsync.Balancer(model, 30, config), torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        config = hsync.BalanceConfig(global_batch_size=12, warmup_steps=0, probe_steps=1, replan_every=2)
+        balancer = hsync.Balancer(model, 30, config, clock=SimulatedSlowdown(2.0 if rank == 1 else 1.0, model.device))
+        return model, balancer, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     model, balancer, optimizer = fresh()
     train(model, balancer, optimizer, 10)
@@ -212,21 +214,17 @@ def test_resumed_run_makes_the_same_updates():
     assert run_ranks(resume, 2, timeout=120) == [10, 10]
 
 
-class KnownCosts:
+class KnownCosts(StepClock):
     """Busy times from a known cost model instead of the clock, with noise: decisions become checkable."""
 
     def __init__(self, fixed: list[float], per_unit: list[float], noise: float) -> None:
         self.fixed, self.per_unit, self.noise = fixed, per_unit, noise
         self.g = torch.Generator().manual_seed(dist.get_rank())
 
-    def install(self, balancer) -> None:
-        def busy(stats):
-            units = balancer._previous[1]
-            r = balancer.rank
-            jitter = 1 + self.noise * (2 * torch.rand((), generator=self.g).item() - 1)
-            return (self.fixed[r] + units * self.per_unit[r]) * jitter
-
-        balancer._busy_seconds = busy
+    def step_seconds(self, stats, units: float) -> float:
+        r = dist.get_rank()
+        jitter = 1 + self.noise * (2 * torch.rand((), generator=self.g).item() - 1)
+        return (self.fixed[r] + units * self.per_unit[r]) * jitter
 
 
 def decisions(rank, world_size, fixed, per_unit, noise, epochs=8, state=None):
@@ -234,10 +232,10 @@ def decisions(rank, world_size, fixed, per_unit, noise, epochs=8, state=None):
     import hsync
 
     model = hsync.WeightedDDP(make_model())
-    balancer = hsync.Balancer(model, 64 * 8, hsync.BalanceConfig(global_batch_size=64, replan_every=10))
+    balancer = hsync.Balancer(model, 64 * 8, hsync.BalanceConfig(global_batch_size=64, replan_every=10),
+                              clock=KnownCosts(fixed, per_unit, noise))
     if state is not None:
         balancer.load_state_dict(state)
-    KnownCosts(fixed, per_unit, noise).install(balancer)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     plans = []
     data = Numbers(64 * 8)
@@ -313,12 +311,11 @@ def memory_bounded(rank, world_size, units_that_fit: list[float], fixed: bool = 
     import hsync
 
     model = hsync.WeightedDDP(make_model())
-    balancer = hsync.Balancer(model, 64 * 8, hsync.BalanceConfig(global_batch_size=64, replan_every=10,
-                                                                 rank_batch_sizes=[48, 16] if fixed else None))
-    KnownCosts([0.01, 0.01], [0.01, 0.03], 0.02).install(balancer)
     base, per_unit = 1e6, 1e4
     memory = SimulatedMemory((base + units_that_fit[rank] * per_unit) / 0.9, base, per_unit)
-    balancer._memory = memory
+    balancer = hsync.Balancer(model, 64 * 8, hsync.BalanceConfig(global_batch_size=64, replan_every=10,
+                                                                 rank_batch_sizes=[48, 16] if fixed else None),
+                              clock=KnownCosts([0.01, 0.01], [0.01, 0.03], 0.02), memory=memory)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     plans, micro_counts, largest = [], [], 0
     data = Numbers(64 * 8)
@@ -362,10 +359,10 @@ def runs_out_of_memory(rank, world_size, fits: list[float], where: str):
     import hsync
 
     model = hsync.WeightedDDP(make_model())
-    balancer = hsync.Balancer(model, 64 * 3, hsync.BalanceConfig(global_batch_size=64, rank_batch_sizes=[32, 32]))
     base, per_unit = 1e6, 1e4
     memory = SimulatedMemory(base + fits[rank] * per_unit, base, per_unit)
-    balancer._memory = memory
+    balancer = hsync.Balancer(model, 64 * 3, hsync.BalanceConfig(global_batch_size=64, rank_batch_sizes=[32, 32]),
+                              memory=memory)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = Numbers(64 * 3)
     if where == "backward":
@@ -392,7 +389,8 @@ def runs_out_of_memory(rank, world_size, fits: list[float], where: str):
                 optimizer.zero_grad()
                 sizes.append(step_sizes)
                 step_sizes = []
-    return [p.detach() for p in model.module.parameters()], sizes, memory.failures, balancer._capacities
+    capacities = [report.capacity for report in balancer.last_reports]
+    return [p.detach() for p in model.module.parameters()], sizes, memory.failures, capacities
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
@@ -424,8 +422,9 @@ def micro_batches_of_an_epoch(rank, world_size):
     batches = [[lengths[i] for i in indices] for indices in fixed]
     assert gather_indices([i for indices in fixed for i in indices]) == list(range(40)), "every example once"
     assert fixed.planned_split() == [11, 5], "the split that runs, not an equal one"
-    unmeasured = hsync.Balancer(model, 63, hsync.BalanceConfig(global_batch_size=63))
-    unmeasured._memory = SimulatedMemory(1e12, 0.0, 1.0)  # as on a GPU: an equal share before measurements
+    # As on a GPU: an equal share before measurements.
+    unmeasured = hsync.Balancer(model, 63, hsync.BalanceConfig(global_batch_size=63),
+                                memory=SimulatedMemory(1e12, 0.0, 1.0))
     sizes = [len(indices) for indices in unmeasured]
     first_step = [n for n, micro in zip(sizes, unmeasured._pending, strict=True) if micro.step == 0]
     return batches, first_step

@@ -692,7 +692,7 @@ def constructor_arguments(rank, world_size):
                 warnings.simplefilter("always")
                 wrap(make_net(seed=0), **kwargs)
             warned[label, name] = [str(w.message) for w in caught if w.category is FutureWarning]
-    with pytest.raises(TypeError, match="broadcast_buffers must be a bool"):
+    with pytest.raises(TypeError, match="broadcast_buffers must be True or False"):
         model.broadcast_buffers = "yes"
     # A DDP method hsync does not offer is refused, not inherited as a silent no-op.
     with pytest.raises(RuntimeError, match="no buffer communication hooks"):

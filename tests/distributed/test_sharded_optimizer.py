@@ -181,12 +181,12 @@ def bucket_bytes_over_a_step(rank: int, world_size: int) -> dict[str, float]:
 
     whole, sharded = wrapped(), wrapped()
     parameters = sum(p.numel() * p.element_size() for p in whole.parameters())
-    out = {"wrapped": whole._engine.allocated_bucket_bytes() / parameters}
+    out = {"wrapped": whole._ensure_engine().allocated_bucket_bytes() / parameters}
     step(whole, torch.optim.SGD(whole.parameters(), lr=0.1))
-    out["whole step"] = whole._engine.allocated_bucket_bytes() / parameters
+    out["whole step"] = whole._ensure_engine().allocated_bucket_bytes() / parameters
     optimizer = hsync.ShardedOptimizer(sharded, torch.optim.SGD, memory_budget=["3GiB", "1GiB"], lr=0.1)
     step(sharded, optimizer)
-    out["sharded step"] = sharded._engine.allocated_bucket_bytes() / parameters
+    out["sharded step"] = sharded._ensure_engine().allocated_bucket_bytes() / parameters
     owned = [p for i, p in enumerate(sharded.parameters()) if i in optimizer.layout.ranges[rank]]
     out["owned"] = sum(p.numel() * p.element_size() for p in owned) / parameters
     return out
@@ -298,7 +298,7 @@ def bucket_bytes_while_the_owner_lags(rank: int, world_size: int) -> dict[str, f
     peaks = []
     for layer in layers:
         layer.register_forward_hook(in_backward(lambda: time.sleep(0.05)) if rank == 0 else
-                                    in_backward(lambda: peaks.append(model._engine.allocated_bucket_bytes())))
+                                    in_backward(lambda: peaks.append(model._ensure_engine().allocated_bucket_bytes())))
     for _ in range(3):  # the first rebuilds the buckets in the order gradients came
         peaks.clear()
         x = torch.randn(4, 256)
@@ -431,7 +431,7 @@ def bad_arguments(rank: int, world_size: int) -> dict[str, str]:
         "not a wrapper": lambda: hsync.ShardedOptimizer(model.module, torch.optim.SGD, lr=0.1),
         "not an optimizer class": lambda: hsync.ShardedOptimizer(model, torch.optim.SGD([torch.zeros(1)]), lr=0.1),
         "a stranger parameter": lambda: hsync.ShardedOptimizer(model, torch.optim.SGD, params=[torch.zeros(2)], lr=1),
-        "owners after a refusal": lambda: model._param_owners,
+        "owners after a refusal": lambda: model._attached.param_owners,
         "a budget per rank": lambda: hsync.ShardedOptimizer(model, torch.optim.SGD, memory_budget=["1GiB"], lr=1),
         "state before consolidation": lambda: hsync.ShardedOptimizer(model, torch.optim.SGD, lr=1).state_dict(),
         "a hook after sharding": lambda: model.register_comm_hook(None, lambda state, bucket: None),

@@ -62,6 +62,7 @@ def balance_on_one_gpu(rank: int, world_size: int, device: str = "cuda") -> dict
     import torch.distributed as dist
 
     import hsync
+    from hsync.balance.simulate import SimulatedSlowdown
 
     device = torch.device(device, 0)
     torch.cuda.set_device(device)
@@ -69,9 +70,8 @@ def balance_on_one_gpu(rank: int, world_size: int, device: str = "cuda") -> dict
     data, target = torch.randn(GLOBAL_BATCH * 10, 32, generator=g), torch.randn(GLOBAL_BATCH * 10, 1, generator=g)
     data, target = data.to(device), target.to(device)
     model = hsync.WeightedDDP(make_model(device))
-    config = hsync.BalanceConfig(global_batch_size=GLOBAL_BATCH, probe_steps=2, replan_every=6,
-                                 simulate_slowdown=SLOWDOWN if rank == 1 else 1.0)
-    balancer = hsync.Balancer(model, len(data), config)
+    config = hsync.BalanceConfig(global_batch_size=GLOBAL_BATCH, probe_steps=2, replan_every=6)
+    balancer = hsync.Balancer(model, len(data), config, clock=SimulatedSlowdown(SLOWDOWN if rank == 1 else 1.0, device))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     steps = []  # (this rank's examples, its busy seconds) per step
     while len(steps) < STEPS:

@@ -50,21 +50,21 @@ class Logger:
             # A bar only on a terminal: in a log file its redraws would bury the JSON lines.
             self.bar = tqdm(total=cfg.max_steps, dynamic_ncols=True, file=sys.stderr, disable=not sys.stderr.isatty())
 
-    def step(self, step: int, stats: hsync.StepStats, plan: list[int], seconds: float, lr: float) -> None:
+    def step(self, step: int, stats: hsync.StepStats, balancer: hsync.Balancer, seconds: float, lr: float) -> None:
         if not self.enabled:
             return
         self.bar.update(step - self.bar.n)
         self.bar.set_postfix(loss=f"{stats.loss:.3f}", refresh=False)
         if step % self.every and step != self.bar.total:
             return
-        busy = [stats.metrics[f"hsync.balance.busy/{r}"] for r in range(self.world)]
+        busy = [report.busy_s for report in balancer.last_reports]  # of the step before
         mlm = stats.metrics["mlm"] / max(stats.weight, 1.0)  # means over the global batch
         nsp = stats.metrics["nsp"] / max(stats.metrics["examples"], 1.0)
         self.write({"step": step, "loss": round(mlm + nsp, 5), "mlm_loss": round(mlm, 5), "nsp_loss": round(nsp, 5),
                     "objective": round(stats.loss, 5), "lr": lr, "finite": stats.finite,
                     "masked_tokens": stats.weight, "step_seconds": round(seconds, 4),
                     "tokens_per_s": round(stats.metrics["tokens"] / seconds, 1),
-                    "rank_busy_seconds": [round(b, 4) for b in busy], "plan": plan})
+                    "rank_busy_seconds": [round(b, 4) for b in busy], "plan": balancer.last_plan})
 
     def evaluation(self, step: int, metrics: dict[str, float]) -> None:
         self.last_evaluation = metrics

@@ -43,6 +43,7 @@ from apps.bert.model import (
 from apps.bert.report import Logger, PlanReport
 from apps.cli import init_distributed, report, world_size_from_env
 from hsync.balance import split_proportionally
+from hsync.balance.simulate import SimulatedSlowdown
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
-    balancer = hsync.Balancer(model, len(examples), balancing(cfg, world, slowdown))
+    balancer = hsync.Balancer(model, len(examples), balancing(cfg, world),
+                              clock=SimulatedSlowdown(slowdown, device) if slowdown > 1 else None)
     # What makes the updates: not the world size, nor how each rank's share is cut into micro-batches.
     # The optimizer's settings too: its saved state would silently override other flags.
     meta = {"preset": asdict(preset), "examples": len(examples), "seed": cfg.seed,
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
             step = balancer.global_step
             # The same on every rank. A signal in the last step changes nothing: the run is complete.
             stopping = stats.metrics[StopRequest.METRIC] > 0 and step < last_step
-            log.step(step, stats, balancer.last_plan, time.perf_counter() - started, lr)
+            log.step(step, stats, balancer, time.perf_counter() - started, lr)
             plans.update(step)
             if corpus.valid is not None and not stopping and (
                     (cfg.eval_every and step % cfg.eval_every == 0) or step == last_step):
@@ -167,7 +169,7 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int) -> float:
     return max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps))
 
 
-def balancing(cfg: TrainConfig, world: int, slowdown: float) -> hsync.BalanceConfig:
+def balancing(cfg: TrainConfig, world: int) -> hsync.BalanceConfig:
     """The balancer's settings from the flags. --update-freq F runs an equal share in F micro-batches, so
     a rank given more examples runs more of them; a manual plan gives each rank's micro-batch."""
     micro_batch = cfg.global_batch_size // cfg.update_freq
@@ -181,7 +183,7 @@ def balancing(cfg: TrainConfig, world: int, slowdown: float) -> hsync.BalanceCon
         fixed, limit = [n * cfg.update_freq for n in plan], [max(1, n) for n in plan]
     return hsync.BalanceConfig(global_batch_size=cfg.global_batch_size, rank_batch_sizes=fixed,
                                micro_batch_limit=limit, probe_steps=cfg.probe_steps,
-                               replan_every=cfg.rebalance_every, seed=cfg.seed, simulate_slowdown=slowdown)
+                               replan_every=cfg.rebalance_every, seed=cfg.seed)
 
 
 def train_micro_step(model: nn.Module, balancer: hsync.Balancer, batch: dict[str, torch.Tensor],
