@@ -387,9 +387,11 @@ def test_nodes_joined_by_c10d_rendezvous_go_on_when_one_is_lost(tmp_path):
     endpoint = f"127.0.0.1:{port}"
     logs = [tmp_path / f"node{n}.jsonl" for n in (0, 1)]
     nodes = []
+    # The lost node is dropped from the rendezvous after three missed heartbeats, 1 s apart (torch's default: 5 s).
+    rendezvous = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
     for node in (0, 1):
         launcher = ("--nnodes", "1:2", "--nproc_per_node=1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                    "--rdzv-id", "hsync-test", "--max-restarts", "1", "--rdzv-conf", "last_call_timeout=5")
+                    "--rdzv-id", "hsync-test", "--max-restarts", "1", "--rdzv-conf", rendezvous)
         cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, str(ROOT / "examples" / "bert.py"),
                "--corpus", str(SLICE), "--data-dir", str(tmp_path / f"data{node}"), "--max-steps", "20",
                "--balance", "equal", "--log-every", "1", "--log-file", str(logs[node]),
