@@ -719,6 +719,34 @@ def test_ddps_constructor_arguments_are_accepted_honoured_or_refused():
                                                               "True or False, got str 'yes'")
 
 
+def assigned_attributes(rank, world_size):
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0))
+    model.static_graph = model.find_unused_parameters = True
+    model.broadcast_buffers = False
+    assigned = (model.static_graph, model.find_unused_parameters, model.forward_sync_buffers,
+                model.will_sync_module_buffers())
+    refusals = {name: outcome(setattr, model, name, value) for name, value in
+                (("gradient_as_bucket_view", True), ("comm_dtype", torch.bfloat16), ("dim", 1),
+                 ("static_graph", "yes"))}
+    x = torch.randn(4, 4, dtype=torch.float64)
+    model.backward(model(x).sum(), weight=4)
+    return {"assigned": assigned, "refusals": refusals, "bucket_views": model.gradient_as_bucket_view,
+            "comm_dtype": str(model.comm_dtype), "dim": model.dim}
+
+
+def test_attributes_fixed_at_wrap_time_are_refused_and_the_assignable_ones_assigned():
+    for result in run_ranks(assigned_attributes, 2):
+        assert result["assigned"] == (True, True, False, False), result
+        refusals = result["refusals"]
+        for name in ("gradient_as_bucket_view", "comm_dtype", "dim"):
+            assert refusals[name] == f"AttributeError: hsync.WeightedDDP.{name} is fixed at wrap time; pass it to " \
+                                     "the constructor", refusals
+        assert refusals["static_graph"].startswith("TypeError: hsync.WeightedDDP: static_graph must be True or False")
+        assert (result["bucket_views"], result["comm_dtype"], result["dim"]) == (False, "None", 0), result
+
+
 def join_weighted(rank, world_size, sizes_per_rank: list[list[int]], micro_steps: int):
     """Weighted steps under join(): rank r runs len(sizes_per_rank[r]) steps of that many examples
     per micro-step, accumulating all but the last micro-step under no_sync."""
