@@ -9,7 +9,7 @@ import inspect
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass
-from typing import NoReturn
+from typing import ClassVar, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -91,8 +91,10 @@ class WrapSettings:
     metric_names: tuple[str, ...]
     """The names of the extra sums that backward(..., metrics={...}) may report."""
 
-    # The flags that DDP lets a program assign after wrapping (torch's own code does for static_graph).
-    ASSIGNABLE = ("find_unused_parameters", "static_graph", "forward_sync_buffers")
+    # What a program may assign after wrapping, as on DDP: the flags that change nothing in hsync, and the buffer
+    # broadcast, which later forwards follow (torch's own code assigns static_graph).
+    ASSIGNABLE: ClassVar[tuple[str, ...]] = ("find_unused_parameters", "static_graph", "skip_all_reduce_unused_params",
+                                             "batched_grad_copy", "forward_sync_buffers")
 
     @classmethod
     def parse(cls, module: nn.Module, *, dim, broadcast_buffers, init_sync, bucket_cap_mb, find_unused_parameters,
@@ -164,8 +166,7 @@ class WrapSettings:
 
 class Setting:
     """A public attribute of WeightedDDP (DDP's name) that reads its WrapSettings. Assigning one of
-    WrapSettings.ASSIGNABLE replaces the settings; the others are fixed at wrap time, where they shape the
-    engine."""
+    WrapSettings.ASSIGNABLE replaces the settings; the others are fixed at wrap time."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from hsync.balance.clock import StepClock
-from hsync.balance.memory import DeviceMemory, MicroBatchMemory
+from hsync.balance.memory import DeviceMemory, MicroBatchMemory, PeakMemory
 from hsync.balance.planner import RankCost, split_proportionally, split_step
 from hsync.balance.policy import Policy, PolicyConfig
 from hsync.balance.reports import Report, ReportCodec
@@ -63,9 +63,10 @@ from hsync.ddp import WeightedDDP
 from hsync.stats import StepStats
 
 
-@dataclass
+@dataclass(frozen=True)
 class BalanceConfig:
-    """How a Balancer splits each step among ranks."""
+    """How a Balancer splits each step among ranks (frozen: the Balancer's parts keep what they were given;
+    dataclasses.replace makes a changed copy)."""
 
     global_batch_size: int
     """Examples in one optimizer step, summed over ranks (an epoch's last step takes what is left)."""
@@ -136,7 +137,7 @@ class Balancer:
     """
 
     def __init__(self, model: WeightedDDP, examples: int | Sequence[float], config: BalanceConfig, *,
-                 clock: StepClock | None = None, memory: DeviceMemory | None = None) -> None:
+                 clock: StepClock | None = None, memory: PeakMemory | None = None) -> None:
         model = getattr(model, "_orig_mod", model)  # torch.compile(WeightedDDP(net)): the wrapper it compiled
         if not isinstance(model, WeightedDDP):
             raise TypeError(f"hsync.Balancer needs the hsync.WeightedDDP that trains, got {type(model).__name__}")
@@ -162,9 +163,11 @@ class Balancer:
         if model.cross_rank_backward:
             self._splitter.check_epoch_end_lockstep()
         self._codec = ReportCodec(self.world_size)
-        self._clock = clock or StepClock()
-        self._steps = model._balance(self._codec.metric_names,
-                                     lambda: self._clock.own_work_done(self._steps.busy_seconds_so_far))
+        self._clock = clock if clock is not None else StepClock()
+        # Only a clock that acts there is called when a step's own work is done (a simulated slow rank's pause).
+        acts = type(self._clock).own_work_done is not StepClock.own_work_done
+        self._steps = model._balance(self._codec.metric_names, (
+            lambda: self._clock.own_work_done(self._steps.busy_seconds_so_far)) if acts else None)
         self.epoch = 0
         self._step_in_epoch = 0     # steps of this epoch completed
         self.global_step = 0        # steps completed, over all epochs (and runs, once resumed)

@@ -9,10 +9,14 @@ import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from hsync.balance.planner import fit_affine
+
+if TYPE_CHECKING:
+    from hsync.ddp import WeightedDDP
 
 _BIN_RATIO = 1.1  # measurements of sizes within 10% of each other share a bin
 _BINS = 8  # sizes remembered; the least recently seen is dropped
@@ -29,6 +33,14 @@ def obtainable_bytes(device: torch.device) -> int:
     free, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_reserved(device) + free
     return int(min(held, torch.cuda.get_per_process_memory_fraction(device) * total))
+
+
+class PeakMemory(Protocol):
+    """What the Balancer reads of a device's memory: a DeviceMemory, or a test's simulated device."""
+
+    def take_peak_bytes(self) -> int: ...
+
+    def budget_bytes(self, fraction: float) -> float: ...
 
 
 class DeviceMemory:
@@ -87,9 +99,9 @@ class _PeakFit:
 
 class MicroBatchMemory:
     """The largest micro-batch a GPU rank's memory allows, from the peaks of those it ran (Note [Out of memory] in
-    balancer.py). `device`: a DeviceMemory, or a simulated one with its two methods."""
+    balancer.py)."""
 
-    def __init__(self, device: DeviceMemory, fraction: float) -> None:
+    def __init__(self, device: PeakMemory, fraction: float) -> None:
         self._device = device
         self._fraction = fraction
         self._fit = _PeakFit()
@@ -129,8 +141,8 @@ class StateBytes:
     """What a model's training state takes on a rank, per byte of parameter, for the ShardedOptimizer's shares
     (Note [Memory shares] in hsync/sharding/shares.py)."""
 
-    def __init__(self, model, optimizer_class: type[torch.optim.Optimizer], defaults: Mapping) -> None:
-        self._model = model  # a WeightedDDP
+    def __init__(self, model: WeightedDDP, optimizer_class: type[torch.optim.Optimizer], defaults: Mapping) -> None:
+        self._model = model
         self._optimizer_class, self._defaults = optimizer_class, defaults
 
     def owned_per_parameter_byte(self) -> float:

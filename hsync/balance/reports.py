@@ -3,13 +3,13 @@
 A rank's Report rides in the step's one reduction as WeightedDDP metrics, one slot per rank and field
 (every other rank's slot holds 0, so the sum is each rank's own value): every rank reads the same
 numbers, fits the same cost models and takes the same decisions, with no collective of its own. The
-slots' names are this module's business alone.
+slots' names (hsync.balance.busy/3, ...: a StepStats' metrics show them) are this module's business alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,8 @@ class Report:
     """One rank's measurements, sent with a step (Note [Balancer]: they describe the step before it)."""
 
     busy_s: float
-    """Its own work in its previous step, in seconds, less its waits for peers (0: not known)."""
+    """Its time for its previous step by the Balancer's clock (by default its own work, less its waits for peers),
+    in seconds (0: not known)."""
     units: float
     """Its units of work (padded examples, or tokens) in that step."""
     capacity: float
@@ -29,12 +30,13 @@ class Report:
 class ReportCodec:
     """Reports in and out of a step's metrics, for `world_size` ranks."""
 
-    _PREFIX = "hsync.balance."
+    # One per field of Report, in its order: the names a StepStats' metrics have carried all along.
+    _QUANTITIES = ("busy", "units", "capacity", "split_through")
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self._names = [[f"{self._PREFIX}{field.name}/{rank}" for rank in range(world_size)]
-                       for field in fields(Report)]
+        self._names = [[f"hsync.balance.{quantity}/{rank}" for rank in range(world_size)]
+                       for quantity in self._QUANTITIES]
 
     @property
     def metric_names(self) -> list[str]:

@@ -14,7 +14,7 @@ import torch
 from hsync.balance.planner import RankCost, longest_first, micro_batches, split_proportionally, split_step
 
 
-@dataclass(frozen=True)
+@dataclass
 class MicroBatch:
     """One of this rank's micro-batches of a step."""
 

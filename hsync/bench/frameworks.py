@@ -110,11 +110,12 @@ def _trainer_variants(model: Callable[[], torch.nn.Module], examples: list[dict]
             self.intervals.append(now - self.last)
             self.last = now
 
+    our_slowdown = SimulatedSlowdown(slowdown, device)
+
     class SlowedTrainer(Trainer):
         def _new_balancer(self, model: Any, examples: Any, config: hsync.BalanceConfig) -> hsync.Balancer:
             return hsync.Balancer(model, examples, config, clock=our_slowdown)
 
-    our_slowdown = SimulatedSlowdown(slowdown, device)
     plain = transformers.Trainer(model=model(), args=arguments(per_rank), train_dataset=examples,
                                  data_collator=_collate,
                                  callbacks=[StepTimer(SimulatedSlowdown(slowdown, device), balanced=False)])
@@ -265,11 +266,12 @@ def _lightning_variants(model: Callable[[], torch.nn.Module], examples: list[dic
             return clock.intervals[1:]
         return steps
 
+    our_slowdown = SimulatedSlowdown(slowdown, device)
+
     class SlowedStrategy(HsyncStrategy):
         def _new_balancer(self, model: Any, examples: Any, config: hsync.BalanceConfig) -> hsync.Balancer:
             return hsync.Balancer(model, examples, config, clock=our_slowdown)
 
-    our_slowdown = SimulatedSlowdown(slowdown, device)
     # A rank's share in one micro-batch, as plain DDP's per-rank batch is one.
     ours = SlowedStrategy(balance=hsync.BalanceConfig(global_batch_size=global_batch, replan_every=10))
     variants = {"ddp": variant(DDPStrategy(), StepTimer(SimulatedSlowdown(slowdown, device), balanced=False)),

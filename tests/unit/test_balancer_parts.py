@@ -17,12 +17,15 @@ def epoch(splitter: StepSplitter, models: list[RankCost], epoch: int = 0) -> lis
 
 
 def test_an_epoch_is_every_example_once_across_ranks_with_fillers_for_empty_shares():
-    costs = [float(1 + (7 * i) % 5) for i in range(21)]
+    # 17 examples in steps of 8: the last step's one example leaves two ranks a filler each.
+    costs = [float(1 + (7 * i) % 5) for i in range(17)]
     splitter = StepSplitter(costs, 8, 3, seed=4, shuffle=True, rank_batch_sizes=None)
     models = [RankCost(0.0, 1.0, micro_cap=6.0), RankCost(0.0, 2.0), RankCost(0.0, 4.0)]
     ranks = epoch(splitter, models)
     used = Counter(i for micro_batches in ranks for micro in micro_batches if not micro.filler for i in micro.indices)
-    assert sorted(used) == list(range(21)) and set(used.values()) == {1}
+    assert sorted(used) == list(range(17)) and set(used.values()) == {1}
+    fillers = [m for micro_batches in ranks for m in micro_batches if m.filler]
+    assert len(fillers) == 2 and all(m.step == 2 and m.last and m.examples == 0 for m in fillers), fillers
     for micro_batches in ranks:
         assert [m.step for m in micro_batches if m.last] == [0, 1, 2], "each rank ends every step once"
     capped = [m for m in ranks[0] if not m.filler]
