@@ -53,7 +53,7 @@ import torch
 
 from hsync.balance.clock import StepClock
 from hsync.balance.memory import DeviceMemory, MicroBatchMemory, PeakMemory
-from hsync.balance.planner import RankCost, split_proportionally, split_step
+from hsync.balance.planner import RankCost
 from hsync.balance.policy import Policy, PolicyConfig
 from hsync.balance.reports import Report, ReportCodec
 from hsync.balance.retry import GradientBackup, halves, rows_of
@@ -409,9 +409,7 @@ class Balancer:
         """Examples per rank of a whole global batch of equal examples at the next step: the fixed split
         (rank_batch_sizes), or the one the cost models in force give."""
         batch = self.config.global_batch_size
-        if self.config.rank_batch_sizes is not None:
-            return split_proportionally(batch, self.config.rank_batch_sizes)
-        return [len(share) for share in split_step([1.0] * batch, self._models_for(self.global_step))]
+        return [len(share) for share in self._splitter.split([1.0] * batch, self._models_for(self.global_step))]
 
     # -- memory ------------------------------------------------------------------------------------
 
