@@ -1,8 +1,8 @@
 """Runs a function on N real processes joined by torch.distributed, as torch's own distributed tests do.
 
 Each rank is a fresh process (forked from a server that has imported torch, so no state of a test
-reaches the next) with its own process group; the caller gets every rank's return value, or the
-first rank's traceback. A deadline bounds every run: a rank that
+reaches the next) with its own process group, met at a store that the caller serves as torchrun's agent
+does; the caller gets every rank's return value, or the first rank's traceback. A deadline bounds every run: a rank that
 hangs fails the test instead of stalling the suite.
 """
 
@@ -20,13 +20,27 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # a fresh rank imports this module first: torch only when a test's own imports need it
+    import torch.distributed as dist
 
 
 def free_port() -> int:
+    """A port free now, for a launcher that binds it itself (a rendezvous endpoint). Any process's connection may
+    take it before then: a store for ranks comes from served_store instead."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def served_store() -> dist.TCPStore:
+    """A store served from this process, as torchrun's agent serves one: the ranks are its clients (they find it at
+    its .port), and it outlives any of them. Its port is taken as it binds; a port found free and handed on
+    was once taken in between by another test's connection, and two tests' ranks met."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def _entry(rank: int, world_size: int, port: int, backend: str, env: dict[str, str], fn: Callable,
@@ -41,7 +55,8 @@ def _entry(rank: int, world_size: int, port: int, backend: str, env: dict[str, s
     torch.set_num_threads(1)
     finished = False
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
         results.put((rank, True, pickle.dumps(value)))
         finished = True
@@ -58,7 +73,8 @@ def _entry(rank: int, world_size: int, port: int, backend: str, env: dict[str, s
 
 
 def _start(fn: Callable, world_size: int, args: tuple, backend: str, env: dict[str, str] | None,
-           fresh: bool = False):
+           fresh: bool = False) -> tuple[list[mp.Process], mp.Queue, dist.TCPStore]:
+    """The ranks, started; the queue of their results; the store they meet at (keep it until they are done)."""
     ctx = mp.get_context("spawn" if fresh else "forkserver")
     # The server imports these once; each rank is then forked from it in milliseconds, with nothing
     # started yet that a fork could break (no thread, no process group, no CUDA context). torch._dynamo
@@ -69,12 +85,12 @@ def _start(fn: Callable, world_size: int, args: tuple, backend: str, env: dict[s
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "hsync"] +
                                    ["tests.framework_imports"] * frameworks)
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, env or {}, fn, args, results))
+    store = served_store()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, store.port, backend, env or {}, fn, args, results))
              for r in range(world_size)]
     for p in procs:
         p.start()
-    return procs, results
+    return procs, results, store
 
 
 _FAILED_RUN_GRACE_S = 5.0
@@ -90,7 +106,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     unpickle fn, which may already have started CUDA: fit for NCCL's variables, too late for
     CUDA_VISIBLE_DEVICES. "{rank}" in a value becomes the rank. `fresh`: each rank a new interpreter that
     imports only fn's module (seconds slower), for a test of what a program's first imports do."""
-    procs, results = _start(fn, world_size, args, backend, env, fresh)
+    procs, results, _store = _start(fn, world_size, args, backend, env, fresh)
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
     finished = False
@@ -164,7 +180,7 @@ def run_ranks_with_victim(fn: Callable[..., Any], world_size: int, victim: int, 
     Waits until every other rank's process has exited (with until_exit False: has exited or reported
     how fn ended), or `timeout`, then kills whatever is left, the victim included, so nothing outlives
     the test."""
-    procs, results = _start(fn, world_size, args, backend, env)
+    procs, results, _store = _start(fn, world_size, args, backend, env)
     started = time.monotonic()
     exited: dict[int, float] = {}
     errors: dict[int, str | None] = {}

@@ -121,9 +121,11 @@ def run_jobs(args: argparse.Namespace) -> dict:
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
-    # torchrun's environment for one node (Lightning reads GROUP_RANK and LOCAL_WORLD_SIZE too).
+    # torchrun's environment for one node (Lightning reads GROUP_RANK and LOCAL_WORLD_SIZE too), its agent's
+    # store served by the launcher.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     # Forked from the fork server, a rank inherits its start method; a launched rank has the platform's, which
     # starts a DataLoader's workers in milliseconds (fork on Linux).
@@ -197,7 +199,6 @@ def main(argv: list[str] | None = None) -> None:
         if int(os.environ["RANK"]) == 0:
             write_outputs(args, output)
         return
-    import socket
     import tempfile
 
     import torch.multiprocessing as mp
@@ -221,11 +222,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for world in worlds:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
+                # Served here, as torchrun's agent does, on a port taken as it binds: a port found free and handed
+                # to rank 0 could be taken in between by any other process's connection.
+                store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
                 path = os.path.join(tmp, f"world-{world}.json")
-                mp.start_processes(worker, args=(world, port, args, path), nprocs=world, start_method="forkserver")
+                mp.start_processes(worker, args=(world, store.port, args, path), nprocs=world,
+                                   start_method="forkserver")
+                del store
                 with open(path) as f:
                     part = json.load(f)
                 if world == args.world_size or output["env"] is None:

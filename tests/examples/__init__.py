@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from tests.spawn import free_port, run_ranks
+from tests.spawn import run_ranks, served_store
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 LAUNCHERS = {
@@ -43,7 +43,8 @@ def main_on_ranks(script: str, cwd: Path, argv: list[str], nproc: int = 2) -> li
     (which has imported torch and the frameworks the session uses: seconds less per process than a launch), for
     the tests of what a program does rather than of its launcher. Each rank's output (stdout and stderr), and
     the line it exited with if it refused the run."""
-    return run_ranks(run_main, nproc, str(EXAMPLES / script), argv, free_port(), cwd, timeout=180)
+    store = served_store()  # the program's own, torchrun's agent's: its ranks start a process group of their own
+    return run_ranks(run_main, nproc, str(EXAMPLES / script), argv, store.port, cwd, timeout=180)
 
 
 def output_on_ranks(script: str, cwd: Path, *args: str) -> str:
@@ -58,7 +59,8 @@ def run_main(rank: int, world_size: int, script: str, argv: list[str], port: int
 
     dist.destroy_process_group()  # main starts its own, from the launcher's environment
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), GROUP_RANK="0",
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     os.chdir(cwd)
     with contextlib.redirect_stdout(io.StringIO()) as printed, contextlib.redirect_stderr(printed):
         try:
