@@ -60,7 +60,7 @@ MAX_JOBS=${MAX_JOBS:-2} "$venv/bin/pip" install -q --no-build-isolation --no-dep
 # What differs between the torches: the extension's loading and kernels, the Python side of every GPU
 # test (collected and skipped here, so that an import that 2.11 lacks fails), the weighted maths and
 # torch.compile's handling of the wrapper (dynamo changes from release to release: a compiled wrapper's
-# exact steps and its graphs split at the buckets; each compile takes 15 s here), DDP's surface as
+# exact steps and its graphs split at the buckets), DDP's surface as
 # this torch's DDP has it (attributes, arguments, methods, comm hooks, compiled graphs), checkpoints'
 # loading, and the benchmark's command line and its rows against DDP. A save killed midway is left out: it
 # tests the file system, which no torch release changes. Two scenarios are left out too:

@@ -36,6 +36,9 @@ class Workload:
     """Every variant under torch.compile, the wrapper compiled as torch advises (the floor: the bare model).
     dynamo splits the graphs of hsync and DDP at bucket boundaries, so that reductions start during the
     compiled backward; the floor's stay whole."""
+    compile_backend: str = "inductor"
+    """torch.compile's backend for a compiled workload: inductor, as users compile; a test of which graphs each
+    variant gets takes aot_eager (the same graphs, no code generation)."""
 
 
 def bert_workload(name: str, hidden: int, layers: int, batch: int, seq: int, device: torch.device,
@@ -112,7 +115,7 @@ def wrap(variant: str, net: nn.Module, workload: Workload, device: torch.device)
     # dynamo's guards check a module's class, not which instance it is: with one class for all, every
     # variant would run the graphs compiled for the first, split for DDP's buckets or whole.
     net.__class__ = variant_class(type(net), variant)
-    return torch.compile(sync_wrapper(variant, net, workload, device))
+    return torch.compile(sync_wrapper(variant, net, workload, device), backend=workload.compile_backend)
 
 
 @cache

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.distributed.workloads import Stack, compiled_backward_nodes
+from tests.distributed.workloads import COMPILE_BACKEND, Stack, compiled_backward_nodes
 from tests.spawn import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -18,7 +18,7 @@ def compiled_variants(rank: int, world_size: int) -> dict:
     cpu = torch.device("cpu")
     workload = Workload("stack-compiled", Stack, lambda g: (torch.randn(4, 512, generator=g),),
                         lambda model, batch: model(batch[0]).square().mean(), samples=4, bucket_cap_mb=2,
-                        compiled=True)
+                        compiled=True, compile_backend=COMPILE_BACKEND)
     pieces = {}
     # The floor first: were its whole graphs reused, every wrapper's backward would be one piece too.
     for variant in ("nosync", *(v for v in VARIANTS if v != "nosync")):

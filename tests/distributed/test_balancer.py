@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from hsync.balance.clock import StepClock
 from hsync.balance.simulate import SimulatedSlowdown
-from tests.distributed.workloads import compiled_backward_nodes
+from tests.distributed.workloads import COMPILE_BACKEND, compiled_backward_nodes
 from tests.spawn import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -120,7 +120,7 @@ def exact_gradients(rank, world_size, lengths: bool, compiled: bool = False):
     model = hsync.WeightedDDP(make_model())
     if compiled:
         torch._dynamo.reset()
-        model = torch.compile(model)
+        model = torch.compile(model, backend=COMPILE_BACKEND)
     reference = make_model()
     balancer = hsync.Balancer(model, costs, config)
     micro_steps, step_indices = [], []

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from tests.distributed.workloads import Stack, compiled_backward_nodes, global_batch, make_net, mse
+from tests.distributed.workloads import COMPILE_BACKEND, Stack, compiled_backward_nodes, global_batch, make_net, mse
 from tests.spawn import run_ranks, run_ranks_expecting_errors
 
 pytestmark = pytest.mark.distributed
@@ -350,7 +350,7 @@ def test_pickled_and_deep_copied_wrappers_train_like_ddps():
 def compiled_wrapper(rank, world_size, wrap):
     torch._dynamo.reset()
     net = make_net(seed=0)
-    model = torch.compile(wrap(net, find_unused_parameters=True))
+    model = torch.compile(wrap(net, find_unused_parameters=True), backend=COMPILE_BACKEND)
     out = []
     for step in range(3):
         for micro in range(2 if step == 1 else 1):
@@ -372,7 +372,7 @@ def compiled_graph_split(rank, world_size, wrap):
     torch._dynamo.reset()  # or the second wrapper would reuse the graphs compiled under the first
     torch.manual_seed(0)
     net = Stack()
-    model = wrap(torch.compile(net), bucket_cap_mb=2)
+    model = wrap(torch.compile(net, backend=COMPILE_BACKEND), bucket_cap_mb=2)
     loss = model(torch.randn(4, 512)).square().mean()
     nodes = compiled_backward_nodes(loss)
     loss.backward()
@@ -404,7 +404,7 @@ def compiled_steady_steps(rank, world_size, wrap, nested_graph_breaks):
     torch._dynamo.config.nested_graph_breaks = nested_graph_breaks
     torch.manual_seed(0)
     net = Shifted()
-    model = torch.compile(wrap(net, bucket_cap_mb=2))
+    model = torch.compile(wrap(net, bucket_cap_mb=2), backend=COMPILE_BACKEND)
     g = torch.Generator().manual_seed(rank)
 
     def step(weighted: bool) -> None:

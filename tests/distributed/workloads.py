@@ -12,6 +12,13 @@ GRAD_MODES = ("copied", "views", "views-zeroed")
 packed by copy, or with zero_grad(set_to_none=False), so autograd accumulates into the buckets."""
 
 
+COMPILE_BACKEND = "aot_eager"
+"""torch.compile's backend in the distributed tests: dynamo and AOTAutograd, all that a wrapper meets (its graph
+breaks, the graphs split at buckets, recompiles, backward hooks around compiled nodes), without inductor's C++ code
+generation (about half a minute of CPU per test on a machine with a cold compile cache, as CI's is). Inductor
+compiles the BERT program's --compile run and the benchmark's compiled rows, as their users run them."""
+
+
 class Net(nn.Module):
     """An MLP with a branch that only some ranks use and a parameter nobody uses."""
 
@@ -112,10 +119,11 @@ def train_weighted(rank: int, world_size: int, steps, branch_ranks=frozenset(), 
     import hsync
 
     net = make_net(seed=rank).to(device)
-    model = hsync.WeightedDDP(torch.compile(net) if compiled == "module" else net, bucket_cap_mb=bucket_mb,
-                              first_bucket_cap_mb=bucket_mb, gradient_as_bucket_view=grads != "copied")
+    module = torch.compile(net, backend=COMPILE_BACKEND) if compiled == "module" else net
+    model = hsync.WeightedDDP(module, bucket_cap_mb=bucket_mb, first_bucket_cap_mb=bucket_mb,
+                              gradient_as_bucket_view=grads != "copied")
     if compiled == "wrapper":
-        model = torch.compile(model)
+        model = torch.compile(model, backend=COMPILE_BACKEND)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     stats = []
     for step, micro_steps in enumerate(steps):
