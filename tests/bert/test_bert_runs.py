@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,9 +70,10 @@ def refusals_in_ranks(tmp_path: Path, *args: str, nproc: int = 2, data_dir: Path
     return [refusal for _, refusal in ranks]
 
 
-def main_on_ranks(tmp_path: Path, args: tuple[str, ...], nproc: int, data_dir: Path | None) -> list[tuple]:
+def main_on_ranks(tmp_path: Path, args: tuple[str, ...], nproc: int, data_dir: Path | None,
+                  entry: Callable[..., tuple] | None = None) -> list[tuple]:
     argv = ["--corpus", str(SLICE), "--data-dir", str(data_dir or shared_data(tmp_path)), *args]
-    return examples.main_on_ranks("bert.py", tmp_path, argv, nproc)
+    return examples.main_on_ranks("bert.py", tmp_path, argv, nproc, entry)
 
 
 def read_log(path: Path, kind: str = "loss") -> list[dict]:
@@ -120,17 +122,16 @@ def test_tiny_run_learns_evaluates_exactly_and_leaves_a_model_that_from_pretrain
     assert tokenizer.unk_token_id not in batch["input_ids"][0].tolist()
     assert classifier(**batch).logits.shape == (1, 2)
 
-    # ... and examples/finetune.py starts from it, in one process under plain python; texts longer than
-    # the model's 64 positions are cut, not a crash.
+    # ... and examples/finetune.py starts from it, on one rank; texts longer than the model's 64 positions are
+    # cut, not a crash.
     labelled = tmp_path / "labelled.txt"
     long_text = " ".join(["and the lord said unto moses"] * 40)
     labelled.write_text("".join(f"{i % 2}\t{long_text if i == 3 else 'let there be light'} {i}\n" for i in range(10)))
-    tuned = ok(subprocess.run([sys.executable, str(ROOT / "examples" / "finetune.py"), "--model", str(save / "final"),
-                               "--data", str(labelled), "--epochs", "1", "--batch-size", "4", "--device", "cpu"],
-                              capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    ((tuned, refusal),) = examples.main_on_ranks("finetune.py", tmp_path, [
+        "--model", str(save / "final"), "--data", str(labelled), "--epochs", "1", "--batch-size", "4",
+        "--device", "cpu"], nproc=1)
     epoch_line = r"epoch 1: train loss [0-9.]+, held-out accuracy [0-9.]+ on 2 examples"
-    assert re.search(epoch_line, tuned.stdout), tuned.stdout
+    assert refusal is None and re.search(epoch_line, tuned), tuned
 
 
 def test_auto_balance_follows_a_simulated_slow_rank(tmp_path):
@@ -228,12 +229,21 @@ def test_a_run_goes_on_at_other_world_sizes_with_the_updates_of_an_uninterrupted
         torch.testing.assert_close(elastic_run[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def main_then_compiled_wrapper_forwards(rank: int, world_size: int, *main_args) -> tuple[str, str | None, int]:
+    """examples.run_main, then how many compiled versions of WeightedDDP.forward dynamo holds in this rank."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    import hsync
+
+    return *examples.run_main(rank, world_size, *main_args), len(_debug_get_cache_entry_list(hsync.WeightedDDP.forward))
+
+
 def test_a_compiled_run_makes_the_updates_of_an_uncompiled_one(tmp_path, straight_run):
     log = tmp_path / "compiled.jsonl"
-    result = ok(straight_run.torchrun(tmp_path, *STRAIGHT, "--compile", "--log-every", "1", "--log-file", str(log),
-                                      "--save-dir", str(tmp_path / "compiled"), env={"TORCH_LOGS": "dynamo"}))
-    traced = re.compile(r"torchdynamo start tracing forward .*hsync/ddp\.py")
-    assert traced.search(result.stdout + result.stderr)
+    ranks = main_on_ranks(tmp_path, (*STRAIGHT, "--compile", "--log-every", "1", "--log-file", str(log), "--save-dir",
+                                     str(tmp_path / "compiled")), 2, straight_run.data_dir,
+                          main_then_compiled_wrapper_forwards)
+    assert all(refusal is None and forwards >= 1 for _, refusal, forwards in ranks), "the wrapper was compiled"
     losses = [row["loss"] for row in read_log(log)]
     assert losses == pytest.approx(straight_run.losses, rel=1e-4) and len(losses) == 8
     compiled = model_state(tmp_path / "compiled")

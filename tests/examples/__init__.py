@@ -6,6 +6,7 @@ import io
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -38,13 +39,15 @@ def load(script: Path) -> ModuleType:
     return module
 
 
-def main_on_ranks(script: str, cwd: Path, argv: list[str], nproc: int = 2) -> list[tuple[str, str | None]]:
+def main_on_ranks(script: str, cwd: Path, argv: list[str], nproc: int = 2,
+                  entry: Callable[..., tuple] | None = None) -> list[tuple]:
     """examples/`script`'s main(argv) on `nproc` ranks in torchrun's environment, forked from tests.spawn's server
     (which has imported torch and the frameworks the session uses: seconds less per process than a launch), for
     the tests of what a program does rather than of its launcher. Each rank's output (stdout and stderr), and
-    the line it exited with if it refused the run."""
+    the line it exited with if it refused the run. `entry`: run_main, or a function of the test's that calls it
+    and adds to its result what the rank holds when main has returned."""
     store = served_store()  # the program's own, torchrun's agent's: its ranks start a process group of their own
-    return run_ranks(run_main, nproc, str(EXAMPLES / script), argv, store.port, cwd, timeout=180)
+    return run_ranks(entry or run_main, nproc, str(EXAMPLES / script), argv, store.port, cwd, timeout=180)
 
 
 def output_on_ranks(script: str, cwd: Path, *args: str) -> str:
