@@ -114,7 +114,7 @@ def shard_capacity(device: torch.device, quick: bool) -> Result:
     shard evenly; DDP replicates. All keep gradients in their buckets (gradient_as_bucket_view; FSDP2's
     are sharded)."""
     rank = dist.get_rank()
-    small = (8 if quick else 32) * MIB
+    small = (2 if quick else 32) * MIB
     budgets = [3 * small, small]
     channel = Channels.of_group()
     widths = {}
