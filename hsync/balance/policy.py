@@ -17,8 +17,12 @@ window: a plan measured before a rank slowed down is never weighed against one m
 models (Note [Robust fit]) pass through each rank's recent operating point, so that a plan is only as
 wrong as the local slope, and plans converge on the split whose steps measure equal. The required
 gain is min_gain or, if larger, the noise of the median step time measured under the plan in force
-(over a window of ten steps or more, so that a change does not pass for noise): equal ranks keep an
-equal split, and a single slow step (a straggler) moves nothing, as medians ignore it.
+(over a window of ten steps or more, so that a change does not pass for noise), or twice the error of
+the ranks' median times per unit: ranks whose fitted rates differ by no more than the noise of their
+measurement are equal ranks, and keep an equal split. A single slow step (a straggler, a garbage
+collection, a checkpoint written) moves nothing, as medians ignore it; a change needs five steps in a
+row beyond the spread of a rank's single steps, which noise alone gave often enough to move equal
+ranks, on a shared machine, once in a few hundred steps.
 
 Predictions can still be wrong where ranks share a machine: moving work from one rank to another then
 slows both. A plan whose first steps measure slower than predicted (by more than twice the required gain, and
@@ -54,6 +58,11 @@ _FIXED_SHARE = 0.5  # the most of a rank's recent step time its fixed cost may b
 _SIZE_SPREAD = 0.1  # sizes spread less than this (relative) cannot place an intercept
 _SURPRISE = 0.1  # a step this much slower or faster than its model says: not the model's own error
 _MOST_GAIN = 0.5  # the required gain doubles after each plan that measured worse, up to this
+# How far a median of n steps may lie from the one more steps would give: this many spreads (the interquartile
+# range over the median, which a straggler moves little) over root n, about two standard errors for normal noise.
+_MEDIAN_ERROR = 1.9
+_MODEL_ERRORS = 2.0  # a new plan must promise this many times the error of the ranks' measured rates
+_CHANGE_SPREADS = 1.5  # a change: _QUORUM steps in a row this many step spreads from the model, one way
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,8 @@ class Policy:
         self._window_from = 0  # the first step of the window the models are fitted on
         self._regime_from = 0  # the first step since the last change: older steps place no intercept
         self._noise = 0.0  # the noise of a window's median step time, as last measured (_measure_noise)
+        self._rate_error = 0.0  # the error of a rank's median time per unit over a window, the largest (ditto)
+        self._step_spread = 0.0  # the relative spread of one rank's steps, the largest (ditto)
 
     # -- what runs ---------------------------------------------------------------------------------
 
@@ -186,7 +197,7 @@ class Policy:
         stray = np.where(valid, busy / (fixed + units * per_unit) - 1, 0.0)
         if not np.any(np.abs(stray) > _SURPRISE):
             return False  # within the least threshold: no need to measure the noise
-        limit = self._surprise()
+        limit = max(self._surprise(), _CHANGE_SPREADS * self._step_spread)
         changed = bool(np.any(np.all(valid & (stray > limit), axis=0) | np.all(valid & (stray < -limit), axis=0)))
         if changed:
             self._window_from = self._regime_from = int(steps[0])
@@ -247,17 +258,30 @@ class Policy:
         self._window_from = first_step
 
     def _gain(self) -> float:
-        """The gain a new plan must promise: min_gain (more after a wrong move), or the noise if larger."""
-        return max(self._required_gain, self._noise)
+        """The gain a new plan must promise: min_gain (more after a wrong move), or what the noise of the step
+        times or of the ranks' fitted rates could promise alone, if larger (Note [Balancing policy])."""
+        return max(self._required_gain, self._noise, _MODEL_ERRORS * self._rate_error)
 
     def _measure_noise(self) -> None:
         """The noise of the median step time over the window (twice its standard error, from the spread between
-        its steps), when the window is long enough to tell: a window just after a change keeps the noise
-        measured before it, which the change itself would inflate."""
+        its steps), the same for each rank's median time per unit, and the spread of a rank's single steps, when
+        the window is long enough to tell: a window just after a change keeps the noise measured before it,
+        which the change itself would inflate."""
         times = self._window_times()
-        if len(times) >= 2 * _QUORUM:
-            low, middle, high = np.percentile(times, [25, 50, 75])
-            self._noise = float(1.9 * (high - low) / middle / math.sqrt(len(times)))
+        if len(times) < 2 * _QUORUM:
+            return
+        low, middle, high = np.percentile(times, [25, 50, 75])
+        self._noise = _MEDIAN_ERROR * float((high - low) / middle) / math.sqrt(len(times))
+        units, busy, _ = self._history(self._window_from)
+        valid = (units > 0) & (busy > 0)
+        counts = valid.sum(axis=0)
+        measured = counts >= 2 * _QUORUM  # a filler measures nothing
+        if measured.any():
+            rates = _ratio(busy, units, valid)[:, measured]
+            low, middle, high = np.nanpercentile(rates, [25, 50, 75], axis=0)
+            spreads = (high - low) / middle
+            self._rate_error = float((_MEDIAN_ERROR * spreads / np.sqrt(counts[measured])).max())
+            self._step_spread = float(spreads.max())
 
     def _surprise(self) -> float:
         """How far measurements must stray from a prediction to show the models wrong: twice the required gain,
@@ -332,6 +356,7 @@ class Policy:
             "fixed": self._fixed.tolist(),
             "reference": None if self._reference is None else [a.tolist() for a in self._reference],
             "window_from": self._window_from, "regime_from": self._regime_from, "noise": self._noise,
+            "rate_error": self._rate_error, "step_spread": self._step_spread,
         }
 
     def load_state_dict(self, state: dict, first_step: int) -> None:
@@ -355,6 +380,8 @@ class Policy:
         self._reference = None if state["reference"] is None else tuple(np.asarray(a) for a in state["reference"])
         self._window_from, self._regime_from = state["window_from"], state["regime_from"]
         self._noise = state["noise"]
+        # Checkpoints of earlier releases measured neither: the next window's measurement fills them in.
+        self._rate_error, self._step_spread = state.get("rate_error", 0.0), state.get("step_spread", 0.0)
 
 
 def _median(values: Sequence[float]) -> float:

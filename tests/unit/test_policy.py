@@ -60,6 +60,33 @@ def test_equal_ranks_keep_an_equal_split_under_noise(seed):
     assert all(p == [32, 32] for p in run.plans[12:]), changes_of(run.plans)
 
 
+class CheckpointWrites(SimulatedCluster):
+    """Every `every` steps, every rank's step takes `factor` times as long (a checkpoint written)."""
+
+    def __init__(self, ranks, every: int, factor: float, **kwargs) -> None:
+        super().__init__(ranks, **kwargs)
+        self.every, self.factor = every, factor
+
+    def busy(self, step, units):
+        times = super().busy(step, units)
+        return times * self.factor if step % self.every == self.every - 1 else times
+
+
+@pytest.mark.parametrize(("world", "noise"), [(2, 0.1), (2, 0.3), (4, 0.2), (8, 0.3)])
+def test_equal_ranks_are_never_re_planned_under_noise_and_stalls(world, noise):
+    # Every step of every rank off by a lognormal factor (sigma 0.1 to 0.3: a shared machine), a garbage
+    # collection tripling one rank's step every 50 steps on average, a checkpoint quadrupling every
+    # rank's step every 200: nothing here is a rank's speed, and nothing moves the equal split.
+    for seed in range(3):
+        cluster = CheckpointWrites([SimulatedRank(0.01, 1e-3, noise)] * world, every=200, factor=4.0,
+                                   straggler_rate=1 / 50, straggler_factor=3.0, seed=seed)
+        run, policy = cluster.run(PolicyConfig(world), [1.0] * 64, 1000)
+        equal = [64 // world] * world
+        assert policy.decisions >= 1000 // 25 - 2, "a decision every 25 steps (replan_every)"
+        # From step 12 on, after the warm-up (2 steps) and the probes (3 x 3), the equal split is in force.
+        assert changes_of(run.plans[12:]) == [(0, equal)], (seed, changes_of(run.plans))
+
+
 def test_the_plan_reaches_the_optimum_of_the_true_costs():
     # Rank 1 is twice as slow, and rank 0 pays a fixed 8 units more per step: the optimum balances
     # 0.08 + n0 / 100 against 2 * (0.01 + n1 / 100) with n0 + n1 = 64 (41 + 23 or 40 + 24: both 0.49 s).
