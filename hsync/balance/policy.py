@@ -197,6 +197,8 @@ class Policy:
         stray = np.where(valid, busy / (fixed + units * per_unit) - 1, 0.0)
         if not np.any(np.abs(stray) > _SURPRISE):
             return False  # within the least threshold: no need to measure the noise
+        if not self._step_spread:
+            self._measure_noise()  # the first plan's steps: measured at no decision yet
         limit = max(self._surprise(), _CHANGE_SPREADS * self._step_spread)
         changed = bool(np.any(np.all(valid & (stray > limit), axis=0) | np.all(valid & (stray < -limit), axis=0)))
         if changed:
@@ -266,9 +268,9 @@ class Policy:
         """The noise of the median step time over the window (twice its standard error, from the spread between
         its steps), the same for each rank's median time per unit, and the spread of a rank's single steps, when
         the window is long enough to tell: a window just after a change keeps the noise measured before it,
-        which the change itself would inflate."""
+        which the change itself would inflate (the first is taken from five steps)."""
         times = self._window_times()
-        if len(times) < 2 * _QUORUM:
+        if len(times) < (2 * _QUORUM if self._step_spread else _QUORUM):  # the first measurement takes fewer
             return
         low, middle, high = np.percentile(times, [25, 50, 75])
         self._noise = _MEDIAN_ERROR * float((high - low) / middle) / math.sqrt(len(times))
