@@ -21,8 +21,8 @@ gain is min_gain or, if larger, the noise of the median step time measured under
 the ranks' median times per unit: ranks whose fitted rates differ by no more than the noise of their
 measurement are equal ranks, and keep an equal split. A single slow step (a straggler, a garbage
 collection, a checkpoint written) moves nothing, as medians ignore it; a change needs five steps in a
-row beyond the spread of a rank's single steps, which noise alone gave often enough to move equal
-ranks, on a shared machine, once in a few hundred steps.
+row that stray from the model, the same way, by more than the spread of a rank's single steps (with
+less, noise alone made one every few hundred steps of equal simulated ranks).
 
 Predictions can still be wrong where ranks share a machine: moving work from one rank to another then
 slows both. A plan whose first steps measure slower than predicted (by more than twice the required gain, and
@@ -269,15 +269,16 @@ class Policy:
         its steps), the same for each rank's median time per unit, and the spread of a rank's single steps, when
         the window is long enough to tell: a window just after a change keeps the noise measured before it,
         which the change itself would inflate (the first is taken from five steps)."""
+        needed = 2 * _QUORUM if self._step_spread else _QUORUM  # the first measurement takes fewer
         times = self._window_times()
-        if len(times) < (2 * _QUORUM if self._step_spread else _QUORUM):  # the first measurement takes fewer
+        if len(times) < needed:
             return
         low, middle, high = np.percentile(times, [25, 50, 75])
         self._noise = _MEDIAN_ERROR * float((high - low) / middle) / math.sqrt(len(times))
         units, busy, _ = self._history(self._window_from)
         valid = (units > 0) & (busy > 0)
         counts = valid.sum(axis=0)
-        measured = counts >= 2 * _QUORUM  # a filler measures nothing
+        measured = counts >= needed  # a filler measures nothing
         if measured.any():
             rates = _ratio(busy, units, valid)[:, measured]
             low, middle, high = np.nanpercentile(rates, [25, 50, 75], axis=0)
