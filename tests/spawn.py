@@ -1,9 +1,9 @@
 """Runs a function on N real processes joined by torch.distributed, as torch's own distributed tests do.
 
 Each rank is a fresh process (forked from a server that has imported torch, so no state of a test
-reaches the next) with its own process group, met at a store that the caller serves as torchrun's agent
-does; the caller gets every rank's return value, or the first rank's traceback. A deadline bounds every run: a rank that
-hangs fails the test instead of stalling the suite.
+reaches the next) with its own process group, met at a store that the caller serves as torchrun's
+agent does; the caller gets every rank's return value, or the first rank's traceback. A deadline
+bounds every run: a rank that hangs fails the test instead of stalling the suite.
 """
 
 from __future__ import annotations
