@@ -20,6 +20,13 @@ from hsync.bench.workloads import bert_workload, masked_batch
 from hsync.compat import DDP_DEPRECATES_BROADCAST_BUFFERS
 
 
+def pace(quick: bool) -> dict[str, int]:
+    """The Balancer's warm-up, probes and refit period for a mixed-speed row (BalanceConfig's fields): a quick
+    run, which checks that the command runs, plans after 1 + 3 steps and refits every 5; a measured one after
+    2 + 9 and every 10."""
+    return dict(warmup_steps=1, probe_steps=1, replan_every=5) if quick else dict(replan_every=10)
+
+
 def mixed_speeds(name: str, device: torch.device, slowdowns: list[float], rounds: int, steps: int,
                  quick: bool) -> Result:
     """Ranks slowed down by `slowdowns` (SimulatedSlowdown: rank r's steps take slowdowns[r] times its
@@ -81,7 +88,7 @@ def _mixed_speeds(name: str, device: torch.device, slowdowns: list[float], round
     torch.manual_seed(0)
     theirs = DistributedDataParallel(workload.make_model(), **no_buffer_sync)
     our_slowdown, ddp_slowdown = SimulatedSlowdown(slowdowns[rank], device), SimulatedSlowdown(slowdowns[rank], device)
-    balancer = hsync.Balancer(ours, len(pool[0]), hsync.BalanceConfig(global_batch_size=global_batch, replan_every=10),
+    balancer = hsync.Balancer(ours, len(pool[0]), hsync.BalanceConfig(global_batch_size=global_batch, **pace(quick)),
                               clock=our_slowdown)
     optimizers = {"hsync": torch.optim.SGD(ours.parameters(), lr=1e-4),
                   "ddp": torch.optim.SGD(theirs.parameters(), lr=1e-4)}
@@ -180,7 +187,7 @@ def _mixed_compute(name: str, device: torch.device, repeats: list[int], rounds: 
     models["ddp"] = DistributedDataParallel(workload.make_model(), **no_buffer_sync)
     optimizers = {kind: torch.optim.SGD(model.parameters(), lr=1e-4) for kind, model in models.items()}
     balancer = hsync.Balancer(models["hsync"], len(pool[0]), hsync.BalanceConfig(global_batch_size=global_batch,
-                                                                                replan_every=10))
+                                                                                **pace(quick)))
 
     def loss_of(model, indices) -> torch.Tensor:
         batch_of = tuple(t[indices] for t in pool)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import hsync
 from hsync.balance.simulate import SimulatedSlowdown
-from hsync.bench.balancing import core_per_rank
+from hsync.bench.balancing import core_per_rank, pace
 from hsync.bench.result import NAN, Result, slowest_rank_quantiles
 
 VOCAB = 1000
@@ -55,7 +55,8 @@ def _framework_mixed(name: str, framework: str, device: torch.device, slowdowns:
         return transformers.BertForSequenceClassification(config).to(device)
 
     run = {"trainer": _trainer_variants, "accelerate": _accelerate_variants, "lightning": _lightning_variants}
-    variants, balancer_now = run[framework](model, examples, per_rank, global_batch, slowdowns[rank], device)
+    variants, balancer_now = run[framework](model, examples, per_rank, global_batch, slowdowns[rank], device,
+                                            pace(quick))
     while balancer_now().decisions < 2:  # warm-up, probes and the equal split measured: the plan in force after
         variants["hsync"](steps)
     times: dict[str, list[float]] = {"hsync": [], "ddp": []}
@@ -76,7 +77,8 @@ def _collate(features: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def _trainer_variants(model: Callable[[], torch.nn.Module], examples: list[dict], per_rank: int, global_batch: int,
-                      slowdown: float, device: torch.device) -> tuple[dict[str, Callable[[int], list[float]]], Any]:
+                      slowdown: float, device: torch.device,
+                      pacing: dict[str, int]) -> tuple[dict[str, Callable[[int], list[float]]], Any]:
     import transformers
 
     from hsync.integrations.transformers import BalancingArguments, Trainer
@@ -122,7 +124,7 @@ def _trainer_variants(model: Callable[[], torch.nn.Module], examples: list[dict]
     # A share of up to the whole global batch in one micro-batch, as plain Trainer's per-rank batch is one.
     ours = SlowedTrainer(model=model(), args=arguments(global_batch), train_dataset=examples, data_collator=_collate,
                          callbacks=[StepTimer(our_slowdown, balanced=True)],
-                         balancing=BalancingArguments(global_batch_size=global_batch, replan_every=10,
+                         balancing=BalancingArguments(global_batch_size=global_batch, **pacing,
                                                       by_tokens=False))
 
     def run(trainer: transformers.Trainer) -> Callable[[int], list[float]]:
@@ -147,8 +149,8 @@ def _trainer_variants(model: Callable[[], torch.nn.Module], examples: list[dict]
 
 
 def _accelerate_variants(model: Callable[[], torch.nn.Module], examples: list[dict], per_rank: int,
-                         global_batch: int, slowdown: float,
-                         device: torch.device) -> tuple[dict[str, Callable[[int], list[float]]], Any]:
+                         global_batch: int, slowdown: float, device: torch.device,
+                         pacing: dict[str, int]) -> tuple[dict[str, Callable[[int], list[float]]], Any]:
     import accelerate
 
     from hsync.integrations.accelerate import Accelerator
@@ -162,7 +164,7 @@ def _accelerate_variants(model: Callable[[], torch.nn.Module], examples: list[di
     net = ours.prepare(model())
     optimizer = ours.prepare(torch.optim.AdamW(net.parameters(), lr=1e-4))
     our_slowdown = SimulatedSlowdown(slowdown, device)
-    balancer = hsync.Balancer(net, len(examples), hsync.BalanceConfig(global_batch_size=global_batch, replan_every=10),
+    balancer = hsync.Balancer(net, len(examples), hsync.BalanceConfig(global_batch_size=global_batch, **pacing),
                               clock=our_slowdown)
     loader = ours.prepare(torch.utils.data.DataLoader(examples, batch_sampler=balancer, collate_fn=_collate))
     plain_slowdown = SimulatedSlowdown(slowdown, device)
@@ -209,8 +211,8 @@ def _accelerate_variants(model: Callable[[], torch.nn.Module], examples: list[di
 
 
 def _lightning_variants(model: Callable[[], torch.nn.Module], examples: list[dict], per_rank: int,
-                        global_batch: int, slowdown: float,
-                        device: torch.device) -> tuple[dict[str, Callable[[int], list[float]]], Any]:
+                        global_batch: int, slowdown: float, device: torch.device,
+                        pacing: dict[str, int]) -> tuple[dict[str, Callable[[int], list[float]]], Any]:
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -273,7 +275,7 @@ def _lightning_variants(model: Callable[[], torch.nn.Module], examples: list[dic
             return hsync.Balancer(model, examples, config, clock=our_slowdown)
 
     # A rank's share in one micro-batch, as plain DDP's per-rank batch is one.
-    ours = SlowedStrategy(balance=hsync.BalanceConfig(global_batch_size=global_batch, replan_every=10))
+    ours = SlowedStrategy(balance=hsync.BalanceConfig(global_batch_size=global_batch, **pacing))
     variants = {"ddp": variant(DDPStrategy(), StepTimer(SimulatedSlowdown(slowdown, device), balanced=False)),
                 "hsync": variant(ours, StepTimer(our_slowdown, balanced=True))}
     variants["hsync"](2)  # builds the Balancer

@@ -61,6 +61,10 @@ class BalancingArguments:
     by_tokens: bool | None = None
     """Balance by tokens (each example's len(input_ids)) rather than examples. None: when the dataset has
     input_ids or TrainingArguments.group_by_length is set."""
+    warmup_steps: int = 2
+    """Steps not measured at the start (BalanceConfig.warmup_steps)."""
+    probe_steps: int = 3
+    """Steps per probe split, three splits, before the first plan (BalanceConfig.probe_steps)."""
     replan_every: int = 25
     """Steps between two fits of the ranks' speeds (BalanceConfig.replan_every)."""
     min_gain: float = 0.04
@@ -193,6 +197,7 @@ class Trainer(transformers.Trainer):
             global_batch_size=self.get_total_train_batch_size(args),
             rank_batch_sizes=self.balancing.rank_batch_sizes,
             micro_batch_limit=per_device * (max(costs) if isinstance(costs, list) else 1),
+            warmup_steps=self.balancing.warmup_steps, probe_steps=self.balancing.probe_steps,
             replan_every=self.balancing.replan_every, min_gain=self.balancing.min_gain,
             seed=args.data_seed if args.data_seed is not None else args.seed)
         if self.balancer is None:
