@@ -403,7 +403,7 @@ def test_nodes_joined_by_c10d_rendezvous_go_on_when_one_is_lost(tmp_path):
         launcher = ("--nnodes", "1:2", "--nproc_per_node=1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                     "--rdzv-id", "hsync-test", "--max-restarts", "1", "--rdzv-conf", rendezvous)
         cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, str(ROOT / "examples" / "bert.py"),
-               "--corpus", str(SLICE), "--data-dir", str(tmp_path / f"data{node}"), "--max-steps", "20",
+               "--corpus", str(SLICE), "--data-dir", str(tmp_path / f"data{node}"), "--max-steps", "12",
                "--balance", "equal", "--log-every", "1", "--log-file", str(logs[node]),
                "--save-dir", str(tmp_path / "run"), "--save-every", "2"]
         nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
@@ -415,7 +415,7 @@ def test_nodes_joined_by_c10d_rendezvous_go_on_when_one_is_lost(tmp_path):
         return [row for log in logs if log.exists() for row in read_log(log)]
 
     deadline = time.monotonic() + 120
-    while not any(row["step"] >= 6 for row in steps_logged()) and time.monotonic() < deadline:
+    while not any(row["step"] >= 4 for row in steps_logged()) and time.monotonic() < deadline:
         time.sleep(0.2)
     for pid in process_tree(nodes[1].pid):
         os.kill(pid, signal.SIGKILL)
@@ -426,7 +426,7 @@ def test_nodes_joined_by_c10d_rendezvous_go_on_when_one_is_lost(tmp_path):
     assert resumed, survivor[-4000:]
     rows = steps_logged()
     before, after = [r for r in rows if len(r["rank_busy_seconds"]) == 2], read_log(logs[0])
-    assert before and before[0]["step"] == 1 and after[-1]["step"] == 20, "two ranks first, one rank to the end"
+    assert before and before[0]["step"] == 1 and after[-1]["step"] == 12, "two ranks first, one rank to the end"
     assert len(after[-1]["rank_busy_seconds"]) == 1 and len(after[-1]["plan"]) == 1
 
 
