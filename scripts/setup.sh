@@ -3,8 +3,9 @@
 # too when a CUDA toolkit is found). Safe to run again: an up-to-date build is a no-op for ninja.
 #
 #   scripts/setup.sh           what the programs need
-#   scripts/setup.sh --tests   and what scripts/test.sh needs besides: torch 2.11, the oldest
-#                              supported, in an environment of its own with hsync built against it
+#   scripts/setup.sh --tests   and what scripts/test.sh needs besides: the C++ unit tests, and torch
+#                              2.11, the oldest supported, in an environment of its own with hsync
+#                              built against it
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -gt 0 ] && [ "$1" != "--tests" ]; then
@@ -33,5 +34,6 @@ if ! command -v nvidia-smi > /dev/null; then export TORCH_CUDA_ARCH_LIST=${TORCH
 MAX_JOBS=${MAX_JOBS:-2} .venv/bin/pip install -q --no-build-isolation --no-deps -e .
 .venv/bin/python -c "import hsync; print('hsync built:', 'CPU + CUDA/NCCL' if hsync._C.cuda_enabled else 'CPU only')"
 if [ "${1:-}" = "--tests" ]; then
+  ./scripts/build_cpp_tests.sh
   ./scripts/check_oldest_torch.sh --setup
 fi

@@ -18,9 +18,8 @@ fi
 if $quick; then
   exec .venv/bin/python -m pytest -n 2 -m quick "$@"
 fi
-# C++ unit tests (setup.py already compiled the torch-dependent core against torch 2.14).
-cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release > /dev/null
-cmake --build build/cmake -j 2 --target test_bucket > /dev/null
+# C++ unit tests (setup.py already compiled the torch-dependent core against torch 2.14), rebuilt if changed.
+./scripts/build_cpp_tests.sh
 ctest --test-dir build/cmake --output-on-failure
 ./scripts/check_oldest_torch.sh
 # Two workers on two cores: a test's ranks wait on rendezvous, peers and deadlines as often as they compute;

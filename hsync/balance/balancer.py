@@ -167,7 +167,7 @@ class Balancer:
         # Only a clock that acts there is called when a step's own work is done (a simulated slow rank's pause).
         acts = type(self._clock).own_work_done is not StepClock.own_work_done
         self._steps = model._balance(self._codec.metric_names, (
-            lambda: self._clock.own_work_done(self._steps.busy_seconds_so_far)) if acts else None)
+            lambda: self._clock.own_work_done(self._steps.busy_seconds_so_far, self._step_units)) if acts else None)
         self.epoch = 0
         self._step_in_epoch = 0     # steps of this epoch completed
         self.global_step = 0        # steps completed, over all epochs (and runs, once resumed)

@@ -12,9 +12,10 @@ class StepClock:
     waits for peers (Note [Busy time] in csrc/busy_clock.h). A benchmark or test hands Balancer(clock=...)
     another: a simulated slow GPU (hsync.balance.simulate), a known cost model."""
 
-    def own_work_done(self, busy_so_far: Callable[[], float | None]) -> None:
+    def own_work_done(self, busy_so_far: Callable[[], float | None], units: float) -> None:
         """Called when a weighted step's own work on this rank is done, before its remaining collectives:
-        `busy_so_far()` reads that work (None before the first step; on a GPU, reading waits for the device)."""
+        `busy_so_far()` reads that work (None before the first step; on a GPU, reading waits for the device);
+        `units`: the work this rank's step held."""
 
     def step_seconds(self, stats: StepStats, units: float) -> float | None:
         """This rank's time for the step whose StepStats is `stats`, in which it ran `units` of work (None: not

@@ -1,7 +1,8 @@
 """Mixed-speed rows through the frameworks people train with: hsync's transformers.Trainer against
 transformers' own, hsync's Accelerator against Accelerate's, Lightning's strategy "hsync" against its
-"ddp", on the same job with rank 1 slowed 2x (SimulatedSlowdown), cores pinned a rank each where the
-machine has them (balancing.core_per_rank).
+"ddp", on the same job with rank 1 slowed 2x (SimulatedSlowdown), costing more per example (SimulatedCost), or
+with equal ranks (where the plan must stay at the equal split), cores pinned a rank each where the machine has
+them (balancing.core_per_rank).
 
 Each variant runs its framework's own loop (Trainer.train(), an `accelerator.accumulate` loop,
 Lightning's Trainer.fit()) in rounds of `steps` steps that alternate; a step's time is the interval
@@ -18,30 +19,44 @@ import torch
 import torch.distributed as dist
 
 import hsync
-from hsync.balance.simulate import SimulatedSlowdown
-from hsync.bench.balancing import core_per_rank, pace
+from hsync.bench.balancing import (
+    AffineCosts,
+    SimulatedClock,
+    Slowed,
+    SplitLog,
+    attainable,
+    core_per_rank,
+    fitted_costs,
+    pace,
+)
 from hsync.bench.result import NAN, Result, slowest_rank_quantiles
 
 VOCAB = 1000
+# Each variant's run of n timed steps (their seconds), and the hsync variant's Balancer once it exists.
+Variants = tuple[dict[str, Callable[[int], list[float]]], Callable[[], hsync.Balancer]]
 
 
-def framework_mixed(name: str, framework: str, device: torch.device, slowdowns: list[float], rounds: int,
+def framework_mixed(name: str, framework: str, device: torch.device, simulated: Slowed | AffineCosts, rounds: int,
                     steps: int, quick: bool) -> Result:
-    """`framework` ("trainer", "accelerate" or "lightning") with hsync against without, rank r slowed
-    slowdowns[r]x."""
+    """`framework` ("trainer", "accelerate" or "lightning") with hsync against without, ranks of `simulated`
+    speeds; with affine costs, `of_attainable` as balancing.attainable() defines it, each rank's step alone
+    being the model's forward, backward and AdamW step (the framework's per-batch work is in the overhead
+    measured on equal shares)."""
     with core_per_rank(device) as pinned:
-        result = _framework_mixed(name, framework, device, slowdowns, rounds, steps, quick)
+        result = _framework_mixed(name, framework, device, simulated, rounds, steps, quick)
     result.extra["core_per_rank"] = float(pinned)
     return result
 
 
-def _framework_mixed(name: str, framework: str, device: torch.device, slowdowns: list[float], rounds: int,
+def _framework_mixed(name: str, framework: str, device: torch.device, simulated: Slowed | AffineCosts, rounds: int,
                      steps: int, quick: bool) -> Result:
     import transformers
 
     transformers.logging.set_verbosity_error()
     rank, world = dist.get_rank(), dist.get_world_size()
     hidden, layers, per_rank, seq = (32, 1, 4, 32) if quick else (128, 2, 32, 64)
+    if isinstance(simulated, AffineCosts):  # a tiny model: the simulated costs, of known best split, are most of a step
+        hidden, layers, seq = 32, 1, 32
     global_batch = per_rank * world
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, VOCAB, (16 * global_batch, seq), generator=g)
@@ -55,10 +70,12 @@ def _framework_mixed(name: str, framework: str, device: torch.device, slowdowns:
         return transformers.BertForSequenceClassification(config).to(device)
 
     run = {"trainer": _trainer_variants, "accelerate": _accelerate_variants, "lightning": _lightning_variants}
-    variants, balancer_now = run[framework](model, examples, per_rank, global_batch, slowdowns[rank], device,
-                                            pace(quick))
+    split_log = SplitLog()
+    variants, balancer_now = run[framework](model, examples, per_rank, global_batch,
+                                            lambda: simulated.clock(rank, device), device, pace(quick), split_log)
     while balancer_now().decisions < 2:  # warm-up, probes and the equal split measured: the plan in force after
         variants["hsync"](steps)
+    split_log.splits.clear()
     times: dict[str, list[float]] = {"hsync": [], "ddp": []}
     for _ in range(rounds):
         for variant in ("hsync", "ddp"):
@@ -66,8 +83,25 @@ def _framework_mixed(name: str, framework: str, device: torch.device, slowdowns:
     med, p90 = slowest_rank_quantiles(times)
     hs, dd = med["hsync"], med["ddp"]
     extra = {"hsync_samples_per_s": global_batch / hs, "ddp_samples_per_s": global_batch / dd,
-             "speedup_vs_ddp": dd / hs, "ideal_speedup": max(slowdowns) * sum(1 / f for f in slowdowns) / world}
+             "speedup_vs_ddp": dd / hs}
+    if isinstance(simulated, Slowed):
+        extra["ideal_speedup"] = simulated.ideal_speedup()
+    else:
+        bare = model()
+        optimizer = torch.optim.AdamW(bare.parameters(), lr=1e-4)
+        cost = simulated.clock(rank, device)
+
+        def step_alone(n: int) -> None:
+            bare(**{k: v.to(device) for k, v in _collate(examples[:n]).items()}).loss.backward()
+            cost.pause_ahead(n)
+            optimizer.step()
+            optimizer.zero_grad()
+
+        extra |= attainable(step_alone, global_batch, dd, steps, device)
+        extra["of_attainable"] = extra["attainable_step_s"] / hs
     extra |= {f"plan_rank{r}": n for r, n in enumerate(balancer_now().last_plan)}
+    extra["plan_changes"] = split_log.changes()
+    extra |= fitted_costs(balancer_now())
     return Result(name, hs, dd, NAN, p90["hsync"], p90["ddp"], NAN, global_batch, extra=extra)
 
 
@@ -77,8 +111,8 @@ def _collate(features: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def _trainer_variants(model: Callable[[], torch.nn.Module], examples: list[dict], per_rank: int, global_batch: int,
-                      slowdown: float, device: torch.device,
-                      pacing: dict[str, int]) -> tuple[dict[str, Callable[[int], list[float]]], Any]:
+                      make_clock: Callable[[], SimulatedClock], device: torch.device, pacing: dict[str, int],
+                      split_log: SplitLog) -> Variants:
     import transformers
 
     from hsync.integrations.transformers import BalancingArguments, Trainer
@@ -94,7 +128,7 @@ def _trainer_variants(model: Callable[[], torch.nn.Module], examples: list[dict]
         step's work, as for torch DDP (SimulatedSlowdown.pause_ahead). A balanced Trainer's slowdown is its
         Balancer's clock, which pauses when each step's own work is done."""
 
-        def __init__(self, slowdown: SimulatedSlowdown, balanced: bool) -> None:
+        def __init__(self, slowdown: SimulatedClock, balanced: bool) -> None:
             self.slowdown, self.balanced, self.intervals, self.last = slowdown, balanced, [], 0.0
 
         def reset(self) -> None:
@@ -103,16 +137,18 @@ def _trainer_variants(model: Callable[[], torch.nn.Module], examples: list[dict]
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if not self.balanced:  # a Balancer pauses with its clock itself
-                self.slowdown.pause_ahead()
+                self.slowdown.pause_ahead(per_rank)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if not self.balanced:
+            if self.balanced:
+                split_log.record(ours.balancer)
+            else:
                 self.slowdown.step_done()
             now = time.perf_counter()
             self.intervals.append(now - self.last)
             self.last = now
 
-    our_slowdown = SimulatedSlowdown(slowdown, device)
+    our_slowdown = make_clock()
 
     class SlowedTrainer(Trainer):
         def _new_balancer(self, model: Any, examples: Any, config: hsync.BalanceConfig) -> hsync.Balancer:
@@ -120,7 +156,7 @@ def _trainer_variants(model: Callable[[], torch.nn.Module], examples: list[dict]
 
     plain = transformers.Trainer(model=model(), args=arguments(per_rank), train_dataset=examples,
                                  data_collator=_collate,
-                                 callbacks=[StepTimer(SimulatedSlowdown(slowdown, device), balanced=False)])
+                                 callbacks=[StepTimer(make_clock(), balanced=False)])
     # A share of up to the whole global batch in one micro-batch, as plain Trainer's per-rank batch is one.
     ours = SlowedTrainer(model=model(), args=arguments(global_batch), train_dataset=examples, data_collator=_collate,
                          callbacks=[StepTimer(our_slowdown, balanced=True)],
@@ -149,8 +185,8 @@ def _trainer_variants(model: Callable[[], torch.nn.Module], examples: list[dict]
 
 
 def _accelerate_variants(model: Callable[[], torch.nn.Module], examples: list[dict], per_rank: int,
-                         global_batch: int, slowdown: float, device: torch.device,
-                         pacing: dict[str, int]) -> tuple[dict[str, Callable[[int], list[float]]], Any]:
+                         global_batch: int, make_clock: Callable[[], SimulatedClock], device: torch.device,
+                         pacing: dict[str, int], split_log: SplitLog) -> Variants:
     import accelerate
 
     from hsync.integrations.accelerate import Accelerator
@@ -163,11 +199,11 @@ def _accelerate_variants(model: Callable[[], torch.nn.Module], examples: list[di
     ours = Accelerator(cpu=device.type == "cpu")
     net = ours.prepare(model())
     optimizer = ours.prepare(torch.optim.AdamW(net.parameters(), lr=1e-4))
-    our_slowdown = SimulatedSlowdown(slowdown, device)
+    our_slowdown = make_clock()
     balancer = hsync.Balancer(net, len(examples), hsync.BalanceConfig(global_batch_size=global_batch, **pacing),
                               clock=our_slowdown)
     loader = ours.prepare(torch.utils.data.DataLoader(examples, batch_sampler=balancer, collate_fn=_collate))
-    plain_slowdown = SimulatedSlowdown(slowdown, device)
+    plain_slowdown = make_clock()
 
     def forever(batches: Any) -> Any:
         while True:
@@ -178,7 +214,7 @@ def _accelerate_variants(model: Callable[[], torch.nn.Module], examples: list[di
     def plain_step() -> None:
         with theirs.accumulate(plain_model):
             loss = plain_model(**next(plain_batches)).loss
-            plain_slowdown.pause_ahead()  # before the backward, which ends with the reduction
+            plain_slowdown.pause_ahead(per_rank)  # before the backward, which ends with the reduction
             theirs.backward(loss)
             plain_optimizer.step()
             plain_optimizer.zero_grad()
@@ -191,6 +227,7 @@ def _accelerate_variants(model: Callable[[], torch.nn.Module], examples: list[di
                 optimizer.step()
                 optimizer.zero_grad()
             if ours.sync_gradients:
+                split_log.record(balancer)
                 return
 
     def timed(step: Callable[[], None], restart: Callable[[], None]) -> Callable[[int], list[float]]:
@@ -211,8 +248,8 @@ def _accelerate_variants(model: Callable[[], torch.nn.Module], examples: list[di
 
 
 def _lightning_variants(model: Callable[[], torch.nn.Module], examples: list[dict], per_rank: int,
-                        global_batch: int, slowdown: float, device: torch.device,
-                        pacing: dict[str, int]) -> tuple[dict[str, Callable[[int], list[float]]], Any]:
+                        global_batch: int, make_clock: Callable[[], SimulatedClock], device: torch.device,
+                        pacing: dict[str, int], split_log: SplitLog) -> Variants:
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -237,7 +274,7 @@ def _lightning_variants(model: Callable[[], torch.nn.Module], examples: list[dic
         step's work, as for torch DDP (SimulatedSlowdown.pause_ahead). HsyncStrategy's slowdown is its Balancer's
         clock, which pauses when each step's own work is done."""
 
-        def __init__(self, slowdown: SimulatedSlowdown, balanced: bool) -> None:
+        def __init__(self, slowdown: SimulatedClock, balanced: bool) -> None:
             self.slowdown, self.balanced, self.intervals, self.last = slowdown, balanced, [], 0.0
 
         def reset(self) -> None:
@@ -246,10 +283,12 @@ def _lightning_variants(model: Callable[[], torch.nn.Module], examples: list[dic
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
             if not self.balanced:
-                self.slowdown.pause_ahead()
+                self.slowdown.pause_ahead(per_rank)
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if not self.balanced:
+            if self.balanced:
+                split_log.record(trainer.strategy.balancer)
+            else:
                 self.slowdown.step_done()
             now = time.perf_counter()
             self.intervals.append(now - self.last)
@@ -268,7 +307,7 @@ def _lightning_variants(model: Callable[[], torch.nn.Module], examples: list[dic
             return clock.intervals[1:]
         return steps
 
-    our_slowdown = SimulatedSlowdown(slowdown, device)
+    our_slowdown = make_clock()
 
     class SlowedStrategy(HsyncStrategy):
         def _new_balancer(self, model: Any, examples: Any, config: hsync.BalanceConfig) -> hsync.Balancer:
@@ -276,7 +315,7 @@ def _lightning_variants(model: Callable[[], torch.nn.Module], examples: list[dic
 
     # A rank's share in one micro-batch, as plain DDP's per-rank batch is one.
     ours = SlowedStrategy(balance=hsync.BalanceConfig(global_batch_size=global_batch, **pacing))
-    variants = {"ddp": variant(DDPStrategy(), StepTimer(SimulatedSlowdown(slowdown, device), balanced=False)),
+    variants = {"ddp": variant(DDPStrategy(), StepTimer(make_clock(), balanced=False)),
                 "hsync": variant(ours, StepTimer(our_slowdown, balanced=True))}
     variants["hsync"](2)  # builds the Balancer
     return variants, lambda: ours.balancer

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from hsync.bench.balancing import mixed_compute, mixed_speeds
+from hsync.bench.balancing import AffineCosts, Slowed, mixed_compute, mixed_speeds
 from hsync.bench.comm_path import comm_path
 from hsync.bench.frameworks import framework_mixed
 from hsync.bench.report import environment, report, write_outputs
@@ -84,17 +84,26 @@ def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
                             partial(comm_path, device, mb, args.rounds * args.steps, comm_dtype)))
     jobs.append(Job("shard-throughput", None, partial(shard_throughput, device, args.rounds, args.steps, args.quick)))
     jobs.append(Job("shard-capacity-3to1", 2, partial(shard_capacity, device, args.quick)))
-    for name, slowdowns in (("mixed-speeds-2x", [1.0, 2.0]), ("mixed-speeds-1-1-2-4", [1.0, 1.0, 2.0, 4.0]),
-                            ("equal-speeds-auto", [1.0, 1.0])):
-        jobs.append(Job(name, len(slowdowns), partial(mixed_speeds, name, device, slowdowns, args.rounds,
-                                                               args.steps, args.quick), bert))
+    # Rank 1 2x slower: slowed (its whole step), or costing twice as much per example on top of a fixed cost per
+    # step that every rank pays (an affine cost, as real training has: 10 ms per step, 2 and 4 ms per example).
+    affine = AffineCosts(fixed_s=0.010, per_example_s=[0.002, 0.004])
+    speeds = [("mixed-speeds-2x", Slowed([1.0, 2.0])), ("mixed-speeds-1-1-2-4", Slowed([1.0, 1.0, 2.0, 4.0])),
+              ("equal-speeds-auto", Slowed([1.0, 1.0])), ("mixed-affine-2x", affine)]
+    if not args.quick:  # the quick run has a row of four ranks already
+        speeds.append(("equal-speeds-auto-4", Slowed([1.0] * 4)))
+    for name, simulated in speeds:
+        jobs.append(Job(name, simulated.world_size, partial(mixed_speeds, name, device, simulated, args.rounds,
+                                                            args.steps, args.quick), bert))
     jobs.append(Job("mixed-compute-2x", 2, partial(mixed_compute, "mixed-compute-2x", device, [1, 2], args.rounds,
                                                    args.steps, args.quick), bert))
-    for name, framework, integration in (("hf-trainer-mixed-2x", "trainer", "transformers"),
-                                         ("accelerate-mixed-2x", "accelerate", "accelerate"),
-                                         ("lightning-mixed-2x", "lightning", "lightning")):
-        jobs.append(Job(name, 2, partial(framework_mixed, name, framework, device, [1.0, 2.0], args.rounds,
-                                         args.steps, args.quick), (f"hsync.integrations.{integration}", *bert)))
+    for prefix, framework, integration in (("hf-trainer", "trainer", "transformers"),
+                                           ("accelerate", "accelerate", "accelerate"),
+                                           ("lightning", "lightning", "lightning")):
+        for suffix, simulated in (("mixed-2x", Slowed([1.0, 2.0])), ("affine-2x", affine),
+                                  ("equal-speeds", Slowed([1.0, 1.0]))):
+            name = f"{prefix}-{suffix}"
+            jobs.append(Job(name, 2, partial(framework_mixed, name, framework, device, simulated, args.rounds,
+                                             args.steps, args.quick), (f"hsync.integrations.{integration}", *bert)))
     return [job for job in jobs if not args.only or any(re.search(pattern, job.name) for pattern in args.only)]
 
 

@@ -43,8 +43,8 @@ class Workload:
 
 def bert_workload(name: str, hidden: int, layers: int, batch: int, seq: int, device: torch.device,
                   bucket_cap_mb: float = 25.0, bucket_views: bool = False,
-                  comm_dtype: torch.dtype | None = None, compiled: bool = False, powersgd: bool = False) -> Workload:
-    vocab = 8000
+                  comm_dtype: torch.dtype | None = None, compiled: bool = False, powersgd: bool = False,
+                  vocab: int = 8000) -> Workload:
 
     def make_model() -> nn.Module:
         # transformers is imported by the ranks that build a BERT, not by the command that plans the rows (3 s).

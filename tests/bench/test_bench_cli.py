@@ -25,17 +25,19 @@ def kinds(names: list[str]) -> set[str]:
 
 def test_the_quick_rows_are_every_kind_of_default_row():
     # The smoke tests run every quick row (tests/bench/test_bench_smoke.py): so every kind of row the default
-    # run has runs in CI, at its smallest, but the compiled BERT (its machinery: test_bench_compiled.py).
+    # run has runs in CI, at its smallest, but the compiled BERT (its machinery: test_bench_compiled.py) and four
+    # equal ranks (equal-speeds-auto's code, on as many ranks as mixed-speeds-1-1-2-4 runs).
     default, quick = kinds(selected("cpu")), kinds(selected("cpu", quick=True))
-    assert quick == default - {"bert-compiled"}, (sorted(default), sorted(quick))
+    assert quick == default - {"bert-compiled", "equal-speeds-auto-N"}, (sorted(default), sorted(quick))
 
 
 def test_a_plain_name_selects_every_row_containing_it():
     assert selected("cpu", "comm-path") == ["comm-path-16MiB", "comm-path-16MiB-bf16"]
     assert selected("cuda", "bert-base") == ["bert-base", "bert-base-bucket-views", "bert-base-bf16",
                                              "bert-base-compiled"]
-    assert selected("cpu", "mixed-speeds", "equal-speeds") == ["mixed-speeds-2x", "mixed-speeds-1-1-2-4",
-                                                               "equal-speeds-auto"]
+    assert selected("cpu", "mixed-speeds", "equal-speeds") == [
+        "mixed-speeds-2x", "mixed-speeds-1-1-2-4", "equal-speeds-auto", "equal-speeds-auto-4",
+        "hf-trainer-equal-speeds", "accelerate-equal-speeds", "lightning-equal-speeds"]
 
 
 def test_an_anchored_pattern_selects_one_row():

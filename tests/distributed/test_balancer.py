@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from hsync.balance.clock import StepClock
-from hsync.balance.simulate import SimulatedSlowdown
+from hsync.balance.simulate import SimulatedCost, SimulatedSlowdown
 from tests.distributed.workloads import COMPILE_BACKEND, compiled_backward_nodes
 from tests.spawn import run_ranks
 
@@ -277,6 +277,47 @@ def test_a_resume_goes_on_with_the_plan_and_fits_instead_of_probing():
     (before, planned, after), _ = run_ranks(resumed_decisions, 2, [0.08, 0.01], [0.01, 0.02], 0.02, timeout=240)
     assert before[-1] in ([41, 23], [40, 24]) and planned == before[-1], before
     assert len(after) == 32 and all(p == before[-1] for p in after), after
+
+
+class TellsUnits(SimulatedCost):
+    """A simulated cost that keeps what each step told it: the step's units of work on this rank."""
+
+    def __init__(self, fixed_s: float, per_unit_s: float) -> None:
+        super().__init__(fixed_s, per_unit_s)
+        self.told: list[float] = []
+
+    def own_work_done(self, busy_so_far, units: float) -> None:
+        self.told.append(units)
+        super().own_work_done(busy_so_far, units)
+
+
+def simulated_costs(rank, world_size):
+    """Rank 1 costs 5 ms per step and 10 ms per example more than rank 0: the units each step held, as the
+    clock was told them, and what the ranks reported as busy, beside the split."""
+    import hsync
+
+    model = hsync.WeightedDDP(make_model())
+    clock = TellsUnits(0.005, 0.010) if rank == 1 else TellsUnits(0.0, 0.0)
+    config = hsync.BalanceConfig(global_batch_size=12, warmup_steps=1, probe_steps=1, replan_every=3)
+    balancer = hsync.Balancer(model, 60, config, clock=clock)
+    splits, busy = [], []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    for _ in range(2):
+        train(model, balancer, optimizer, 1)
+        splits.append(balancer.last_plan)
+    for _ in range(18):  # warm-up and probes to step 4, the equal split measured to step 7, then plans
+        train(model, balancer, optimizer, 1)
+        splits.append(balancer.last_plan)
+        busy.append([report.busy_s for report in balancer.last_reports])  # of the step before
+    return clock.told, splits, busy
+
+
+def test_a_clock_is_told_each_steps_units_and_a_simulated_cost_counts_as_busy():
+    (told_0, splits, busy), (told_1, _, _) = run_ranks(simulated_costs, 2, timeout=120)
+    assert told_0 == [split[0] for split in splits] and told_1 == [split[1] for split in splits], (told_0, splits)
+    for before, (_, slept) in zip(splits[1:], busy, strict=False):  # rank 1's report is of the step before
+        assert slept >= 0.005 + 0.010 * before[1], (before, slept)
+    assert splits[-1][0] > splits[-1][1], "the costly rank gets fewer examples"
 
 
 class SimulatedMemory:
