@@ -28,9 +28,25 @@ class Gradients(nn.Module):
         return [p.view_as(p) for p in self.tensors]
 
 
+# Note [The CPU comm path's limit]
+# With gradients copied (not bucket views), every byte of a gradient passes memory three times besides the
+# all-reduce: autograd writes it, the pack reads it and writes the bucket (scaled, checked for inf and NaN),
+# and the write-back reads the reduced bucket and writes the gradient. The first is the backward's own (the
+# no-sync floor has it); the other two are the comm path's and cannot overlap the all-reduce where, as on a CPU,
+# the ranks' cores move the all-reduce's bytes themselves. So the comm path's rate is at most
+# flat / (flat + pack + write-back), each pass at least a copy's time. On the 2-core development VM
+# (2026-11-27, 2 gloo ranks, one thread each, 16 MiB): the flat all-reduce 16 ms, a copy of 16 MiB 2.9 ms,
+# the pack 3.6 ms, the write-back 2.9 ms: at most 16 / (16 + 6.5) = 71% of the flat all-reduce's rate;
+# hsync reached 56-57% in three runs and torch DDP, which does the same passes, 54-58% (`hsync_of_flat`,
+# `ddp_of_flat`; benchmarks/results/2026-11-27-comm-path.md).
+# Bucket views save the write-back, but autograd then adds each gradient into its slot (a read-modify-write
+# pass) unless the slot was set to None, where the pack copies it in: no pass is saved on a CPU either.
+
+
 def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: torch.dtype | None = None) -> Result:
     """The reduction alone: hooks + pack + all-reduce + unpack of 64 float32 gradients through hsync and
-    through torch DDP (same bucket cap), over the same backward without sync; in the notes, torch's
+    through torch DDP (same bucket cap), over the same backward without sync, and each over the flat all-reduce's
+    rate (`*_of_flat`: Note [The CPU comm path's limit]); in the notes, torch's
     all-reduce of the same bytes as one flat tensor (the wire's limit) and tensor by tensor, a copy of
     the flat tensor (the memory's limit), and hsync's scale-and-pack kernel alone over all the
     gradients as one tensor, against that copy (`pack_vs_copy`, in GB/s read and written; unpacking is
@@ -104,6 +120,9 @@ def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: t
     extra = {"hsync_buckets": len(nets["hsync"].bucket_params), "hsync_gb_per_s": delivered("hsync"),
              "ddp_gb_per_s": delivered("ddp"), "torch_flat_gb_per_s": gbytes / med["flat"],
              "torch_per_tensor_gb_per_s": gbytes / med["per_tensor"]}
+    # Of the wire's own rate (Note [The CPU comm path's limit]).
+    extra |= {f"{variant}_of_flat": extra[f"{variant}_gb_per_s"] / extra["torch_flat_gb_per_s"]
+              for variant in ("hsync", "ddp")}
     if "hsync_fp32" in med:
         extra |= {"hsync_fp32_gb_per_s": delivered("hsync_fp32"),
                   "gb_per_s_vs_hsync_fp32": delivered("hsync") / delivered("hsync_fp32")}
