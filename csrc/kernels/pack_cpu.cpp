@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -50,13 +52,33 @@ template <typename T>
 constexpr bool kIs16Bit = std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>;
 
 // Note [Staged cast]
-// This file is compiled for the baseline ISA, where a float -> bfloat16 or float16 conversion is a
-// scalar bit manipulation, many times slower than the float32 pack (benchmarks/README.md has the
-// figures). torch's own cast is vectorised for the machine's ISA, so a large range is scaled in
+// This file is compiled for the baseline ISA, where a float -> float16 conversion is a scalar bit
+// manipulation, many times slower than the float32 pack (benchmarks/README.md has the figures; float32 ->
+// bfloat16 has a loop of its own, Note [Branchless bfloat16]). torch's own cast is vectorised for the machine's ISA, so a large range is scaled in
 // the wider precision into a chunk that stays in cache, then cast by torch; the written halves are
 // checked for inf/NaN by their exponent bits, which vectorises too. Below kStagedMinimum elements
 // the per-chunk call costs more than the scalar loop saves.
 constexpr int64_t kStagedMinimum = 4096;
+
+// Note [Branchless bfloat16]
+// float -> bfloat16 as c10::BFloat16 rounds it (to nearest, ties to even; a NaN becomes 0x7FC0), written as
+// integer arithmetic with a select instead of c10's branch on isnan: the compiler vectorises the loop even for
+// the baseline ISA, a single pass where the staged cast (Note [Staged cast]) takes three. The flag is the
+// written value's: a NaN or infinity read, or a finite value that rounds to infinity, all end with the
+// exponent's bits set (the scale is finite, so a value read is non-finite exactly when its product is).
+bool scale_to_bfloat16(const float* in, c10::BFloat16* out, int64_t begin, int64_t end, float scale) {
+  uint32_t nonfinite = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    const float value = in[i] * scale;
+    uint32_t bits = 0;
+    std::memcpy(&bits, &value, sizeof bits);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t half = (bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded;
+    out[i].x = static_cast<uint16_t>(half);
+    nonfinite |= static_cast<uint32_t>((half & 0x7F80u) == 0x7F80u);
+  }
+  return nonfinite != 0;
+}
 
 template <typename In, typename Out>
 bool scale_range_staged(const In* in, Out* out, int64_t numel, double scale) {
@@ -90,7 +112,9 @@ bool scale_contiguous(const at::Tensor& in, const at::Tensor& out, double scale)
   std::atomic<bool> nonfinite{false};
   at::parallel_for(0, in.numel(), kPackGrainSize, [&](int64_t begin, int64_t end) {
     bool found = false;
-    if constexpr (kIs16Bit<Out> && !std::is_same_v<In, Out>) {
+    if constexpr (std::is_same_v<In, float> && std::is_same_v<Out, c10::BFloat16>) {
+      found = scale_to_bfloat16(src, dst, begin, end, static_cast<float>(scale));
+    } else if constexpr (kIs16Bit<Out> && !std::is_same_v<In, Out>) {
       found = end - begin >= kStagedMinimum ? scale_range_staged(src + begin, dst + begin, end - begin, scale)
                                             : scale_range(src, dst, begin, end, scale);
     } else {
