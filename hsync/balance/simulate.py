@@ -90,7 +90,7 @@ class SimulatedCost(StepClock):
         """The simulated part of a step that holds `units`."""
         return self.fixed_s + self.per_unit_s * units
 
-    def pause_ahead(self, units: float = 0.0) -> None:
+    def pause_ahead(self, units: float) -> None:
         time.sleep(self.seconds(units))
 
     def own_work_done(self, busy_so_far: Callable[[], float | None], units: float) -> None:

@@ -70,9 +70,10 @@ class AffineCosts:
         return SimulatedCost(self.fixed_s, self.per_example_s[rank])
 
 
-def attainable(step_alone: Callable[[int], None], global_batch: int, plain_equal_s: float, steps: int,
-               device: torch.device) -> dict[str, float]:
-    """The attainable step of two ranks and what it rests on (`of_attainable` is the measured throughput over it).
+def attainable(step_alone: Callable[[int], None], global_batch: int, plain_equal_s: float, hsync_s: float,
+               steps: int, device: torch.device) -> dict[str, float]:
+    """The attainable step of two ranks, what it rests on, and `of_attainable`: the throughput of hsync's measured
+    step (`hsync_s`) over the attainable one.
 
     Each rank's step alone (`step_alone(n)`: its forward, backward and optimizer step over n examples, no
     collective, plus its simulated cost) is timed at a sweep of shares and fitted by a line, t_r(n); the best
@@ -97,8 +98,8 @@ def attainable(step_alone: Callable[[int], None], global_batch: int, plain_equal
     best_s = max(t(0, best), t(1, global_batch - best))
     equal = global_batch // 2
     overhead_s = plain_equal_s - max(t(0, equal), t(1, global_batch - equal))
-    extra = {"attainable_step_s": best_s + overhead_s, "attainable_rank0": float(best),
-             "plain_overhead_s": overhead_s}
+    extra = {"attainable_step_s": best_s + overhead_s, "of_attainable": (best_s + overhead_s) / hsync_s,
+             "attainable_rank0": float(best), "plain_overhead_s": overhead_s}
     extra |= {f"alone_fixed_s_rank{r}": float(line[1]) for r, line in enumerate(lines)}
     extra |= {f"alone_per_example_s_rank{r}": float(line[0]) for r, line in enumerate(lines)}
     return extra
@@ -256,8 +257,7 @@ def _mixed_speeds(name: str, device: torch.device, simulated: Slowed | AffineCos
             bare_optimizer.step()
             bare_optimizer.zero_grad()
 
-        extra |= attainable(step_alone, global_batch, dd, steps, device)
-        extra["of_attainable"] = extra["attainable_step_s"] / hs
+        extra |= attainable(step_alone, global_batch, dd, hs, steps, device)
     extra |= {f"first_plan_rank{r}": n for r, n in enumerate(first_plan)}
     extra |= {f"plan_rank{r}": n for r, n in enumerate(balancer.last_plan)}
     extra["plan_changes"] = split_log.changes()

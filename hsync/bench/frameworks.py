@@ -97,8 +97,7 @@ def _framework_mixed(name: str, framework: str, device: torch.device, simulated:
             optimizer.step()
             optimizer.zero_grad()
 
-        extra |= attainable(step_alone, global_batch, dd, steps, device)
-        extra["of_attainable"] = extra["attainable_step_s"] / hs
+        extra |= attainable(step_alone, global_batch, dd, hs, steps, device)
     extra |= {f"plan_rank{r}": n for r, n in enumerate(balancer_now().last_plan)}
     extra["plan_changes"] = split_log.changes()
     extra |= fitted_costs(balancer_now())
