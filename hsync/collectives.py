@@ -177,6 +177,19 @@ class Channels:
         return built[key]
 
     @staticmethod
+    def failed(group: dist.ProcessGroup | None = None) -> bool:
+        """Whether a collective of hsync's failed here or on a peer since `group` (default: the world) was built,
+        as its channels know: a failure on any communicator of this process reaches them all (Note [Failing
+        fast]), so this tells a lost peer from an error of this rank's own. Builds nothing; False before the
+        group's first channel (a WeightedDDP's wrap builds one)."""
+        for channel in _channels.get(group or dist.group.WORLD, {}).values():
+            try:
+                channel.comm.check()
+            except RuntimeError:
+                return True
+        return False
+
+    @staticmethod
     def of_model(model) -> Channel:
         """The channel of a WeightedDDP's engine: its collectives keep their order with the engine's."""
         return Channel(model._ensure_engine().comm, model.device)

@@ -305,6 +305,14 @@ class WeightedDDP(DistributedDataParallel):
         self._uses_default_group = new_process_group == dist.group.WORLD
         self._join.engine_rebuilt()
 
+    def _retire(self) -> None:
+        """Hands the module over to a new wrapper (hsync.fault_tolerance wraps it anew in each quorum): this one's
+        engine stops reducing at once, even while something still holds it (a failed step's traceback does), and
+        the wrapper lets go of it, its group and what drove it."""
+        if self._attached.engine is not None:
+            self._attached.engine.expect_gradients(False)
+        self._attached = _Attachments()
+
     def to_kwargs(self, inputs: tuple, kwargs: dict | None, device_id: int) -> tuple[tuple, tuple[dict, ...]]:
         """Inputs and kwargs moved to device `device_id` of the module's type (DDP keeps it for old code)."""
         return _to_kwargs(inputs, kwargs, torch.device(self.device.type, device_id),

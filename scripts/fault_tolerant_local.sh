@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# A fault-tolerant job on this machine: a torchft Lighthouse and N replica groups, each a torchrun job of one
+# process that torchrun restarts if it dies (hsync.fault_tolerance). Each group's lines are prefixed with its
+# name (torchft's own log, its checkpoint server's and c10d's stack frames left out); the script ends when every
+# group has, and returns the first failure's status.
+#
+#   scripts/fault_tolerant_local.sh [--min-replicas M] N PROGRAM [ARGS...]
+#   scripts/fault_tolerant_local.sh 3 examples/fault_tolerant.py --device cpu --crash group1:40
+#
+# --min-replicas: the fewest groups a step runs on (default 1: survivors go on alone); with N, a lost group's
+# step waits for torchrun to bring it back, and is then run again by all.
+#
+# On several machines, start one Lighthouse (torchft_lighthouse --min_replicas 1) and on each machine its
+# groups as below, with TORCHFT_LIGHTHOUSE=http://LIGHTHOUSE_HOST:PORT and a REPLICA_GROUP_ID unique in the job.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+usage="usage: scripts/fault_tolerant_local.sh [--min-replicas M] N PROGRAM [ARGS...]"
+min_replicas=1
+if [ "${1:-}" = "--min-replicas" ]; then
+  min_replicas=${2:-}
+  shift 2 || true
+fi
+if [ $# -lt 2 ]; then
+  echo "fault_tolerant_local.sh: $usage" >&2
+  exit 2
+fi
+groups=$1
+shift
+if ! [[ "$groups" =~ ^[1-9][0-9]*$ ]]; then
+  echo "fault_tolerant_local.sh: N must be a positive number of replica groups, got '$groups' ($usage)" >&2
+  exit 2
+fi
+if ! [[ "$min_replicas" =~ ^[1-9][0-9]*$ ]] || [ "$min_replicas" -gt "$groups" ]; then
+  echo "fault_tolerant_local.sh: --min-replicas must be a number from 1 to N ($groups), got '$min_replicas'" >&2
+  exit 2
+fi
+if [ ! -f "$1" ]; then
+  echo "fault_tolerant_local.sh: no program '$1' ($usage)" >&2
+  exit 2
+fi
+bin=.venv/bin
+port=$("$bin/python" -c "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])")
+
+# A dead group is seen at its next collective; its heartbeat stops counting after 2 s, and a quorum waits up to
+# 2 s for groups that heartbeat but have not asked to join.
+"$bin/torchft_lighthouse" --min_replicas "$min_replicas" --bind "[::]:$port" --join_timeout_ms 2000 \
+  --heartbeat_timeout_ms 2000 --quorum_tick_ms 50 > /dev/null 2>&1 &
+lighthouse=$!
+trap 'kill $lighthouse 2> /dev/null || true' EXIT
+
+pids=()
+for ((g = 0; g < groups; g++)); do
+  (
+    set +e  # the status is torchrun's, not its filter's
+    export REPLICA_GROUP_ID=group$g TORCHFT_LIGHTHOUSE=http://localhost:$port
+    "$bin/torchrun" --standalone --nproc_per_node 1 --max-restarts 3 "$@" 2>&1 \
+      | grep --line-buffered -v -e '\[INFO\]' -e '"GET /checkpoint/' -e '^frame #' -e '^Exception raised from' \
+      | sed -u "s/^/[group$g] /"
+    exit "${PIPESTATUS[0]}"
+  ) &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do
+  wait "$pid" || { code=$?; [ "$status" -ne 0 ] || status=$code; }
+done
+exit "$status"

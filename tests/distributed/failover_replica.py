@@ -1,0 +1,102 @@
+"""One replica group of a fault-tolerant run, for tests/distributed/test_failover.py: a small net on fixed data,
+trained by hsync.fault_tolerance.FaultTolerantSteps. It logs each step it commits (its examples, the quorum's
+size) and writes its parameters at the end; with --kill STEP:WHERE it kills itself (SIGKILL) at that point of
+the first step it runs once STEP steps have committed.
+
+    python tests/distributed/failover_replica.py --lighthouse URL --replica-id g0 --out DIR [--kill 7:backward]
+        [--buckets one]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch
+from torch import nn
+
+EXAMPLES, GLOBAL_BATCH, EPOCHS, LR = 96, 12, 3, 0.1
+KILL_POINTS = ("forward", "backward", "reduction", "optimizer")
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(EXAMPLES, 8, generator=g), torch.randn(EXAMPLES, 2, generator=g)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--replica-id", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--kill", default=None, help="STEP:WHERE, WHERE one of " + ", ".join(KILL_POINTS))
+    parser.add_argument("--buckets", choices=("one", "many"), default="many",
+                        help="one bucket for the model, or one per parameter (a kill in the reduction leaves some "
+                             "sent, some not)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    import hsync
+    from hsync.fault_tolerance import FaultToleranceConfig, FaultTolerantSteps
+
+    x, y = data()
+    model = make_model()
+    optimizer = make_optimizer(model)
+    config = FaultToleranceConfig(lighthouse=args.lighthouse, replica_id=args.replica_id, host="localhost",
+                                  timeout=datetime.timedelta(seconds=20),
+                                  quorum_timeout=datetime.timedelta(seconds=60))
+    buckets = {"bucket_cap_mb": 1e-4, "first_bucket_cap_mb": 1e-4} if args.buckets == "many" else {}
+    steps = FaultTolerantSteps(model, optimizer, EXAMPLES, hsync.BalanceConfig(global_batch_size=GLOBAL_BATCH),
+                               config, wrap_options=buckets)
+    log = (args.out / f"{args.replica_id}.jsonl").open("a")
+
+    def record(step: int) -> None:
+        log.write(json.dumps({"step": step, "examples": steps.examples_in_step, "replicas": steps.model.world_size,
+                              "pid": os.getpid()}) + "\n")
+        log.flush()
+
+    if args.kill:
+        kill_step, where = args.kill.split(":")
+
+        def kill(*_: object) -> None:
+            # At or after: a replica that joined late starts at the job's step.
+            if steps.global_step >= int(kill_step):
+                if where == "optimizer":  # after the commit: this replica's share is in the update
+                    record(steps.global_step)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        if where == "forward":
+            model.register_forward_pre_hook(kill)
+        elif where == "backward":  # the output layer's gradient: the first of backward, before any reduction
+            model[-1].weight.register_hook(kill)
+        elif where == "reduction":  # the first layer's: the last, after the other buckets went out
+            model[0].weight.register_hook(kill)
+        else:
+            optimizer.register_step_pre_hook(kill)
+
+    def loss_of(indices: list[int]) -> torch.Tensor:
+        return nn.functional.mse_loss(steps.model(x[indices]), y[indices])
+
+    with steps:
+        for epoch in range(steps.epoch, EPOCHS):
+            steps.set_epoch(epoch)
+            while steps.step(loss_of) is not None:
+                record(steps.global_step - 1)
+        torch.save(model.state_dict(), args.out / f"{args.replica_id}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""A lost replica costs the step it died in, not the job (hsync.fault_tolerance, on torchft): three replica groups
+under a real torchft Lighthouse, each a process of its own (tests/distributed/failover_replica.py); two are
+killed (SIGKILL) at different points of a step, one of them restarted. The survivors redo the step on the same
+examples, every example is used once per epoch, and the parameters at the end are those of one process that
+made the same steps uninterrupted."""
+
+from __future__ import annotations
+
+import collections
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.distributed import failover_replica as job
+from tests.spawn import free_port
+
+pytest.importorskip("torchft", reason="hsync[torchft] is not installed")
+pytestmark = pytest.mark.distributed
+
+REPLICAS = ("g0", "g1", "g2")
+LIMIT_S = 150
+
+
+def run_job(out: Path, kills: dict[str, str], restart: tuple[str, ...], buckets: str) -> dict[str, list[int]]:
+    """Runs a Lighthouse and the replicas; a killed replica named in `restart` is started again (without a kill).
+    Returns each replica's exit codes, in the order its processes ended."""
+    port = free_port()
+    # With a restart, a step needs two replicas: the last survivor waits for the restarted one, which so takes part
+    # whatever its start-up takes here (else a short job could end before it is back, and it would start anew).
+    min_replicas = 2 if restart else 1
+    lighthouse = subprocess.Popen(
+        [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", str(min_replicas),
+         "--bind", f"[::]:{port}",
+         "--join_timeout_ms", "1000", "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "2000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def start(replica: str, kill: str | None) -> subprocess.Popen:
+        command = [sys.executable, job.__file__, "--lighthouse", f"http://localhost:{port}", "--replica-id", replica,
+                   "--out", str(out), "--buckets", buckets] + (["--kill", kill] if kill else [])
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=(out / f"{replica}.err").open("a"))
+
+    running = {replica: start(replica, kills.get(replica)) for replica in REPLICAS}
+    codes: dict[str, list[int]] = collections.defaultdict(list)
+    deadline = time.monotonic() + LIMIT_S
+    try:
+        while running:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"replicas {sorted(running)} still running after {LIMIT_S} s")
+            for replica, process in list(running.items()):
+                if process.poll() is None:
+                    continue
+                codes[replica].append(process.returncode)
+                del running[replica]
+                if process.returncode == -signal.SIGKILL and replica in restart and len(codes[replica]) == 1:
+                    running[replica] = start(replica, None)
+            time.sleep(0.05)
+    finally:
+        for process in [*running.values(), lighthouse]:
+            process.kill()
+            process.wait()
+    return dict(codes)
+
+
+def committed_steps(out: Path) -> dict[int, list[dict]]:
+    """Per committed step, what each replica that took part logged."""
+    steps: dict[int, list[dict]] = collections.defaultdict(list)
+    for log in out.glob("*.jsonl"):
+        for line in log.read_text().splitlines():
+            steps[json.loads(line)["step"]].append(json.loads(line))
+    return steps
+
+
+def uninterrupted(steps: dict[int, list[dict]]) -> dict[str, torch.Tensor]:
+    """One process making the same updates: each step's mean loss over all of the step's examples."""
+    x, y = job.data()
+    model = job.make_model()
+    optimizer = job.make_optimizer(model)
+    for step in sorted(steps):
+        examples = [i for record in steps[step] for i in record["examples"]]
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[examples]), y[examples]).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("kills, restart, buckets", [
+    ({"g1": "7:forward", "g2": "15:reduction"}, (), "many"),
+    ({"g1": "7:backward", "g2": "15:optimizer"}, ("g1",), "one"),
+], ids=["forward-then-reduction", "backward-restarted-then-optimizer"])
+def test_survivors_redo_the_lost_step_and_end_as_an_uninterrupted_run(tmp_path, kills, restart, buckets):
+    codes = run_job(tmp_path, kills, restart, buckets)
+
+    expected = {replica: ([-signal.SIGKILL] + ([0] if replica in restart else [])) if replica in kills else [0]
+                for replica in REPLICAS}
+    errors = {replica: (tmp_path / f"{replica}.err").read_text()[-2000:] for replica in REPLICAS}
+    assert codes == expected, errors
+    steps = committed_steps(tmp_path)
+    steps_per_epoch = job.EXAMPLES // job.GLOBAL_BATCH
+    assert sorted(steps) == list(range(job.EPOCHS * steps_per_epoch))
+    for epoch in range(job.EPOCHS):
+        used = [i for s in range(epoch * steps_per_epoch, (epoch + 1) * steps_per_epoch)
+                for record in steps[s] for i in record["examples"]]
+        assert sorted(used) == list(range(job.EXAMPLES)), f"epoch {epoch}: an example lost or repeated"
+    # Each step's replicas were its quorum: the lost ones were there before they died, not after.
+    for step, records in steps.items():
+        assert {r["replicas"] for r in records} == {len(records)}, (step, records)
+    assert max(len(steps[s]) for s in range(7)) == 3
+    assert len(steps[job.EPOCHS * steps_per_epoch - 1]) == 1 + len(restart)
+
+    reference = uninterrupted(steps)
+    survivors = [replica for replica in REPLICAS if codes[replica][-1] == 0]
+    for replica in survivors:
+        trained = torch.load(tmp_path / f"{replica}.pt")
+        for name, value in reference.items():
+            torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=f"{replica}: {name}")
