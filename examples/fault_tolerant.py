@@ -1,14 +1,14 @@
 """A fault-tolerant job: each replica group trains a regression model with hsync on torchft, and a group that is
 lost costs the step it died in, not the run (hsync.fault_tolerance, Note [Failover]). Three groups and a
-Lighthouse on one machine, one of them killed at step 40 and restarted by its torchrun, which the others go on
-without, then take back in (give a step at least as many groups as there are with --min-replicas 3, and they
-wait for it instead):
+Lighthouse on one machine, one of them killed at step 40 and restarted by its torchrun; the other two go on
+without it, then take it back in (with --min-replicas 3 before the 3, every step needs all three: they wait for
+it instead):
 
     scripts/fault_tolerant_local.sh 3 examples/fault_tolerant.py --device cpu --crash group1:40
 
 Each group is a job of its own, started as the script starts it, or by hand on any machine:
 
-    torchft_lighthouse --min_replicas 1 --join_timeout_ms 2000 &       # once, anywhere
+    torchft_lighthouse --min_replicas 2 --join_timeout_ms 2000 &       # once, anywhere: a majority of the groups
     REPLICA_GROUP_ID=group0 TORCHFT_LIGHTHOUSE=http://HOST:29510 \\
         torchrun --standalone --nproc_per_node 1 --max-restarts 3 examples/fault_tolerant.py
 

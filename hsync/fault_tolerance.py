@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import gc
 import logging
 import os
 import socket
@@ -273,9 +272,8 @@ class FaultTolerantSteps:
 
     def _drop_group(self) -> None:
         if self.model is not None:
-            self.model._retire()
+            self.model._retire()  # which lets go of the Balancer too: no cycle is left for a collection to free
         self.model = self.balancer = None
-        gc.collect()  # the old engine's buckets, unless a failed step's traceback still holds them
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -7,16 +7,18 @@
 #   scripts/fault_tolerant_local.sh [--min-replicas M] N PROGRAM [ARGS...]
 #   scripts/fault_tolerant_local.sh 3 examples/fault_tolerant.py --device cpu --crash group1:40
 #
-# --min-replicas: the fewest groups a step runs on (default 1: survivors go on alone); with N, a lost group's
-# step waits for torchrun to bring it back, and is then run again by all.
+# --min-replicas: the fewest groups a step runs on; default a majority (N/2 + 1), so that groups that start apart
+# never make two jobs of one (torchft's Lighthouse issues a quorum to a minority only when no other group is
+# known, as at a start); with N, a lost group's step waits for torchrun to bring it back, and is then run again
+# by all.
 #
-# On several machines, start one Lighthouse (torchft_lighthouse --min_replicas 1) and on each machine its
-# groups as below, with TORCHFT_LIGHTHOUSE=http://LIGHTHOUSE_HOST:PORT and a REPLICA_GROUP_ID unique in the job.
+# On several machines, start one Lighthouse (torchft_lighthouse --min_replicas M) and on each machine its groups
+# as below, with TORCHFT_LIGHTHOUSE=http://LIGHTHOUSE_HOST:PORT and a REPLICA_GROUP_ID unique in the job.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage="usage: scripts/fault_tolerant_local.sh [--min-replicas M] N PROGRAM [ARGS...]"
-min_replicas=1
+min_replicas=
 if [ "${1:-}" = "--min-replicas" ]; then
   min_replicas=${2:-}
   shift 2 || true
@@ -31,6 +33,7 @@ if ! [[ "$groups" =~ ^[1-9][0-9]*$ ]]; then
   echo "fault_tolerant_local.sh: N must be a positive number of replica groups, got '$groups' ($usage)" >&2
   exit 2
 fi
+min_replicas=${min_replicas:-$((groups / 2 + 1))}
 if ! [[ "$min_replicas" =~ ^[1-9][0-9]*$ ]] || [ "$min_replicas" -gt "$groups" ]; then
   echo "fault_tolerant_local.sh: --min-replicas must be a number from 1 to N ($groups), got '$min_replicas'" >&2
   exit 2

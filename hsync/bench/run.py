@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from hsync.bench.balancing import AffineCosts, Slowed, mixed_compute, mixed_speeds
 from hsync.bench.comm_path import comm_path
+from hsync.bench.failover import failover
 from hsync.bench.frameworks import framework_mixed
 from hsync.bench.report import environment, report, write_outputs
 from hsync.bench.result import Result
@@ -104,6 +106,8 @@ def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
             name = f"{prefix}-{suffix}"
             jobs.append(Job(name, 2, partial(framework_mixed, name, framework, device, simulated, args.rounds,
                                              args.steps, args.quick), (f"hsync.integrations.{integration}", *bert)))
+    if device.type == "cpu" and importlib.util.find_spec("torchft") is not None:  # hsync[torchft]
+        jobs.append(Job("failover", 1, partial(failover, args.quick)))
     return [job for job in jobs if not args.only or any(re.search(pattern, job.name) for pattern in args.only)]
 
 

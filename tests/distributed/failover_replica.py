@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -43,6 +44,9 @@ def main() -> None:
     parser.add_argument("--replica-id", required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--kill", default=None, help="STEP:WHERE, WHERE one of " + ", ".join(KILL_POINTS))
+    parser.add_argument("--wait-for", type=int, default=0,
+                        help="before the first step, wait until this many replicas are up (heartbeating): with "
+                             "min_replicas 1, replicas that start apart could otherwise each begin a job of their own")
     parser.add_argument("--buckets", choices=("one", "many"), default="many",
                         help="one bucket for the model, or one per parameter (a kill in the reduction leaves some "
                              "sent, some not)")
@@ -62,6 +66,10 @@ def main() -> None:
     steps = FaultTolerantSteps(model, optimizer, EXAMPLES, hsync.BalanceConfig(global_batch_size=GLOBAL_BATCH),
                                config, wrap_options=buckets)
     log = (args.out / f"{args.replica_id}.jsonl").open("a")
+    (args.out / f"{args.replica_id}.up").touch()
+    deadline = time.monotonic() + 60
+    while len(list(args.out.glob("*.up"))) < args.wait_for and time.monotonic() < deadline:
+        time.sleep(0.05)
 
     def record(step: int) -> None:
         log.write(json.dumps({"step": step, "examples": steps.examples_in_step, "replicas": steps.model.world_size,

@@ -41,12 +41,13 @@ def run_job(out: Path, kills: dict[str, str], restart: tuple[str, ...], buckets:
          "--join_timeout_ms", "1000", "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "2000"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    def start(replica: str, kill: str | None) -> subprocess.Popen:
+    def start(replica: str, kill: str | None, wait_for: int = 0) -> subprocess.Popen:
         command = [sys.executable, job.__file__, "--lighthouse", f"http://localhost:{port}", "--replica-id", replica,
-                   "--out", str(out), "--buckets", buckets] + (["--kill", kill] if kill else [])
+                   "--out", str(out), "--buckets", buckets, "--wait-for", str(wait_for)] + (
+                      ["--kill", kill] if kill else [])
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=(out / f"{replica}.err").open("a"))
 
-    running = {replica: start(replica, kills.get(replica)) for replica in REPLICAS}
+    running = {replica: start(replica, kills.get(replica), wait_for=len(REPLICAS)) for replica in REPLICAS}
     codes: dict[str, list[int]] = collections.defaultdict(list)
     deadline = time.monotonic() + LIMIT_S
     try:
