@@ -73,6 +73,8 @@ def main() -> None:
         for epoch in range(steps.epoch, args.epochs):
             steps.set_epoch(epoch)
             while (stats := steps.step(loss_of)) is not None:
+                if stats.finite:
+                    optimizer.step()
                 step = steps.global_step - 1
                 if step % 50 == 0:
                     print(f"step {step:4d}  replicas {steps.model.world_size}  "

@@ -6,7 +6,8 @@ imports this module). See Note [Failover].
     for epoch in range(steps.epoch, epochs):
         steps.set_epoch(epoch)
         while (stats := steps.step(lambda indices: loss_fn(*batch_of(indices)))) is not None:
-            ...  # a committed step: the same update the whole cluster would have made
+            if stats.finite:  # a committed step: the gradient the whole cluster would have reduced
+                optimizer.step()
 
 Note [Failover]
 ~~~~~~~~~~~~~~~
@@ -125,9 +126,10 @@ class _QuorumStore(_TorchftGroup):
 
 class FaultTolerantSteps:
     """Drives the steps of one replica group (this process) of a fault-tolerant job: each step's share of the
-    global batch, planned by an hsync.Balancer over the replicas in the current quorum, the weighted
-    reduction, and the optimizer step once torchft has agreed that every replica's share was reduced. A step
-    in which a replica is lost is run again by the survivors, on the same examples (Note [Failover]).
+    global batch, planned by an hsync.Balancer over the replicas in the current quorum, and the weighted
+    reduction, until torchft has agreed that every replica's share was reduced; the loop then steps its
+    optimizer. A step in which a replica is lost is run again by the survivors, on the same examples (Note
+    [Failover]).
 
     `module`: the model, not wrapped (each quorum wraps it in an hsync.WeightedDDP with `wrap_options`).
     `optimizer`: over its parameters. `examples`, `balance`: as hsync.Balancer's. A joining replica takes the
@@ -200,8 +202,9 @@ class FaultTolerantSteps:
         """Runs the epoch's next step until it commits, and returns its StepStats (None once the epoch is done).
         `loss_of(indices)` runs the model on these examples of the dataset and returns the loss (their mean),
         or (loss, weight, metrics) as Balancer.forward_backward's; it may be called again for the same
-        examples when a replica is lost. The optimizer steps (when the step is finite) and its gradients are
-        zeroed here."""
+        examples when a replica is lost. The gradients are zeroed here, before each attempt; once it returns,
+        they are the step's exact weighted mean on every replica: step the optimizer (when stats.finite) before
+        the next call, as after any backward (clip, schedule, scale as usual)."""
         while True:
             # Decided before the quorum: a replica in it runs its step, whatever epoch its loop is in (one that
             # joined late runs the job's step, of a later epoch, and its loop catches up at the next call).
@@ -220,8 +223,6 @@ class FaultTolerantSteps:
                 self.manager.report_error(error)
                 lost = error
             if self.manager.should_commit():
-                if stats.finite:
-                    self.optimizer.step()
                 self._position = self.balancer.state_dict()
                 return stats
             # Not committed: the next attempt starts from the last committed position, in a new quorum.

@@ -264,6 +264,7 @@ def _replica(args: argparse.Namespace) -> None:
             while steps.global_step < args.steps:
                 steps.set_epoch(steps.global_step * GLOBAL_BATCH // EXAMPLES)
                 steps.step(lambda indices: nn.functional.mse_loss(steps.model(x[indices]), y[indices]))
+                optimizer.step()
                 record(step=steps.global_step - 1, examples=steps.examples_in_step)
                 checkpoint(steps.global_step)
         torch.save(model.state_dict(), args.out / f"g{args.group}.pt")

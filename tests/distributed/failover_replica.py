@@ -80,10 +80,10 @@ def main() -> None:
         kill_step, where = args.kill.split(":")
 
         def kill(*_: object) -> None:
-            # At or after: a replica that joined late starts at the job's step.
-            if steps.global_step >= int(kill_step):
-                if where == "optimizer":  # after the commit: this replica's share is in the update
-                    record(steps.global_step)
+            # The step being run: in the optimizer's step, it has committed already (and is logged: this
+            # replica's share is in its update). At or after: a replica that joined late starts at the job's step.
+            running = steps.global_step - 1 if where == "optimizer" else steps.global_step
+            if running >= int(kill_step):
                 os.kill(os.getpid(), signal.SIGKILL)
 
         if where == "forward":
@@ -101,8 +101,10 @@ def main() -> None:
     with steps:
         for epoch in range(steps.epoch, EPOCHS):
             steps.set_epoch(epoch)
-            while steps.step(loss_of) is not None:
+            while (stats := steps.step(loss_of)) is not None:
                 record(steps.global_step - 1)
+                if stats.finite:
+                    optimizer.step()
         torch.save(model.state_dict(), args.out / f"{args.replica_id}.pt")
 
 
