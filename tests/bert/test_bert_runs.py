@@ -169,6 +169,8 @@ class StraightRun:
     data_dir: Path
     """Its --data-dir, for the runs compared with it: WordPiece training breaks ties differently from run to run,
     so that a vocabulary trained again would make other updates."""
+    save_dir: Path
+    """Its checkpoints, one every two steps."""
 
     def torchrun(self, tmp_path: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
         """tests' torchrun, on this run's data."""
@@ -192,7 +194,7 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> St
             in_ranks(tmp_path_factory.mktemp("straight"), *STRAIGHT, "--save-every", "2", "--log-every", "1",
                      "--log-file", str(log), "--save-dir", str(running), data_dir=data_dir)
             running.replace(done)
-    return StraightRun(model_state(done), [row["loss"] for row in read_log(log)], data_dir)
+    return StraightRun(model_state(done), [row["loss"] for row in read_log(log)], data_dir, done)
 
 
 def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path, straight_run):

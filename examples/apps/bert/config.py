@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import math
+import os
 import typing
 from dataclasses import dataclass
 
@@ -109,6 +111,11 @@ class TrainConfig:
     compile: bool = False
     """Compile the wrapped model with torch.compile (as torch advises for DDP, the wrapper): faster steps
     on a GPU once the first steps have compiled it (and again when a batch's shape first changes)."""
+    fault_tolerant: bool = False
+    """Run as one replica group of a fault-tolerant job on torchft (hsync.fault_tolerance; hsync[torchft]): one
+    process, started with REPLICA_GROUP_ID and TORCHFT_LIGHTHOUSE set; a lost group costs the step it died in, which
+    the others run again on the same examples. Checkpoints are torchft's healing from a live peer: --save-dir
+    gets the final model only."""
     collective_timeout: float = 0.0
     """Seconds any one gradient collective may take before every rank stops with an error naming it;
     0: hsync's default (HSYNC_TIMEOUT, else 300)."""
@@ -186,8 +193,29 @@ class TrainConfig:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --save-dir")
         if filled.stop_at > filled.max_steps:
             raise ValueError(f"--stop-at {filled.stop_at} is after the last step (--max-steps {filled.max_steps})")
+        if filled.fault_tolerant:
+            filled.check_fault_tolerant(world_size)
         check_device(filled.device)
         return filled, preset
+
+    def check_fault_tolerant(self, world_size: int) -> None:
+        """What --fault-tolerant needs and does not combine with (docs/bert.md, Fault tolerance)."""
+        if world_size != 1:
+            raise ValueError(f"--fault-tolerant runs one process per replica group (torchrun --nproc_per_node 1), "
+                             f"not {world_size}")
+        missing = [name for name in ("REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE") if not os.environ.get(name)]
+        if missing:
+            raise ValueError(f"--fault-tolerant needs {' and '.join(missing)} set (scripts/fault_tolerant_local.sh "
+                             "sets both)")
+        if importlib.util.find_spec("torchft") is None:
+            raise ValueError("--fault-tolerant needs torchft: pip install hsync[torchft]")
+        unsupported = {"--shard-optimizer": self.shard_optimizer, "--compile": self.compile,
+                       "--balance equal/manual": self.balance != "auto", "--update-freq": self.update_freq > 1,
+                       "--simulate-slowdown": bool(self.simulate_slowdown), "--resume": self.resume,
+                       "--save-every": bool(self.save_every), "--stop-at": bool(self.stop_at)}
+        given = [flag for flag, used in unsupported.items() if used]
+        if given:
+            raise ValueError(f"--fault-tolerant does not combine with {', '.join(given)}")
 
     def rank_plan(self, world_size: int) -> list[int]:
         """--rank-batch-sizes as one micro-batch size per rank, checked against the world and the batch."""

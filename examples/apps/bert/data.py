@@ -195,7 +195,7 @@ def collate(examples: PretrainingExamples, indices: list[int], vocab_size: int, 
     labels = torch.full((batch, length), -100, dtype=torch.long)
     for row, index in enumerate(indices):
         ids = torch.tensor(examples.input_ids[index])
-        g = torch.Generator().manual_seed(_mix(seed, epoch, index))
+        g = torch.Generator().manual_seed(mix_seed(seed, epoch, index))
         candidates = torch.tensor([t not in special_ids for t in examples.input_ids[index]])
         chosen = (torch.rand(len(ids), generator=g) < mask_prob) & candidates
         if not chosen.any():  # at least one prediction per example
@@ -212,7 +212,7 @@ def collate(examples: PretrainingExamples, indices: list[int], vocab_size: int, 
             "labels": labels, "next_sentence_label": nsp}
 
 
-def _mix(*values: int) -> int:
+def mix_seed(*values: int) -> int:
     """A seed that depends on every value (a 64-bit multiply-xor hash; Python's hash() would do,
     but this one is the same in every language and version)."""
     state = 0x9E3779B97F4A7C15

@@ -42,10 +42,19 @@ def build_model(preset: ModelPreset, vocab: Vocabulary, dropout: float) -> nn.Mo
 
 def wrap_model(net: nn.Module, cfg: TrainConfig) -> hsync.WeightedDDP:
     """The model in hsync's wrapper, as the flags set it, with the metrics train_micro_step reports."""
-    timeout = datetime.timedelta(seconds=cfg.collective_timeout) if cfg.collective_timeout else None
-    return hsync.WeightedDDP(net, forward_sync_buffers=False, gradient_as_bucket_view=cfg.bucket_views,
-                             metric_names=("tokens", "examples", "mlm", "nsp", StopRequest.METRIC),
-                             timeout=timeout, comm_dtype=COMM_DTYPES[cfg.comm_dtype])
+    return hsync.WeightedDDP(net, **wrap_options(cfg))
+
+
+def wrap_options(cfg: TrainConfig) -> dict:
+    """hsync.WeightedDDP's keyword arguments as the flags set them."""
+    return dict(forward_sync_buffers=False, gradient_as_bucket_view=cfg.bucket_views,
+                metric_names=("tokens", "examples", "mlm", "nsp", StopRequest.METRIC), timeout=collective_timeout(cfg),
+                comm_dtype=COMM_DTYPES[cfg.comm_dtype])
+
+
+def collective_timeout(cfg: TrainConfig) -> datetime.timedelta | None:
+    """--collective-timeout as a deadline (None: hsync's default)."""
+    return datetime.timedelta(seconds=cfg.collective_timeout) if cfg.collective_timeout else None
 
 
 def pretraining_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

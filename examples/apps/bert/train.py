@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg, preset = parse_args(argv, description=__doc__, world_size=world_size_from_env())
     if cfg.collective_timeout:  # every collective's deadline: the model's, and those of the run's decisions
         os.environ["HSYNC_TIMEOUT"] = str(cfg.collective_timeout)
+    if cfg.fault_tolerant:
+        from apps.bert import fault_tolerant
+
+        fault_tolerant.run(cfg, preset)
+        return
     device = init_distributed(cfg.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     fail_together(unwritable_outputs(cfg) if rank == 0 else None, "cannot write the run's outputs")
@@ -195,17 +200,25 @@ def train_micro_step(model: nn.Module, balancer: hsync.Balancer, batch: dict[str
     memory] in hsync/balance/balancer.py)."""
 
     def loss_of(part: dict[str, torch.Tensor]):
-        mlm_logits, nsp_logits = pretraining_logits(model, part)
-        mlm, nsp = pretraining_losses(mlm_logits, nsp_logits, part)
-        weight = (part["labels"] != -100).sum()  # never 0: collate masks a token of every example
-        metrics = {"tokens": part["attention_mask"].sum(), "examples": len(nsp_logits), "mlm": mlm.detach(),
-                   "nsp": nsp.detach()}
-        if balancer.filler:  # its example is another rank's, counted there
-            metrics = dict.fromkeys(metrics, 0.0)
-        metrics[StopRequest.METRIC] = stop_requested
-        return (mlm + nsp_weight * nsp) / weight, weight, metrics
+        return pretraining_loss(model, part, nsp_weight, balancer.filler, stop_requested)
 
     return balancer.forward_backward(batch, loss_of)
+
+
+def pretraining_loss(model: nn.Module, batch: dict[str, torch.Tensor], nsp_weight: float, filler: bool,
+                     stop_requested: float) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A micro-batch's loss over its masked tokens, its weight (their number) and the metrics of the step's
+    scalars, as Balancer.forward_backward takes them (module docstring). A filler's example is another rank's,
+    counted there."""
+    mlm_logits, nsp_logits = pretraining_logits(model, batch)
+    mlm, nsp = pretraining_losses(mlm_logits, nsp_logits, batch)
+    weight = (batch["labels"] != -100).sum()  # never 0: collate masks a token of every example
+    metrics = {"tokens": batch["attention_mask"].sum(), "examples": len(nsp_logits), "mlm": mlm.detach(),
+               "nsp": nsp.detach()}
+    if filler:
+        metrics = dict.fromkeys(metrics, 0.0)
+    metrics[StopRequest.METRIC] = stop_requested
+    return (mlm + nsp_weight * nsp) / weight, weight, metrics
 
 
 if __name__ == "__main__":
