@@ -45,7 +45,9 @@ import datetime
 import logging
 import os
 import socket
+import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,7 +80,8 @@ class FaultToleranceConfig:
     """This replica group's name, unique among the groups (a restarted group may reuse it); default: the
     REPLICA_GROUP_ID variable, else host:pid."""
     min_replicas: int = 1
-    """The fewest replicas a step may run on; fewer wait (up to quorum_timeout) for more."""
+    """The fewest replicas a step may commit with: a quorum of fewer runs it, but does not commit it. When a quorum
+    forms is the Lighthouse's --min_replicas (a majority of the groups, say): keep this at most that."""
     host: str = dataclasses.field(default_factory=socket.gethostname)
     """The name or address the other replicas reach this one by (its store, its checkpoint server)."""
     timeout: datetime.timedelta | None = None
@@ -257,9 +260,8 @@ class FaultTolerantSteps:
         self._drop_group()
         store_address, rank, world_size = self._quorum.pending
         self._quorum.pending = None
-        backend = "cpu:gloo,cuda:nccl" if self._device.type == "cuda" else "gloo"
-        try:
-            dist.init_process_group(backend, store=create_store_client(store_address, self._timeout), rank=rank,
+        try:  # gloo for hsync's channels; on a GPU the engine builds its own NCCL communicator over the store
+            dist.init_process_group("gloo", store=create_store_client(store_address, self._timeout), rank=rank,
                                     world_size=world_size, timeout=self._timeout)
         except (RuntimeError, TimeoutError) as error:  # a replica of the quorum is gone already
             raise _RegroupFailed(f"hsync: building the group of the new quorum (rank {rank} of {world_size}) "
@@ -294,6 +296,24 @@ class FaultTolerantSteps:
         self.module.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._position = state["position"]
+
+
+def lighthouse_command(port: int, min_replicas: int, *, join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 2000,
+                       quorum_tick_ms: int = 50) -> list[str]:
+    """The command that starts torchft's Lighthouse on `port`: its console script, run by this Python, found next
+    to it or, in a --target install, next to the torchft package. A dead group is seen at its next collective;
+    its heartbeat stops counting after `heartbeat_timeout_ms`, and a quorum waits up to `join_timeout_ms` for
+    groups that heartbeat but have not asked to join."""
+    import torchft
+
+    candidates = [Path(sys.executable).parent, Path(torchft.__file__).parents[1] / "bin"]
+    script = next((str(folder / "torchft_lighthouse") for folder in candidates
+                   if (folder / "torchft_lighthouse").is_file()), None)
+    if script is None:
+        raise FileNotFoundError(f"torchft's torchft_lighthouse script is in none of {[str(c) for c in candidates]}")
+    return [sys.executable, script, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
+            "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
+            "--quorum_tick_ms", str(quorum_tick_ms)]
 
 
 class _RegroupFailed(RuntimeError):

@@ -68,6 +68,12 @@ printf '# GPU check, %s\n' "$(date -u '+%Y-%m-%d %H:%M UTC')" > "$report"
 HSYNC_WITH_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
   section build 240 python3 -m pip install --no-build-isolation --no-deps -e .
 built=$?
+# torchft for the failover test, from wheels carried along (no network there): .whl/, which scripts/gpu_wheels.sh
+# fills for the GPU machine's Python. Without them that test skips.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  section wheels 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/hsync-site .whl/*.whl && export PYTHONPATH=/tmp/hsync-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export -f versions  # timeout runs commands, not shell functions
 section versions 30 bash -c versions
 ((built == 0)) || exit 1

@@ -43,7 +43,6 @@ WIDTH = 1024  # a step of tens of milliseconds on a CPU core: a restarted group 
 LR = 0.05
 JOB_LIMIT_S = 300
 STRAGGLER_S = 3
-LIGHTHOUSE = ("--join_timeout_ms", "1000", "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "2000")
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,12 +109,12 @@ def failover(quick: bool) -> Result:
 
 
 def _run_torchft_job(out: Path, variant: str, steps: int, kills: dict[int, int], checkpoint_every: int) -> None:
+    from hsync.fault_tolerance import lighthouse_command  # torchft: only where this row runs
+
     port = _free_port()
     # Two groups at least, so that a group restarted as the job ends waits (and is stopped) instead of starting
     # the job anew on its own; the kills never leave fewer than two for long (they wait for the restart).
-    lighthouse = subprocess.Popen([str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "2",
-                                   "--bind", f"[::]:{port}", *LIGHTHOUSE],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lighthouse = subprocess.Popen(lighthouse_command(port, 2), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     victims = {group: step for step, group in kills.items()}
 
     def start(group: int, kill: int | None) -> subprocess.Popen:

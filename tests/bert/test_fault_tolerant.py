@@ -5,11 +5,11 @@ of floating-point sums, as on another number of ranks)."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from hsync.fault_tolerance import lighthouse_command
 from tests.bert.test_bert_runs import ROOT, SLICE, STRAIGHT, straight_run  # noqa: F401 - the fixture
 from tests.spawn import free_port
 
@@ -21,10 +21,7 @@ CRASH_ONCE_FT = ROOT / "tests" / "bert" / "crash_once_ft.py"
 
 def test_a_group_lost_mid_run_costs_one_step_and_the_model_is_the_uninterrupted_runs(tmp_path, straight_run):  # noqa: F811
     port = free_port()
-    lighthouse = subprocess.Popen([str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "2",
-                                   "--bind", f"[::]:{port}", "--join_timeout_ms", "1000", "--quorum_tick_ms", "50",
-                                   "--heartbeat_timeout_ms", "2000"], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+    lighthouse = subprocess.Popen(lighthouse_command(port, 2), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "examples")]), "CRASH_GROUP": "g1",
            "CRASH_AT_STEP": "3"}

@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--wait-for", type=int, default=0,
                         help="before the first step, wait until this many replicas are up (heartbeating): with "
                              "min_replicas 1, replicas that start apart could otherwise each begin a job of their own")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (the GPU check's)")
     parser.add_argument("--buckets", choices=("one", "many"), default="many",
                         help="one bucket for the model, or one per parameter (a kill in the reduction leaves some "
                              "sent, some not)")
@@ -56,8 +57,9 @@ def main() -> None:
     import hsync
     from hsync.fault_tolerance import FaultToleranceConfig, FaultTolerantSteps
 
-    x, y = data()
-    model = make_model()
+    device = torch.device(args.device)
+    x, y = (t.to(device) for t in data())
+    model = make_model().to(device)
     optimizer = make_optimizer(model)
     config = FaultToleranceConfig(lighthouse=args.lighthouse, replica_id=args.replica_id, host="localhost",
                                   timeout=datetime.timedelta(seconds=20),
@@ -105,7 +107,8 @@ def main() -> None:
                 record(steps.global_step - 1)
                 if stats.finite:
                     optimizer.step()
-        torch.save(model.state_dict(), args.out / f"{args.replica_id}.pt")
+        on_cpu = {name: value.cpu() for name, value in model.state_dict().items()}
+        torch.save(on_cpu, args.out / f"{args.replica_id}.pt")
 
 
 if __name__ == "__main__":

@@ -292,12 +292,13 @@ class TellsUnits(SimulatedCost):
 
 
 def simulated_costs(rank, world_size):
-    """Rank 1 costs 5 ms per step and 10 ms per example more than rank 0: the units each step held, as the
-    clock was told them, and what the ranks reported as busy, beside the split."""
+    """Rank 1 costs 5 ms per step and 20 ms per example more than rank 0 (far above what a loaded machine's noise
+    adds to either): the units each step held, as the clock was told them, and what the ranks reported as busy,
+    beside the split."""
     import hsync
 
     model = hsync.WeightedDDP(make_model())
-    clock = TellsUnits(0.005, 0.010) if rank == 1 else TellsUnits(0.0, 0.0)
+    clock = TellsUnits(0.005, 0.020) if rank == 1 else TellsUnits(0.0, 0.0)
     config = hsync.BalanceConfig(global_batch_size=12, warmup_steps=1, probe_steps=1, replan_every=3)
     balancer = hsync.Balancer(model, 60, config, clock=clock)
     splits, busy = [], []
@@ -316,7 +317,7 @@ def test_a_clock_is_told_each_steps_units_and_a_simulated_cost_counts_as_busy():
     (told_0, splits, busy), (told_1, _, _) = run_ranks(simulated_costs, 2, timeout=120)
     assert told_0 == [split[0] for split in splits] and told_1 == [split[1] for split in splits], (told_0, splits)
     for before, (_, slept) in zip(splits[1:], busy, strict=False):  # rank 1's report is of the step before
-        assert slept >= 0.005 + 0.010 * before[1], (before, slept)
+        assert slept >= 0.005 + 0.020 * before[1], (before, slept)
     assert splits[-1][0] > splits[-1][1], "the costly rank gets fewer examples"
 
 
