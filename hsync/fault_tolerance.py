@@ -258,6 +258,9 @@ class FaultTolerantSteps:
         """hsync's group over the replicas of the new quorum, the module wrapped there, and a Balancer from the
         last committed position."""
         self._drop_group()
+        if self._quorum.pending is None:  # torchft moves to a new quorum after a step that did not commit
+            raise RuntimeError("hsync.fault_tolerance: torchft kept the quorum of a step that did not commit, so "
+                               "there is no store prefix to build a new group on")
         store_address, rank, world_size = self._quorum.pending
         self._quorum.pending = None
         try:  # gloo for hsync's channels; on a GPU the engine builds its own NCCL communicator over the store

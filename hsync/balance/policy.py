@@ -18,8 +18,9 @@ models (Note [Robust fit]) pass through each rank's recent operating point, so t
 wrong as the local slope, and plans converge on the split whose steps measure equal. The required
 gain is min_gain or, if larger, the noise of the median step time measured under the plan in force
 (over a window of ten steps or more, so that a change does not pass for noise), or twice the error of
-the ranks' median times per unit: ranks whose fitted rates differ by no more than the noise of their
-measurement are equal ranks, and keep an equal split. A single slow step (a straggler, a garbage
+the ranks' median times per unit, each weighed by the rank's share of the step time (a fast rank's tiny
+work is noisy relative to itself but moves the step little): ranks whose fitted rates differ by no more
+than the noise of their measurement are equal ranks, and keep an equal split. A single slow step (a straggler, a garbage
 collection, a checkpoint written) moves nothing, as medians ignore it; a change needs five steps in a
 row that stray from the model, the same way, by more than the spread of a rank's single steps (with
 less, noise alone made one every few hundred steps of equal simulated ranks).
@@ -283,7 +284,11 @@ class Policy:
             rates = _ratio(busy, units, valid)[:, measured]
             low, middle, high = np.nanpercentile(rates, [25, 50, 75], axis=0)
             spreads = (high - low) / middle
-            self._rate_error = float((_MEDIAN_ERROR * spreads / np.sqrt(counts[measured])).max())
+            # A rank's error in the step's terms: a rank whose own work is a small part of the step (a fast rank
+            # beside a slow one) is noisy relative to itself, and moves the step's prediction little.
+            share = _column_medians(busy, valid, np.zeros(busy.shape[1]))[measured]
+            share = share / max(float(share.max()), 1e-12)
+            self._rate_error = float((_MEDIAN_ERROR * spreads * share / np.sqrt(counts[measured])).max())
             self._step_spread = float(spreads.max())
 
     def _surprise(self) -> float:
