@@ -125,8 +125,9 @@ def _run_torchft_job(out: Path, variant: str, steps: int, kills: dict[int, int],
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     deadline, done_at = time.monotonic() + JOB_LIMIT_S, None
+    running: dict[int, subprocess.Popen] = {}
     try:
-        running = {g: start(g, victims.get(g)) for g in range(GROUPS)}
+        running.update({g: start(g, victims.get(g)) for g in range(GROUPS)})
         restarted = set()
         while running:
             if done_at is not None and time.monotonic() > done_at + STRAGGLER_S:
