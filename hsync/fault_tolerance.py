@@ -162,7 +162,6 @@ class FaultTolerantSteps:
         self._wrap_options = dict(wrap_options or {})
         self._timeout = datetime.timedelta(seconds=resolve_timeout(config.timeout))
         self._wrap_options.setdefault("timeout", self._timeout)
-        self._device = next(module.parameters()).device
         # Where the loop is, as of the last committed step: what a new Balancer starts from.
         self._position: dict | None = None
         self._epoch = 0
