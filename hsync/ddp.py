@@ -536,7 +536,7 @@ class WeightedDDP(DistributedDataParallel):
 
     @property
     def join_process_group(self) -> dist.ProcessGroup | None:
-        return self.process_group
+        return self._join.process_group()  # Join's collectives under hsync's deadline: hsync/join.py
 
     def backward(
         self,

@@ -3,14 +3,18 @@
 Note [Join] (csrc/engine.h) says what a joined rank shadows and why weighted steps stay exact; Note [Sharded
 steps under Join] (hsync/sharding/optimizer.py) what a ShardedOptimizer adds. The wrapper calls this module at
 three points only: before each forward's collectives (before_forward), before a backward (check_backward), and
-through the join hook torch's Join runs on a joined rank (ShadowSteps).
+through the join hook torch's Join runs on a joined rank (ShadowSteps). torch's Join itself reduces over the
+model's JoinGroup, so its collectives have hsync's deadline too.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
 from torch.distributed.algorithms.join import Join, JoinHook
 
 from hsync.collectives import Channels
@@ -34,10 +38,21 @@ class JoinState:
         # With a ShardedOptimizer, what this rank owes Note [Sharded steps under Join]: "announce" or "step"
         # (active), "shadow" (joined), or nothing.
         self.sharded_step: str | None = None
+        self._group: JoinGroup | None = None  # what torch's Join reduces over: the model's join_process_group
 
     def engine_rebuilt(self) -> None:
-        """A new engine has not been told how plain steps divide."""
+        """A new engine has not been told how plain steps divide (and may have a new group)."""
         self.plain_steps = None
+        self._group = None
+
+    def process_group(self) -> JoinGroup | None:
+        """The group torch's Join is given for the model's process group (None once that was destroyed)."""
+        group = self.model.process_group
+        if group is None:
+            return None
+        if self._group is None or not self._group.stands_for(group):
+            self._group = JoinGroup(self.model, group)
+        return self._group
 
     def before_forward(self, synced: bool, buffers_due: bool) -> int:
         """An active rank's share of the protocol before its forward's collectives: the engine told how plain steps
@@ -149,6 +164,50 @@ class JoinState:
         tensors = [p.detach() for p in reduced_parameters(model.module)]
         tensors += model._synced_buffers() if model.forward_sync_buffers else []
         model._ensure_engine().broadcast_coalesced(tensors, root)
+
+
+class JoinGroup(dist.ProcessGroup):
+    """The process group a WeightedDDP gives torch's Join (join_process_group). Join's own all-reduces (an active
+    rank's "not joined yet" at each forward, the joined ranks' count of those, the early-termination flag) go
+    through the model's channel, under hsync's deadline and with its error naming the peer, instead of over the
+    process group, where a stopped peer holds them to the group's timeout, and on NCCL for ever (a kernel that
+    never ends on the device). Each is synchronous (Join waits for all but the forward's flag, which hsync's own
+    exchange follows at once). A torch joinable over the model's process group (a ZeroRedundancyOptimizer) may join
+    beside the model: the two groups do not differ for Join."""
+
+    def __init__(self, model: WeightedDDP, group: dist.ProcessGroup) -> None:
+        super().__init__(model.rank, model.world_size)
+        self._model = weakref.ref(model)  # torch.distributed's registry holds this group until the world ends
+        self._group = weakref.ref(group)
+        # Known to torch.distributed as `group` is (its ranks, backend and store), for what Join and
+        # torch's collective functions ask of a group: its rank, and its backend when a collective fails.
+        world = dist.distributed_c10d._world
+        world.pg_group_ranks[self] = {r: i for i, r in enumerate(dist.get_process_group_ranks(group))}
+        if group in world.pg_map:
+            world.pg_map[self] = world.pg_map[group]
+
+    def stands_for(self, group: dist.ProcessGroup) -> bool:
+        return self._group() is group
+
+    def __ne__(self, other: object) -> bool:
+        # Join refuses joinables whose groups differ (`!=`); a torch joinable over the model's group is alike.
+        return not (other is self or self.stands_for(other))
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None) -> dist.Work:
+        model = self._model()
+        if model is None or len(tensors) != 1 or (opts is not None and opts.reduceOp != dist.ReduceOp.SUM):
+            raise RuntimeError("hsync: a WeightedDDP's join_process_group carries torch's Join flags only (one "
+                               "tensor, summed, while the model lives): reduce other tensors over "
+                               "model.process_group")
+        (flags,) = tensors
+        with model.waiting_for_peers():
+            flags.copy_(Channels.of_model(model).all_reduce_sum(flags, "torch's Join flags"))
+        done = torch.futures.Future()
+        done.set_result(tensors)
+        return _create_work_from_future(done)
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return "hsync"
 
 
 class ShadowSteps(JoinHook):

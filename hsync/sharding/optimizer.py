@@ -189,7 +189,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @property
     def join_process_group(self) -> Any:
-        return self._model.process_group
+        return self._model.join_process_group
 
     def _tell_joined_ranks(self, clip: tuple[float, float] | None) -> bool:
         """On a rank still active under Join, at clip_grad_norm_ or step: tells the joined ranks, once per step,

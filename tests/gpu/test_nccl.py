@@ -150,18 +150,14 @@ def test_nccl_a_fast_rank_does_not_count_its_waits_for_a_slow_one(case):
     test_busy_time.check_busy_times(results, slow_rank)
 
 
-# Known to hang (an H100, 2026-11-26): torch's Join all-reduces a flag on torch's NCCL group at every forward, on
-# the device; with the peer stopped that kernel never ends, and hsync's stuck exchange beside it was not freed in
-# 90 s. Strict: once it passes, the mark must go.
-JOIN_UNDER_NCCL = pytest.mark.xfail(strict=True, reason="torch's own Join all-reduce hangs on the device with a "
-                                                          "stopped peer (docs/failures.md)")
-
-
 @pytest.mark.parametrize(("where", "how"), [
-    ("sum-over-ranks", "stop"), pytest.param("join", "stop", marks=JOIN_UNDER_NCCL), ("sum-over-ranks", "kill")])
+    ("sum-over-ranks", "stop"), ("join", "stop"), ("joined", "stop"), ("sum-over-ranks", "kill")])
 def test_nccl_a_lost_peer_ends_hsyncs_other_collectives_within_the_deadline(where, how):
-    # sum_over_ranks over an NCCL group goes through an NCCL communicator of hsync's, Join's exchange through the
-    # model's: the watchdog aborts a stuck one at the deadline, and the host's copy of the result returns.
+    # sum_over_ranks over an NCCL group goes through an NCCL communicator of hsync's, Join's collectives (torch's
+    # Join's flags too: hsync/join.py's JoinGroup) through the model's: the watchdog aborts a stuck one at the
+    # deadline, and the host's copy of the result returns. No kernel of torch's NCCL group is left on the
+    # device: torch's Join all-reduced its flag there, and with a stopped peer it never ended (an H100,
+    # 2026-11-26).
     survivor = run_ranks_with_victim(test_deadlines.collective_without_its_peer, 2, test_deadlines.VICTIM, where,
                                      how, "cuda", env=SOCKET_ENV, backend="nccl", timeout=30, until_exit=False)[0]
     assert survivor.error is not None, f"the survivor raised nothing: {survivor}"
