@@ -9,6 +9,7 @@ bounds every run: a rank that hangs fails the test instead of stalling the suite
 from __future__ import annotations
 
 import contextlib
+import datetime
 import multiprocessing as mp
 import os
 import pickle
@@ -57,6 +58,10 @@ def _entry(rank: int, world_size: int, port: int, backend: str, env: dict[str, s
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        # Every rank connected before any runs fn: one that closed its group at once (a test of a program that
+        # starts its own) would fail a peer still connecting ("Gloo connectFullMesh failed ... closed by peer").
+        store.set(f"connected/{rank}", "1")
+        store.wait([f"connected/{r}" for r in range(world_size)], datetime.timedelta(seconds=60))
         value = fn(rank, world_size, *args)
         results.put((rank, True, pickle.dumps(value)))
         finished = True
