@@ -364,6 +364,22 @@ def _mixed_compute(name: str, device: torch.device, repeats: list[int], rounds: 
     extra |= {f"{v}_samples_per_s": global_batch / med[v] for v in med if v.startswith("fixed-")}
     extra |= {f"plan_rank{r}": n for r, n in enumerate(balancer.last_plan)}
     extra["plan_changes"] = split_log.changes()
+    # The fits a user reads (fitted_costs()) beside each rank's step timed alone at a sweep of shares, and the
+    # attainable step those give.
+    extra |= fitted_costs(balancer)
+    torch.manual_seed(0)
+    bare = workload.make_model()
+    bare_optimizer = torch.optim.SGD(bare.parameters(), lr=1e-4)
+
+    def step_alone(n: int) -> None:
+        loss_of(bare, list(range(n))).backward()
+        bare_optimizer.step()
+        bare_optimizer.zero_grad()
+
+    extra |= attainable(step_alone, global_batch, dd, hs, steps, device)
+    for r in range(world):
+        extra[f"fit_vs_alone_per_example_rank{r}"] = (extra[f"fitted_per_example_s_rank{r}"]
+                                                      / extra[f"alone_per_example_s_rank{r}"])
     return Result(name, hs, dd, NAN, p90["hsync"], p90["ddp"], NAN, global_batch, extra=extra)
 
 

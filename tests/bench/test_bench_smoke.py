@@ -81,6 +81,9 @@ def test_quick_benchmark_writes_results(tmp_path):
     sweep = {key: value for key, value in extra.items() if key.startswith("fixed-")}
     assert len(sweep) >= 2 and extra["oracle_samples_per_s"] == max(sweep.values()), extra
     assert extra["auto_vs_oracle"] > 0 and extra["plan_rank0"] + extra["plan_rank1"] == 8, extra
+    attained(extra)  # and the fits beside each rank's step alone
+    assert all(extra[f"fit_vs_alone_per_example_rank{r}"] == pytest.approx(
+        extra[f"fitted_per_example_s_rank{r}"] / extra[f"alone_per_example_s_rank{r}"]) for r in range(2)), extra
 
 
 def attained(extra: dict) -> None:
