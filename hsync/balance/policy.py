@@ -20,10 +20,14 @@ gain is min_gain or, if larger, the noise of the median step time measured under
 (over a window of ten steps or more, so that a change does not pass for noise), or twice the error of
 the ranks' median times per unit, each weighed by the rank's share of the step time (a fast rank's tiny
 work is noisy relative to itself but moves the step little): ranks whose fitted rates differ by no more
-than the noise of their measurement are equal ranks, and keep an equal split. A single slow step (a straggler, a garbage
-collection, a checkpoint written) moves nothing, as medians ignore it; a change needs five steps in a
-row that stray from the model, the same way, by more than the spread of a rank's single steps (with
-less, noise alone made one every few hundred steps of equal simulated ranks).
+than the noise of their measurement are equal ranks, and keep an equal split. So do ranks whose best split
+the fitted models predict no faster than the equal one by more than the required gain: a plan away from
+equal goes back to it then (after a rank's transient slowdown, say, when the models, fitted around the
+uneven split, still lean a little its way), if the equal split is predicted no slower than the plan in
+force. A single slow step (a straggler, a garbage collection, a checkpoint written) moves nothing, as
+medians ignore it; a change needs five steps in a row that stray from the model, the same way, by more
+than the spread of a rank's single steps (with less, noise alone made one every few hundred steps of
+equal simulated ranks).
 
 Predictions can still be wrong where ranks share a machine: moving work from one rank to another then
 slows both. A plan whose first steps measure slower than predicted (by more than twice the required gain, and
@@ -222,8 +226,9 @@ class Policy:
         self._measure_noise()
         effective = max(step + 1, first_free_step)
         candidate = [RankCost(float(f), float(p), float(c)) for f, p, c in zip(fixed, per_unit, caps, strict=True)]
+        equal = [RankCost(0.0, 1.0, float(c)) for c in caps]
         if not self._plans:
-            self._adopt(effective, [RankCost(0.0, 1.0, float(c)) for c in caps], checked=True)
+            self._adopt(effective, equal, checked=True)
             return
         current = self._plans[-1]
         if current.trial_of is not None:
@@ -238,12 +243,20 @@ class Policy:
                 return
         new_time = split_time(costs, candidate, candidate)
         old_time = split_time(costs, current.models, candidate)
-        if new_time <= (1 - self._gain()) * old_time:
-            # What the models leave out (the slowest of noisy ranks sets the step) shows in how the plan in
-            # force measured against its prediction: the new plan is expected to measure alike.
-            measured = self._window_times()
-            scale = _median(measured) / old_time if len(measured) >= _QUORUM else 1.0
-            self._adopt(effective, candidate, predicted=new_time * scale)
+        equal_time = split_time(costs, equal, candidate)
+        if equal_time <= (1 + self._gain()) * new_time:
+            # The best split beats the equal one by no more than the noise: equal ranks, as far as can be told,
+            # and they keep (or go back to) the equal split, where noise can move nothing.
+            if current.models != equal and equal_time <= old_time:
+                self._adopt(effective, equal, predicted=equal_time * self._measured_over(old_time))
+        elif new_time <= (1 - self._gain()) * old_time:
+            self._adopt(effective, candidate, predicted=new_time * self._measured_over(old_time))
+
+    def _measured_over(self, predicted: float) -> float:
+        """How the plan in force measured against `predicted`, its step time by the new models: what the models
+        leave out (the slowest of noisy ranks sets the step), which a new plan is expected to measure alike."""
+        measured = self._window_times()
+        return _median(measured) / predicted if len(measured) >= _QUORUM else 1.0
 
     def _end_trial(self, effective: int) -> None:
         """The faster of a trial and the plan it re-measured against stays (Note [Balancing policy])."""
