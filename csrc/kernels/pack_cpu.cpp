@@ -66,6 +66,12 @@ constexpr int64_t kStagedMinimum = 4096;
 // the baseline ISA, a single pass where the staged cast (Note [Staged cast]) takes three. The flag is the
 // written value's: a NaN or infinity read, or a finite value that rounds to infinity, all end with the
 // exponent's bits set (the scale is finite, so a value read is non-finite exactly when its product is).
+// With the baseline's 128-bit vectors the loop is compute-bound (16 MiB in 1.6 ms on the development VM's
+// EPYC, a copy of the same floats 1.2 ms); an AVX2 clone, chosen at load time where the CPU has it, halves
+// that (0.9 ms), below the copy. The float32 pack gains nothing from it: it is memory-bound already.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
 bool scale_to_bfloat16(const float* in, c10::BFloat16* out, int64_t begin, int64_t end, float scale) {
   uint32_t nonfinite = 0;
   for (int64_t i = begin; i < end; ++i) {
