@@ -21,13 +21,13 @@ gain is min_gain or, if larger, the noise of the median step time measured under
 the ranks' median times per unit, each weighed by the rank's share of the step time (a fast rank's tiny
 work is noisy relative to itself but moves the step little): ranks whose fitted rates differ by no more
 than the noise of their measurement are equal ranks, and keep an equal split. So do ranks whose best split
-the fitted models predict no faster than the equal one by more than the required gain: a plan away from
-equal goes back to it then (after a rank's transient slowdown, say, when the models, fitted around the
-uneven split, still lean a little its way), if the equal split is predicted no slower than the plan in
-force. A single slow step (a straggler, a garbage collection, a checkpoint written) moves nothing, as
-medians ignore it; a change needs five steps in a row that stray from the model, the same way, by more
-than the spread of a rank's single steps (with less, noise alone made one every few hundred steps of
-equal simulated ranks).
+the fitted models predict no faster than the equal one by more than the noise: a plan away from equal
+goes back to it then (after a rank's transient slowdown, say, when the models, fitted around the uneven
+split, still lean a little its way), if the equal split is predicted no slower than the plan in force,
+and unless such a move back measured worse since the last change (below). A single slow step (a
+straggler, a garbage collection, a checkpoint written) moves nothing, as medians ignore it; a change
+needs five steps in a row that stray from the model, the same way, by more than the spread of a rank's
+single steps (with less, noise alone made one every few hundred steps of equal simulated ranks).
 
 Predictions can still be wrong where ranks share a machine: moving work from one rank to another then
 slows both. A plan whose first steps measure slower than predicted (by more than twice the required gain, and
@@ -106,6 +106,7 @@ class Policy:
         self._plans: list[_Plan] = []
         self._decided_at = -1
         self._required_gain = config.min_gain
+        self._equal_refuted = False  # whether the equal split, gone back to, measured worse (until a change)
         world = config.world_size
         history = max(64, 2 * config.replan_every)
         self._units = np.zeros((history, world))
@@ -208,6 +209,7 @@ class Policy:
         changed = bool(np.any(np.all(valid & (stray > limit), axis=0) | np.all(valid & (stray < -limit), axis=0)))
         if changed:
             self._window_from = self._regime_from = int(steps[0])
+            self._equal_refuted = False
         return changed
 
     def decide(self, step: int, costs: Sequence[float], first_free_step: int, caps: Sequence[float]) -> None:
@@ -244,10 +246,10 @@ class Policy:
         new_time = split_time(costs, candidate, candidate)
         old_time = split_time(costs, current.models, candidate)
         equal_time = split_time(costs, equal, candidate)
-        if equal_time <= (1 + self._gain()) * new_time:
+        if equal_time <= (1 + self._noise_gain()) * new_time and not self._equal_refuted:
             # The best split beats the equal one by no more than the noise: equal ranks, as far as can be told,
             # and they keep (or go back to) the equal split, where noise can move nothing.
-            if current.models != equal and equal_time <= old_time:
+            if not _is_equal(current.models) and equal_time <= old_time:
                 self._adopt(effective, equal, predicted=equal_time * self._measured_over(old_time))
         elif new_time <= (1 - self._gain()) * old_time:
             self._adopt(effective, candidate, predicted=new_time * self._measured_over(old_time))
@@ -265,6 +267,7 @@ class Policy:
         if len(trial.times) >= _QUORUM and len(challenged.times) >= _QUORUM and (
                 (1 + self._gain()) * _median(trial.times[-_QUORUM:]) < _median(challenged.times[-_QUORUM:])):
             self._required_gain = min(_MOST_GAIN, 2 * self._required_gain)  # the move was wrong: be warier
+            self._equal_refuted |= _is_equal(challenged.models)
         else:
             self._adopt(effective, challenged.models, checked=True)
 
@@ -276,7 +279,12 @@ class Policy:
     def _gain(self) -> float:
         """The gain a new plan must promise: min_gain (more after a wrong move), or what the noise of the step
         times or of the ranks' fitted rates could promise alone, if larger (Note [Balancing policy])."""
-        return max(self._required_gain, self._noise, _MODEL_ERRORS * self._rate_error)
+        return max(self._required_gain, self._noise_gain())
+
+    def _noise_gain(self) -> float:
+        """What the noise of the step times or of the ranks' fitted rates could promise alone, or min_gain: the
+        gain within which two plans are alike (without the wariness that wrong moves add)."""
+        return max(self.config.min_gain, self._noise, _MODEL_ERRORS * self._rate_error)
 
     def _measure_noise(self) -> None:
         """The noise of the median step time over the window (twice its standard error, from the spread between
@@ -373,6 +381,7 @@ class Policy:
                        "predicted": p.predicted, "times": list(p.times), "checked": p.checked,
                        "trial_of": index(p.trial_of)} for p in self._plans],
             "decided_at": self._decided_at, "decisions": self.decisions, "required_gain": self._required_gain,
+            "equal_refuted": self._equal_refuted,
             "units": self._units[rows].tolist(), "busy": self._busy[rows].tolist(), "steps": self._steps[rows].tolist(),
             "fixed": self._fixed.tolist(),
             "reference": None if self._reference is None else [a.tolist() for a in self._reference],
@@ -392,6 +401,7 @@ class Policy:
             plan.trial_of = None if saved["trial_of"] is None else self._plans[saved["trial_of"]]
         self._decided_at, self.decisions = state["decided_at"], state["decisions"]
         self._required_gain = state["required_gain"]
+        self._equal_refuted = state.get("equal_refuted", False)  # not in checkpoints of earlier releases
         count = min(len(state["steps"]), len(self._steps))  # a shorter history (replan_every changed) keeps the last
         self._rows = count
         for ours, theirs in ((self._units, state["units"]), (self._busy, state["busy"]), (self._steps, state["steps"])):
@@ -403,6 +413,11 @@ class Policy:
         self._noise = state["noise"]
         # Checkpoints of earlier releases measured neither: the next window's measurement fills them in.
         self._rate_error, self._step_spread = state.get("rate_error", 0.0), state.get("step_spread", 0.0)
+
+
+def _is_equal(models: Sequence[RankCost]) -> bool:
+    """Whether `models` are the equal split's (whatever their micro-batch caps)."""
+    return all(m.fixed_s == 0.0 and m.per_unit_s == 1.0 for m in models)
 
 
 def _median(values: Sequence[float]) -> float:

@@ -57,6 +57,33 @@ def test_equal_ranks_go_back_to_the_equal_split_after_a_transient_slowdown(fixed
         assert all(p == [32, 32] for p in run.plans[150:]), (seed, changes_of(run.plans))
 
 
+class EqualSplitContended(SimulatedCluster):
+    """From step `since` on, the equal split makes both ranks' steps `factor` times as long (ranks on one machine
+    whose equal shares contend for it): the equal split looks best to the models and measures worse."""
+
+    def __init__(self, ranks, changes, since: int, factor: float, **kwargs) -> None:
+        super().__init__(ranks, changes, **kwargs)
+        self.since, self.factor = since, factor
+
+    def busy(self, step, units):
+        times = super().busy(step, units)
+        return times * (self.factor if step >= self.since and units[0] == units[1] else 1.0)
+
+
+def test_a_move_back_to_the_equal_split_that_measured_worse_is_not_tried_again():
+    # The slowdown of the test above, after which the equal split contends: the one move back to it measures
+    # slower than predicted, the plan it replaced comes back, and the plan then settles off equal, where steps are
+    # fastest, instead of trying the equal split again at every decision.
+    for seed in range(3):
+        cluster = EqualSplitContended([SimulatedRank(0.01, 1e-3, 0.02)] * 2,
+                                      [SpeedChange(60, 1, 2.0), SpeedChange(90, 1, 0.5)], since=95, factor=1.6,
+                                      seed=seed)
+        run, _ = cluster.run(PolicyConfig(2), EQUAL_64, 300)
+        back_to_equal = [s for s, p in changes_of(run.plans) if s > 90 and p == [32, 32]]
+        assert len(back_to_equal) <= 1, (seed, changes_of(run.plans))
+        assert run.plans[-1] != [32, 32] and abs(run.plans[-1][0] - 32) <= 3, (seed, changes_of(run.plans))
+
+
 def test_a_straggler_moves_nothing():
     # Equal ranks, and every fortieth step of rank 1 takes five times as long.
     cluster = SimulatedCluster([SimulatedRank(0.01, 1e-3, 0.02)] * 2, straggler_rate=1 / 40, straggler_factor=5.0,
