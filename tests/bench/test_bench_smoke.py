@@ -81,15 +81,19 @@ def test_quick_benchmark_writes_results(tmp_path):
     sweep = {key: value for key, value in extra.items() if key.startswith("fixed-")}
     assert len(sweep) >= 2 and extra["oracle_samples_per_s"] == max(sweep.values()), extra
     assert extra["auto_vs_oracle"] > 0 and extra["plan_rank0"] + extra["plan_rank1"] == 8, extra
-    attained(extra)  # and the fits beside each rank's step alone
+    # And the fits beside each rank's step alone. Which rank's real work is dearer per example is not judged: a
+    # sweep of 1 to 7 examples on a loaded machine can fit the slopes either way round.
+    attained(extra, ordered=False)
     assert all(extra[f"fit_vs_alone_per_example_rank{r}"] == pytest.approx(
         extra[f"fitted_per_example_s_rank{r}"] / extra[f"alone_per_example_s_rank{r}"]) for r in range(2)), extra
 
 
-def attained(extra: dict) -> None:
-    """An affine row's attainable step: each rank's step alone fitted (the simulated 2 and 4 ms per example
-    within their real work's noise), the best split of 8 examples found, and the throughput set against it."""
-    assert 0 < extra["alone_per_example_s_rank0"] < extra["alone_per_example_s_rank1"], extra
+def attained(extra: dict, ordered: bool = True) -> None:
+    """A row's attainable step: each rank's step alone fitted (`ordered`: rank 1's dearer per example, as the
+    simulated 2 and 4 ms are beyond their real work's noise), the best split of 8 examples found, and the
+    throughput set against it."""
+    per_example = [extra[f"alone_per_example_s_rank{r}"] for r in range(2)]
+    assert all(p > 0 for p in per_example) and (per_example[0] < per_example[1] or not ordered), extra
     assert 1 <= extra["attainable_rank0"] <= 7 and extra["attainable_step_s"] > 0, extra
     assert math.isclose(extra["of_attainable"], extra["attainable_step_s"] * extra["hsync_samples_per_s"] / 8), extra
 
