@@ -304,7 +304,9 @@ void Engine::set_join_plain_step(const std::optional<at::Tensor>& scalars, bool 
 // division would be a second pass over every gradient after the last all-reduce, while the
 // wait for N hides behind the first gradient's computation: views scale before the sum too. On
 // GPU the wait is the device's, not the host's (the compute stream waits for the scalars'
-// all-reduce), so GPU steps scale before the sum as described above.
+// all-reduce), so GPU steps scale before the sum as described above, and issue the scalars'
+// all-reduce at the first gradient, right before the stream waits for it:
+// Note [A host that blocks] in busy_clock.h.
 void Engine::start_weighted_step(const at::Tensor& scalars, const at::Tensor& ref_weight,
                                  bool scale_by_world_size) {
   start_step();
@@ -314,15 +316,20 @@ void Engine::start_weighted_step(const at::Tensor& scalars, const at::Tensor& re
   step_.pack_scale_resolved = scale_by_world_size;
   step_.normalise_at_write_back = defer_normalisation_ && !scale_by_world_size;
   if (step_.normalise_at_write_back) step_.pack_scale = step_.ref_weight;
-  if (defer_normalisation_) {
-    step_.scalars_due = true;  // issued with the first bucket: Note [Deferred normalisation]
-  } else {
-    step_.scalars_seq = comm_->all_reduce_sum(scalars, Purpose::kStepScalars);
-  }
+  step_.scalars_due = true;
+  // On the CPU, without deferring, gloo's threads carry the scalars while the backward computes.
+  if (!defer_normalisation_ && !device_.is_cuda()) issue_due_step_scalars();
+}
+
+void Engine::issue_due_step_scalars() {
+  if (!step_.scalars_due) return;
+  step_.scalars_seq = comm_->all_reduce_sum(step_.scalars, Purpose::kStepScalars);
+  step_.scalars_due = false;
 }
 
 void Engine::resolve_pack_scale() {
   if (step_.pack_scale_resolved) return;
+  issue_due_step_scalars();
   {
     const PeerWait wait(clock_);  // for the slowest rank's forward: Note [Busy time]
     comm_->synchronize_through(step_.scalars_seq);
@@ -477,10 +484,7 @@ void Engine::pack(size_t index, const at::Tensor& grad) {
 
 void Engine::launch_complete_buckets() {
   while (step_.next_bucket < buckets_.size() && buckets_[step_.next_bucket].pending == 0) {
-    if (step_.scalars_due) {
-      step_.scalars_seq = comm_->all_reduce_sum(step_.scalars, Purpose::kStepScalars);
-      step_.scalars_due = false;
-    }
+    issue_due_step_scalars();  // before every bucket's, on every rank
     Bucket& bucket = buckets_[step_.next_bucket];
     if (step_.failed) bucket.nonfinite_flag.fill_(1);  // Note [A backward that fails]
     if (hook_chain_) {  // the flags and used marks stay hsync's, the values go to the hook: Note [Hook order]

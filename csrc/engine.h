@@ -87,7 +87,7 @@ struct Step {
   at::Tensor tails_on_host;            // the reduced bucket tails, copied once (GPU)
   at::Tensor scalars;                  // a weighted step's scalars, reduced in place
   uint64_t scalars_seq = 0;            // their all-reduce's sequence number
-  bool scalars_due = false;            // their all-reduce waits for the first bucket's
+  bool scalars_due = false;            // their all-reduce is not issued yet
   at::Tensor scalars_host;             // their copy on the host (GPU only)
   std::optional<c10::Event> scalars_copied;
   at::Tensor ref_weight;               // the weight local gradients are expressed in
@@ -185,6 +185,7 @@ class Engine {
   void skip_unused(size_t index);          // Note [Step lifecycle]
   void refuse_a_late_gradient(size_t index);  // Note [Nested backwards]
   void resolve_pack_scale();               // caller holds mutex_
+  void issue_due_step_scalars();           // caller holds mutex_
   void pack(size_t index, const at::Tensor& grad);
   void launch_complete_buckets();
   void set_hooked_buckets();               // Note [Hook order]

@@ -1,6 +1,5 @@
 """StepStats.busy_seconds counts a rank's own work, not its waits for a slower peer (Note [Busy time])."""
 
-import statistics
 import time
 
 import pytest
@@ -58,8 +57,9 @@ def check_busy_times(results: list[list[float | None]], slow_rank: int) -> None:
             # Its sleep is its own time: it lies between its previous step's end and its backward.
             assert min(measured) >= 0.95 * SLEEP_S, f"the slow rank's busy times {measured}"
         else:
-            # Its own work takes milliseconds; the peer's sleep, had it been counted, SLEEP_S.
-            assert statistics.median(measured) < SLEEP_S / 2, (
+            # Its own work takes milliseconds; the peer's sleep, had it been counted, SLEEP_S. Every step:
+            # on a GPU the first measured one once counted it (Note [A host that blocks] in csrc/busy_clock.h).
+            assert max(measured) < SLEEP_S / 2, (
                 f"the fast rank's busy times {measured} count its waits for the slow rank ({SLEEP_S} s)")
 
 
