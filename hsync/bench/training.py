@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -25,6 +26,7 @@ def time_variants(workload: Workload, rounds: int, steps: int, device: torch.dev
     g = torch.Generator().manual_seed(rank)
     batches = [workload.make_batch(g) for _ in range(4)]
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    floor_queued = []  # the bare model's steps: seconds until the host had queued all of it
     for round_index in range(rounds + 1):  # round 0 warms up (and lets hsync rebuild its buckets)
         for variant, (net, opt) in models.items():
             for step in range(steps):
@@ -32,9 +34,14 @@ def time_variants(workload: Workload, rounds: int, steps: int, device: torch.dev
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 started = time.perf_counter()
-                train_step(variant, workload, net, opt, batches[step % len(batches)], device)
+                train_step(variant, workload, net, opt, batches[step % len(batches)])
+                queued = time.perf_counter()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 if round_index:
                     times[variant].append(time.perf_counter() - started)
+                    if variant == "nosync":
+                        floor_queued.append(queued - started)
     ours = models["hsync"][0]
     params = [p for p in ours.module.parameters() if p.requires_grad]  # what bucket_params indexes
     largest_bucket = max(sum(params[i].numel() * (workload.comm_dtype or params[i].dtype).itemsize for i in bucket)
@@ -45,10 +52,20 @@ def time_variants(workload: Workload, rounds: int, steps: int, device: torch.dev
                           if can_measure else [NAN] * len(MEMORY_VARIANTS), dtype=torch.float64)
     memory = channel.max_over_ranks(memory, "the benchmark's peak memory")
     med, p90 = slowest_rank_quantiles(times)
+    extra = {"largest_bucket_mib": largest_bucket / MIB} | launch_bound(floor_queued, times["nosync"], device)
     return Result(workload.name, med["hsync"], med["ddp"], med["nosync"], p90["hsync"], p90["ddp"], p90["nosync"],
                   workload.samples * dist.get_world_size(), med["hsync_plain"], p90["hsync_plain"],
                   peak_memory_mb=dict(zip(MEMORY_VARIANTS, memory.tolist(), strict=True)) if can_measure else {},
-                  extra={"largest_bucket_mib": largest_bucket / MIB})
+                  extra=extra)
+
+
+def launch_bound(queued: list[float], steps: list[float], device: torch.device) -> dict[str, float]:
+    """On a GPU, how much of the floor's step the host took to queue it (`floor_host_share`, medians): near 1,
+    the device waits for kernel launches and the host sets the pace; well below, the step keeps the GPU busy.
+    (On the CPU the host does the work: no such share.)"""
+    if device.type != "cuda":
+        return {}
+    return {"floor_host_share": statistics.median(queued) / statistics.median(steps)}
 
 
 def training_memory_mb(variant: str, workload: Workload, batches: list[tuple], device: torch.device) -> float:
@@ -65,7 +82,7 @@ def training_memory_mb(variant: str, workload: Workload, batches: list[tuple], d
 
     def train(batches: list[tuple]) -> None:
         for batch in batches:
-            train_step(variant, workload, net, opt, batch, device)
+            train_step(variant, workload, net, opt, batch)
 
     train(batches[:2])
     kept = live_bytes(device) - before

@@ -94,16 +94,15 @@ def mover_workload(device: torch.device, count: int) -> Workload:
 
 
 def finish_step(net: nn.Module, loss: torch.Tensor, weight: int | None, opt: torch.optim.Optimizer,
-                device: torch.device, keep_grads: bool = False) -> None:
-    """Backward (weighted through hsync when a weight is given), optimizer step, and on GPU a sync."""
+                keep_grads: bool = False) -> None:
+    """Backward (weighted through hsync when a weight is given) and optimizer step, queued: on a GPU the
+    caller waits for the device."""
     if weight is None:
         loss.backward()
     else:
         net.backward(loss, weight=weight)
     opt.step()
     opt.zero_grad(set_to_none=not keep_grads)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def wrap(variant: str, net: nn.Module, workload: Workload, device: torch.device) -> nn.Module:
@@ -151,10 +150,10 @@ def ddp_with_hook(model: DistributedDataParallel, comm_dtype: torch.dtype | None
     return model
 
 
-def train_step(variant: str, workload: Workload, net: nn.Module, opt: torch.optim.Optimizer, batch: tuple,
-               device: torch.device) -> None:
+def train_step(variant: str, workload: Workload, net: nn.Module, opt: torch.optim.Optimizer, batch: tuple) -> None:
+    """One step of `variant`, queued (on a GPU the device may still be running it)."""
     loss = workload.loss(net, batch)
-    finish_step(net, loss, workload.samples if variant == "hsync" else None, opt, device, workload.bucket_views)
+    finish_step(net, loss, workload.samples if variant == "hsync" else None, opt, workload.bucket_views)
 
 
 def dtype_suffix(comm_dtype: torch.dtype | None) -> str:
