@@ -39,6 +39,10 @@ class Gradients(nn.Module):
 # the pack 3.6 ms, the write-back 2.9 ms: at most 16 / (16 + 6.5) = 71% of the flat all-reduce's rate;
 # hsync reached 56-57% in three runs and torch DDP, which does the same passes, 54-58% (`hsync_of_flat`,
 # `ddp_of_flat`; benchmarks/results/2026-11-27-comm-path.md).
+# Nor can the passes hide behind the all-reduce there: gloo's flat all-reduce keeps 66-75% of a core busy on
+# each rank (`flat_cpu_per_rank`, 2026-11-28), two ranks share two cores, and smaller buckets, which would let
+# one bucket's pack overlap the last one's all-reduce, measured no faster (caps of 8, 4, 2 and 1 MiB against
+# 25: 0.57-0.74 of the flat rate against 0.72, in one run).
 # Bucket views save the write-back, but autograd then adds each gradient into its slot (a read-modify-write
 # pass) unless the slot was set to None, where the pack copies it in: no pass is saved on a CPU either.
 
@@ -96,18 +100,21 @@ def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: t
               "copy": repeated(lambda: copy_dst.copy_(flat)),
               "pack": repeated(lambda: hsync._C.scale_and_pack(grads_flat, packed, scale, nonfinite_flag, used_flag))}
     times: dict[str, list[float]] = {k: [] for k in steps}
+    flat_cpu: list[float] = []  # this process's CPU seconds (every thread's) in each flat all-reduce
     channel = hsync.collectives.Channels.of_group()
     for round_index in range(rounds + 1):
         for name, fn in steps.items():
             channel.barrier("the benchmark's barrier before a timed step")
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             fn()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if round_index:
                 times[name].append(time.perf_counter() - started)
+                if name == "flat":
+                    flat_cpu.append(time.process_time() - cpu_started)
     med = {k: statistics.median(v) for k, v in times.items()}
     p90 = {k: statistics.quantiles(v, n=10)[-1] for k, v in times.items()}
     gbytes = 64 * numel * 4 / 1e9
@@ -126,6 +133,10 @@ def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: t
     if "hsync_fp32" in med:
         extra |= {"hsync_fp32_gb_per_s": delivered("hsync_fp32"),
                   "gb_per_s_vs_hsync_fp32": delivered("hsync") / delivered("hsync_fp32")}
+    if device.type == "cpu":
+        # How busy the flat all-reduce keeps one rank's cores: what is left is all the comm path's passes
+        # could overlap it with (Note [The CPU comm path's limit]).
+        extra["flat_cpu_per_rank"] = statistics.median(flat_cpu) / med["flat"]
     copy_gb_per_s = reps * 2 * flat.nbytes / 1e9 / med["copy"]  # read + write
     pack_gb_per_s = reps * (grads_flat.nbytes + packed.nbytes) / 1e9 / med["pack"]
     extra |= {"copy_gb_per_s": copy_gb_per_s, "pack_gb_per_s": pack_gb_per_s,
