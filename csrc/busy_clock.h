@@ -34,9 +34,10 @@
 // on a GPU the scalars' all-reduce is issued at the first gradient,
 // just before the stream's bracketed wait for it: the host launches nothing in between. The cost
 // is the small all-reduce's latency in the stream, no longer hidden behind the backward's first
-// layers. A bucket's all-reduce is still in flight while the backward goes on, as it must be to
-// overlap; a kernel first launched after it (a new shape's GEMM after the Balancer's plan changes
-// the micro-batch) can still count a slower peer's time once. CUDA_MODULE_LOADING=EAGER removes
+// layers. Collectives that overlap work by design are still in flight while the host queues that
+// work (a bucket's all-reduce during the backward, hsync.ShardedOptimizer's broadcasts during the
+// next forward): a kernel first launched then (a new shape's GEMM after the Balancer's plan changes
+// the micro-batch) can still count a slower peer's time, once. CUDA_MODULE_LOADING=EAGER removes
 // that too, at the cost of loading every kernel at start.
 #pragma once
 
