@@ -22,23 +22,23 @@
 // which is right when the host is busy (a launch-bound step is the host's work) and wrong when it
 // waits for a peer. The host never waits for a peer in hsync's own code, but a CUDA call may
 // synchronise the whole context (every stream of this process, the communicator's too): the first
-// launch of a kernel under lazy module loading (CUDA's default since 12.2), a cudaFree. Made while a
-// collective waits for a slower peer, such a call holds the host until the peer arrives; the stream
-// runs dry, and if its bracketed wait for that collective is not queued yet, the idle time falls
-// outside every bracket and the peer's time counts as this rank's work. This explains the first
-// measured step with gradients as bucket views on an H200 (419-429 ms with the peer sleeping 400 ms
-// before its backward, 0.2 ms in later steps; other cases 13-27 ms): the step scalars' all-reduce
-// was issued as the backward began, and the first gradient, accumulated into its bucket view by
-// autograd's in-place add (a kernel that step launched for the first time: in the step before,
-// .grad was None), came before the first gradient's hook bracketed the wait for the scalars. So
-// on a GPU the scalars' all-reduce is issued at the first gradient,
-// just before the stream's bracketed wait for it: the host launches nothing in between. The cost
-// is the small all-reduce's latency in the stream, no longer hidden behind the backward's first
-// layers. Collectives that overlap work by design are still in flight while the host queues that
-// work (a bucket's all-reduce during the backward, hsync.ShardedOptimizer's broadcasts during the
-// next forward): a kernel first launched then (a new shape's GEMM after the Balancer's plan changes
-// the micro-batch) can still count a slower peer's time, once. CUDA_MODULE_LOADING=EAGER removes
-// that too, at the cost of loading every kernel at start.
+// launch of a kernel under lazy module loading (CUDA's default since 12.2), a cudaFree. Made while
+// a collective waits for a slower peer, such a call holds the host until the peer arrives; the
+// stream runs dry, and if its bracketed wait for that collective is not queued yet, the idle time
+// falls outside every bracket and the peer's time counts as this rank's work. This explains the
+// first measured step with gradients as bucket views on an H200 (419-429 ms with the peer sleeping
+// 400 ms before its backward, 0.2 ms in later steps; other cases 13-27 ms): the step scalars'
+// all-reduce was issued as the backward began, and the first gradient, accumulated into its bucket
+// view by autograd's in-place add (a kernel that step launched for the first time: in the step
+// before, .grad was None), came before the first gradient's hook bracketed the wait for the
+// scalars. So on a GPU the scalars' all-reduce is issued at the first gradient, just before the
+// stream's bracketed wait for it: the host launches nothing in between. The cost is the small
+// all-reduce's latency in the stream, no longer hidden behind the backward's first layers.
+// Collectives that overlap work by design are still in flight while the host queues that work (a
+// bucket's all-reduce during the backward, hsync.ShardedOptimizer's broadcasts during the next
+// forward): a kernel first launched then (a new shape's GEMM after the Balancer's plan changes the
+// micro-batch) can still count a slower peer's time, once. CUDA_MODULE_LOADING=EAGER removes that
+// too, at the cost of loading every kernel at start.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -41,11 +41,12 @@ class Gradients(nn.Module):
 # `ddp_of_flat`; benchmarks/results/2026-11-27-comm-path.md).
 # Nor can the passes hide behind the all-reduce there: gloo's flat all-reduce keeps 66-75% of a core busy on
 # each rank (`flat_cpu_per_rank`, 2026-11-28, when the bound above read 78-79% with that day's faster copies,
-# and hsync reached 59-76%), two ranks share two cores, and smaller buckets, which would let
-# one bucket's pack overlap the last one's all-reduce, measured no faster (caps of 8, 4, 2 and 1 MiB against
-# 25: 0.57-0.74 of the flat rate against 0.72, in one run).
-# Bucket views save the write-back, but autograd then adds each gradient into its slot (a read-modify-write
-# pass) unless the slot was set to None, where the pack copies it in: no pass is saved on a CPU either.
+# and hsync reached 59-76%), two ranks share two cores, and smaller buckets, which would let one bucket's pack
+# overlap the last one's all-reduce, measured no faster (caps of 8, 4, 2 and 1 MiB against 25: 0.57-0.74 of the
+# flat rate against 0.72, in one run).
+# Bucket views with gradients set to None between steps save the write-back: the pack copies each gradient into
+# its slot, which stays the gradient, one pass instead of two. With gradients zeroed in place instead, autograd
+# adds each into its slot (a read-modify-write pass) and the pack scales the slot in place: nothing is saved.
 
 
 def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: torch.dtype | None = None) -> Result:
