@@ -9,10 +9,10 @@
 #
 # Every section runs under its own time limit, within GPU_CHECK_SECONDS in all (default 570), and
 # writes its log into OUT_DIR as it runs; OUT_DIR/report.md grows a section at a time, so a run
-# cut short still leaves what it had. Seven files in all (four logs, the report, the benchmark's
-# JSON and page), and failures.md where a test failed. Uses the python3 on PATH and its torch (no
-# network needed). GPU_CHECK_TESTS, where set, names the tests to run instead of all of tests/gpu;
-# GPU_CHECK_BENCH=0 leaves the benchmark out (a rerun of some tests).
+# cut short still leaves what it had. Nine files in all (five logs, the report, the benchmark's
+# JSON and page, the step's profile), and failures.md where a test failed. Uses the python3 on PATH
+# and its torch (no network needed). GPU_CHECK_TESTS, where set, names the tests to run instead of
+# all of tests/gpu; GPU_CHECK_BENCH=0 leaves the benchmark and the profile out (a rerun of some tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
@@ -93,6 +93,10 @@ fi
 [ "${GPU_CHECK_BENCH:-1}" = 0 ] || section bench 210 python3 -m hsync.bench --device cuda --world-size 1 \
   --only '^bert-base$' '^bert-base-bucket-views$' '^comm-path-64MiB' \
   --rounds 5 --steps 8 --json "$out/bench.json" --markdown "$out/bench.md"
+# Where the rest of one rank's step goes: hsync's kernels against the floor's, per step (Note [A host that blocks]
+# and issue 41's 1% target).
+[ "${GPU_CHECK_BENCH:-1}" = 0 ] || section profile 90 python3 -m hsync.bench.step_profile --device cuda \
+  --markdown "$out/profile.md"
 # The GPU targets, read off the benchmark.
 [ -f "$out/bench.json" ] && python3 - "$out/bench.json" >> "$report" 2>&1 <<'PY' || true
 import json, sys

@@ -109,3 +109,25 @@ def test_simulate_cluster_writes_its_table_plot_and_json(tmp_path, capsys):
 def test_simulate_cluster_refuses_a_single_rank():
     with pytest.raises(SystemExit):
         main(["--simulate-cluster", "1"])
+
+
+def test_the_step_profile_compares_hsyncs_step_with_the_floors(tmp_path):
+    # What the GPU check runs on a GPU (scripts/gpu_check.sh), here on the CPU at its smallest: both variants
+    # profiled, their totals and the ops that differ most in a table.
+    page = tmp_path / "profile.md"
+    subprocess.run([sys.executable, "-m", "hsync.bench.step_profile", "--device", "cpu", "--size", "tiny",
+                    "--steps", "2", "--markdown", str(page)], check=True, capture_output=True, timeout=120)
+    text = page.read_text()
+    totals = dict(re.findall(r"(\w+_(?:us|ms)) ([0-9.]+)", text))
+    assert set(totals) == {"hsync_CPU_us", "floor_CPU_us", "hsync_wall_ms", "floor_wall_ms"}, text
+    assert all(float(v) > 0 for v in totals.values()), text
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(rows) >= 20, text
+    # hsync's step runs collectives the bare model's never does: they come first.
+    assert re.match(r"\| `c10d::\w+` \| [0-9.]+ \| 0\.0 \|", rows[0]), text
+
+
+def test_the_step_profile_refuses_a_nonsense_step_count():
+    done = subprocess.run([sys.executable, "-m", "hsync.bench.step_profile", "--steps", "0"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "--steps must be at least 1" in done.stderr, done.stderr
