@@ -69,7 +69,7 @@ def compare(workload: Workload, device: torch.device, steps: int) -> tuple[list[
         measured[variant] = per_step_times(step, steps, device)
         del net, opt
     (ours, our_wall), (floor, floor_wall) = measured["hsync"], measured["nosync"]
-    unit = "device" if device.type == "cuda" else "CPU"
+    unit = "device" if device.type == "cuda" else "cpu"
     # First what hsync's step runs and the floor's never does (its pack, the collectives), then what both run,
     # by how much it differs: on a GPU that is also where hsync's waits and launches slow the model's kernels.
     own = sorted(set(ours) - set(floor), key=ours.__getitem__, reverse=True)

@@ -119,7 +119,7 @@ def test_the_step_profile_compares_hsyncs_step_with_the_floors(tmp_path):
                     "--steps", "2", "--markdown", str(page)], check=True, capture_output=True, timeout=120)
     text = page.read_text()
     totals = dict(re.findall(r"(\w+_(?:us|ms)) ([0-9.]+)", text))
-    assert set(totals) == {"hsync_CPU_us", "floor_CPU_us", "hsync_wall_ms", "floor_wall_ms"}, text
+    assert set(totals) == {"hsync_cpu_us", "floor_cpu_us", "hsync_wall_ms", "floor_wall_ms"}, text
     assert all(float(v) > 0 for v in totals.values()), text
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert len(rows) >= 20, text
