@@ -24,7 +24,7 @@ from hsync.bench.report import environment, report, write_outputs
 from hsync.bench.result import Result
 from hsync.bench.sharding import shard_capacity, shard_throughput
 from hsync.bench.training import time_variants
-from hsync.bench.workloads import bert_workload, dtype_suffix, mover_workload
+from hsync.bench.workloads import GPU_BERT_BASE, bert_workload, dtype_suffix, mover_workload
 from hsync.collectives import end_process_group
 
 
@@ -50,9 +50,7 @@ def plan_jobs(args: argparse.Namespace, device: torch.device) -> list[Job]:
                 ("bert", dict(name="powersgd-hook", powersgd=True, **micro))]
         caps, comm_mb = [1.0], [1.0]
     elif device.type == "cuda":
-        # A batch large enough that the device, not the host's kernel launches, sets the step's pace: at 32
-        # sequences an H200 waited for launches (the row's floor_host_share says which).
-        base = dict(hidden=768, layers=12, batch=512, seq=128)
+        base = GPU_BERT_BASE
         plan = [("bert", dict(name="bert-base", **base)), ("mover", 600),
                 ("bert", dict(name="bert-base-bucket-views", bucket_views=True, **base)),
                 ("bert", dict(name="bert-base-bf16", comm_dtype=torch.bfloat16, **base)),

@@ -12,7 +12,6 @@ differs most.
 from __future__ import annotations
 
 import argparse
-import socket
 import time
 from collections.abc import Callable
 
@@ -22,10 +21,10 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import hsync
-from hsync.bench.workloads import Workload, bert_workload, train_step, wrap
+from hsync.bench.workloads import GPU_BERT_BASE, Workload, bert_workload, train_step, wrap
 
 ROWS = 20  # in the table, at least (every kernel or op of hsync's own, whatever their number)
-SIZES = {"base": dict(hidden=768, layers=12, batch=512, seq=128), "tiny": dict(hidden=64, layers=2, batch=8, seq=32)}
+SIZES = {"base": GPU_BERT_BASE, "tiny": dict(hidden=64, layers=2, batch=8, seq=32)}
 
 
 def per_step_times(step: Callable[[], None], steps: int, device: torch.device) -> tuple[dict[str, float], float]:
@@ -98,11 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
     try:
         workload = bert_workload("bert-bucket-views", **SIZES[args.size], device=device, bucket_views=True)
         lines, totals = compare(workload, device, args.steps)

@@ -41,6 +41,11 @@ class Workload:
     variant gets takes aot_eager (the same graphs, no code generation)."""
 
 
+# BERT-base as the GPU rows run it: a batch large enough that the device, not the host's kernel launches, sets
+# the step's pace (at 32 sequences an H200 waited for launches; a row's floor_host_share says which).
+GPU_BERT_BASE = dict(hidden=768, layers=12, batch=512, seq=128)
+
+
 def bert_workload(name: str, hidden: int, layers: int, batch: int, seq: int, device: torch.device,
                   bucket_cap_mb: float = 25.0, bucket_views: bool = False,
                   comm_dtype: torch.dtype | None = None, compiled: bool = False, powersgd: bool = False,
