@@ -1,8 +1,9 @@
-"""examples/bert.py --fault-tolerant: three replica groups under a torchft Lighthouse, one killed (SIGKILL) in step 3;
+"""examples/bert.py --fault-tolerant: three replica groups under a torchft Lighthouse, one killed (SIGKILL) from step 3;
 the other two run that step again and go on, and the model at the end is the uninterrupted run's (up to the order
 of floating-point sums, as on another number of ranks)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -40,9 +41,12 @@ def test_a_group_lost_mid_run_costs_one_step_and_the_model_is_the_uninterrupted_
             process.wait()
     codes = {g: process.returncode for g, process in groups.items()}
     assert codes == {"g0": 0, "g1": -9, "g2": 0}, {g: out[-3000:] for g, out in outputs.items()}
-    assert "killed g1 in step 3" in outputs["g1"]
+    # The victim dies in the first step it runs from step 3 on: step 3, or a later one where it joined the quorum
+    # late (its first steps healed from a peer). The other two run that step again, whichever it was.
+    killed = re.search(r"killed g1 in step (\d+)", outputs["g1"])
+    assert killed and 3 <= int(killed[1]) < 8, outputs["g1"][-3000:]
     both = outputs["g0"] + outputs["g2"]
-    assert both.count("step 3 not committed, running it again") == 2, both[-4000:]
+    assert both.count(f"step {killed[1]} not committed, running it again") == 2, both[-4000:]
     assert "step 8  groups 2" in both, both[-4000:]
 
     logged = [float(line.split("loss ")[1].split()[0]) for line in outputs["g0"].splitlines() if "  groups " in line]
