@@ -5,7 +5,8 @@
 // of its previous weighted step to the end of its own work in this one, less the time it waited
 // for its peers in between: for the root's buffers in a forward (Engine::broadcast_coalesced),
 // for the step's total weight before a gradient can be packed (Engine::resolve_pack_scale, Note
-// [Weighted reduction]), for Join's exchange in a forward (hsync/ddp.py). Counted as work, such a
+// [Weighted reduction]), for Join's exchange in a forward (hsync/ddp.py), for every rank's
+// fingerprint of a collective in debug mode (Note [Collective fingerprints]). Counted as work, such a
 // wait makes a fast rank look as slow as the slow rank it waits for, and the fitted costs drift
 // toward an equal split.
 // One definition on every device: the interval and each wait are measured on the timeline where

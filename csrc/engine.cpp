@@ -82,9 +82,11 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<std::string> names,
             })));
     accumulators_.push_back(std::move(accumulator));
   }
+  comm_->bracket_waits_on(&clock_);
 }
 
 Engine::~Engine() {
+  comm_->bracket_waits_on(nullptr);
   if (hook_chain_) hook_chain_->abandon();
   for (size_t i = 0; i < accumulators_.size(); ++i) {
     accumulators_[i]->del_post_hook(hook_keys_[i]);

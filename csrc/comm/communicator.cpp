@@ -1,6 +1,7 @@
 #include "comm/communicator.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "checks.h"
 
@@ -99,9 +100,14 @@ void Communicator::verify_fingerprint(const at::Tensor& tensor, const Collective
   gather.numel = table.numel();
   gather.dtype = at::kDouble;
   gather.issued = Clock::now();
-  launch(table, gather);
-  synchronize();
-  table = table.cpu();
+  {
+    // The host waits here for the slowest rank to reach this collective.
+    std::optional<PeerWait> wait;
+    if (clock_ != nullptr) wait.emplace(*clock_);
+    launch(table, gather);
+    synchronize();
+    table = table.cpu();
+  }
   const double* rows = table.const_data_ptr<double>();
   for (int r = 1; r < world_size_; ++r) {
     const double* row = rows + r * kFingerprintFields;

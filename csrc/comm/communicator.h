@@ -21,6 +21,7 @@
 #include <memory>
 #include <string>
 
+#include "busy_clock.h"
 #include "comm/fault_monitor.h"
 
 namespace hsync {
@@ -78,6 +79,10 @@ class Communicator {
   // peer posts ends the wait (check() throws it) as it ends a wait for a collective.
   WaitingScope waiting_since(Clock::time_point since) { return WaitingScope(*monitor_, since); }
 
+  // Brackets the host's waits inside this communicator (debug mode's fingerprint exchanges) as waits
+  // for peers on `clock` (Note [Busy time]); nullptr detaches it. `clock` must stay alive until detached.
+  void bracket_waits_on(BusyClock* clock) { clock_ = clock; }
+
  protected:
   // Issues `collective` on `tensor`.
   virtual void launch(const at::Tensor& tensor, const Collective& collective) = 0;
@@ -92,6 +97,7 @@ class Communicator {
   int world_size_;
   std::string backend_;
   bool debug_;
+  BusyClock* clock_ = nullptr;
   uint64_t next_seq_ = 0;
   std::unique_ptr<FaultMonitor> monitor_;
 };

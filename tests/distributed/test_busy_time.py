@@ -63,10 +63,13 @@ def check_busy_times(results: list[list[float | None]], slow_rank: int) -> None:
                 f"the fast rank's busy times {measured} count its waits for the slow rank ({SLEEP_S} s)")
 
 
+@pytest.mark.parametrize("debug", [False, True], ids=["", "debug-collectives"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_fast_rank_does_not_count_its_waits_for_a_slow_one(case):
+def test_a_fast_rank_does_not_count_its_waits_for_a_slow_one(case, debug):
+    # In debug mode each collective begins with a host wait for every rank's fingerprint of it.
     slow_rank, sleep_at, views = CASES[case]
-    check_busy_times(run_ranks(busy_times, 2, "cpu", slow_rank, sleep_at, views), slow_rank)
+    env = {"HSYNC_DEBUG_COLLECTIVES": "1"} if debug else None
+    check_busy_times(run_ranks(busy_times, 2, "cpu", slow_rank, sleep_at, views, env=env), slow_rank)
 
 
 def with_a_collective_of_the_loops_own(rank: int, world_size: int, bracketed: bool) -> list[float | None]:
