@@ -97,6 +97,7 @@ void Communicator::verify_fingerprint(const at::Tensor& tensor, const Collective
   Collective gather;
   gather.seq = collective.seq;
   gather.purpose = Purpose::kFingerprint;
+  gather.label = collective.describe();  // an error in the exchange names the collective it was for
   gather.numel = table.numel();
   gather.dtype = at::kDouble;
   gather.issued = Clock::now();

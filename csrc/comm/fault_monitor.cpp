@@ -16,7 +16,7 @@ std::string Collective::describe() const {
     case Purpose::kBucket: what = "bucket " + std::to_string(index); break;
     case Purpose::kBucketOrder: what = "the bucket order"; break;
     case Purpose::kBroadcast: what = "parameters and buffers"; break;
-    case Purpose::kFingerprint: what = "the debug fingerprints of collective #" + std::to_string(seq); break;
+    case Purpose::kFingerprint: what = "the debug fingerprints of " + label; break;
     case Purpose::kHost: what = label; break;
     case Purpose::kBucketFlags: what = "the owned buckets' flags"; break;
   }

@@ -146,6 +146,10 @@ def test_a_rank_that_failed_in_one_group_ends_its_peers_waits_in_every_other():
     noticed = float(re.search(r"noticed after ([0-9.]+) s", survivor.error).group(1))
     # Rank 0's deadline, then rank 1's first look at its board (FaultMonitor::kStorePollAfter) and a poll.
     assert noticed < DEADLINE_S + 2.0 + 2.0, survivor.error
-    assert "hsync: rank 1 (gloo): stopped waiting for all-reduce #1 of work with rank 1" in survivor.error
-    assert "a peer failed first. hsync: rank 0 (gloo): all-reduce #1 of work with rank 2" in survivor.error
+    # In debug mode (HSYNC_DEBUG_COLLECTIVES) the wait is for the fingerprints of the same collective.
+    fingerprints = r"(all-reduce #1 of the debug fingerprints of )?"
+    assert re.search(f"hsync: rank 1 \\(gloo\\): stopped waiting for {fingerprints}all-reduce #1 of work with rank 1",
+                     survivor.error), survivor.error
+    assert re.search(f"a peer failed first. hsync: rank 0 \\(gloo\\): {fingerprints}all-reduce #1 of work with rank 2",
+                     survivor.error), survivor.error
     assert f"did not complete within the {DEADLINE_S:.2f} s deadline" in survivor.error
