@@ -1,5 +1,5 @@
 """examples/bert.py --fault-tolerant: three replica groups under a torchft Lighthouse, one killed (SIGKILL) from step 3;
-the other two run that step again and go on, and the model at the end is the uninterrupted run's (up to the order
+the others in that step's quorum run it again and go on, and the model at the end is the uninterrupted run's (up to the order
 of floating-point sums, as on another number of ranks)."""
 
 import os
@@ -42,11 +42,15 @@ def test_a_group_lost_mid_run_costs_one_step_and_the_model_is_the_uninterrupted_
     codes = {g: process.returncode for g, process in groups.items()}
     assert codes == {"g0": 0, "g1": -9, "g2": 0}, {g: out[-3000:] for g, out in outputs.items()}
     # The victim dies in the first step it runs from step 3 on: step 3, or a later one where it joined the quorum
-    # late (its first steps healed from a peer). The other two run that step again, whichever it was.
+    # late (its first steps healed from a peer). The groups in that step's quorum run it again, once; a group
+    # that missed the quorum (the groups prepare their data in turns, and under load one can start late) joins
+    # the next one, healed, with nothing to run again.
     killed = re.search(r"killed g1 in step (\d+)", outputs["g1"])
     assert killed and 3 <= int(killed[1]) < 8, outputs["g1"][-3000:]
+    reruns = {g: re.findall(r"step (\d+) not committed, running it again", outputs[g]) for g in ("g0", "g2")}
+    assert all(len(steps) <= 1 for steps in reruns.values()), reruns
+    assert sorted({step for steps in reruns.values() for step in steps}) == [killed[1]], reruns
     both = outputs["g0"] + outputs["g2"]
-    assert both.count(f"step {killed[1]} not committed, running it again") == 2, both[-4000:]
     assert "step 8  groups 2" in both, both[-4000:]
 
     logged = [float(line.split("loss ")[1].split()[0]) for line in outputs["g0"].splitlines() if "  groups " in line]
