@@ -1,6 +1,6 @@
 """examples/bert.py --fault-tolerant: three replica groups under a torchft Lighthouse, one killed (SIGKILL) from step 3;
-the others in that step's quorum run it again and go on, and the model at the end is the uninterrupted run's (up to the order
-of floating-point sums, as on another number of ranks)."""
+the others in that step's quorum run it again and go on, and the model at the end is the uninterrupted run's (up to
+the order of floating-point sums, as on another number of ranks)."""
 
 import os
 import re
