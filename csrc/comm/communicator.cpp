@@ -110,11 +110,15 @@ void Communicator::verify_fingerprint(const at::Tensor& tensor, const Collective
     table = table.cpu();
   }
   const double* rows = table.const_data_ptr<double>();
+  // A label is known only where it was given: this rank's row is described from the collective itself.
+  auto describe_row = [&](int r) {
+    return r == rank_ ? collective.describe() : read_fingerprint(rows + r * kFingerprintFields).describe();
+  };
   for (int r = 1; r < world_size_; ++r) {
     const double* row = rows + r * kFingerprintFields;
     if (std::equal(rows, rows + kFingerprintFields, row)) continue;
-    monitor_->fail("collective mismatch: rank 0 issues " + read_fingerprint(rows).describe() + ", rank " +
-                   std::to_string(r) + " issues " + read_fingerprint(row).describe() +
+    monitor_->fail("collective mismatch: rank 0 issues " + describe_row(0) + ", rank " + std::to_string(r) +
+                   " issues " + describe_row(r) +
                    ". Every rank must make the same calls in the same order: WeightedDDP.backward or "
                    "loss.backward alike, the same no_sync, metric_names and model");
   }

@@ -17,7 +17,9 @@ std::string Collective::describe() const {
     case Purpose::kBucketOrder: what = "the bucket order"; break;
     case Purpose::kBroadcast: what = "parameters and buffers"; break;
     case Purpose::kFingerprint: what = "the debug fingerprints of " + label; break;
-    case Purpose::kHost: what = label; break;
+    case Purpose::kHost:  // another rank's label is not sent
+      what = label.empty() ? "a collective of hsync's Python side, named on its rank" : label;
+      break;
     case Purpose::kBucketFlags: what = "the owned buckets' flags"; break;
   }
   const char* kind = op == Op::kBroadcast ? "broadcast" : op == Op::kReduce ? "reduce" : "all-reduce";

@@ -102,22 +102,31 @@ def test_a_rank_that_gives_up_tells_its_peers(history):
 
 def mismatched_calls(rank: int, world_size: int, case: str) -> None:
     import hsync
+    from hsync.collectives import Channels
 
     names = ("extra",) if case == "metrics" and rank == 1 else ()
     model = hsync.WeightedDDP(make_net(seed=0), metric_names=names, timeout=datetime.timedelta(seconds=20))
     loss = mse(model(torch.randn(4, 4, dtype=torch.float64)), torch.zeros(4, dtype=torch.float64))
     if case == "plain-vs-weighted" and rank == 1:
         loss.backward()
+    elif case == "channel-vs-weighted" and rank == 0:
+        Channels.of_model(model).all_reduce_sum(torch.ones(1), "a metric of the loop's")
     else:
         model.backward(loss, weight=4)
 
 
-@pytest.mark.parametrize(("case", "rank1_issues"), [
-    ("plain-vs-weighted", "all-reduce #1 of bucket 0"),
-    ("metrics", "all-reduce #1 of the step scalars (7 x Double)"),
+STEP_SCALARS = "all-reduce #1 of the step scalars (6 x Double)"
+
+
+@pytest.mark.parametrize(("case", "rank0_issues", "rank1_issues"), [
+    ("plain-vs-weighted", [STEP_SCALARS] * 2, "all-reduce #1 of bucket 0"),
+    ("metrics", [STEP_SCALARS] * 2, "all-reduce #1 of the step scalars (7 x Double)"),
+    # A collective's label is known on the rank that gave it.
+    ("channel-vs-weighted", ["all-reduce #1 of a metric of the loop's (1 x Float)",
+                             "all-reduce #1 of a collective of hsync's Python side, named on its rank (1 x Float)"],
+     STEP_SCALARS),
 ])
-def test_debug_mode_names_a_collective_mismatch(case, rank1_issues):
+def test_debug_mode_names_a_collective_mismatch(case, rank0_issues, rank1_issues):
     errors = run_ranks_expecting_errors(mismatched_calls, 2, case, timeout=60, env={"HSYNC_DEBUG_COLLECTIVES": "1"})
-    for error in errors:
-        assert "collective mismatch: rank 0 issues all-reduce #1 of the step scalars (6 x Double)" in error, error
-        assert f"rank 1 issues {rank1_issues}" in error, error
+    for error, told in zip(errors, rank0_issues, strict=True):
+        assert f"collective mismatch: rank 0 issues {told}, rank 1 issues {rank1_issues}" in error, error
