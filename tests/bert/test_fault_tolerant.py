@@ -10,11 +10,12 @@ import sys
 import pytest
 import torch
 
+pytest.importorskip("torchft", reason="hsync[torchft] is not installed")
+
 from hsync.fault_tolerance import lighthouse_command
 from tests.bert.test_bert_runs import ROOT, SLICE, STRAIGHT, straight_run  # noqa: F401 - the fixture
 from tests.spawn import free_port
 
-pytest.importorskip("torchft", reason="hsync[torchft] is not installed")
 pytestmark = pytest.mark.distributed
 
 CRASH_ONCE_FT = ROOT / "tests" / "bert" / "crash_once_ft.py"

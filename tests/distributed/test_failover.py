@@ -19,11 +19,12 @@ import pytest
 import torch
 from torch import nn
 
+pytest.importorskip("torchft", reason="hsync[torchft] is not installed")
+
 from hsync.fault_tolerance import lighthouse_command
 from tests.distributed import failover_replica as job
 from tests.spawn import free_port
 
-pytest.importorskip("torchft", reason="hsync[torchft] is not installed")
 pytestmark = pytest.mark.distributed
 
 REPLICAS = ("g0", "g1", "g2")

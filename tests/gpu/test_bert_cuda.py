@@ -28,7 +28,7 @@ def sync_free_micro_steps(rank: int, world_size: int, data_dir: str, steps: int)
     os.environ["LOCAL_RANK"] = str(rank)
     corpus = data.prepare_data(cfg, preset)
     model = wrap_model(build_model(preset, corpus.vocab, cfg.dropout).to(device), cfg)
-    balancer = hsync.Balancer(model, len(corpus.train), train.balancing(cfg, world_size, 1.0))
+    balancer = hsync.Balancer(model, len(corpus.train), train.balancing(cfg, world_size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     done = 0
     for batch in data.training_batches(corpus.train, corpus.vocab, balancer, cfg.seed, 2, device):

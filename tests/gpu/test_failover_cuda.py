@@ -6,10 +6,11 @@ process making the same steps on the CPU does, to the GPU's rounding."""
 import pytest
 import torch
 
+pytest.importorskip("torchft", reason="hsync[torchft] is not installed")
+
 from tests.distributed.test_failover import check_failover
 from tests.gpu.test_nccl import SOCKET_ENV
 
-pytest.importorskip("torchft", reason="hsync[torchft] is not installed")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
