@@ -344,13 +344,15 @@ void Engine::resolve_pack_scale() {
     const at::Tensor ref = hook_chain_ ? step_.ref_weight * hook_factor_ : step_.ref_weight;
     step_.pack_scale = at::where(total > 0, ref / total, at::zeros_like(total));
   }
-  if (device_.is_cuda()) {
-    step_.scalars_host = at::empty(step_.scalars.sizes(), step_.scalars.options().device(at::kCPU).pinned_memory(true));
-    step_.scalars_host.copy_(step_.scalars, /*non_blocking=*/true);
-    step_.scalars_copied.emplace(device_.type());
-    step_.scalars_copied->record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
-  }
+  if (device_.is_cuda()) queue_scalars_copy();
   step_.pack_scale_resolved = true;
+}
+
+void Engine::queue_scalars_copy() {
+  step_.scalars_host = at::empty(step_.scalars.sizes(), step_.scalars.options().device(at::kCPU).pinned_memory(true));
+  step_.scalars_host.copy_(step_.scalars, /*non_blocking=*/true);
+  step_.scalars_copied.emplace(device_.type());
+  step_.scalars_copied->record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
 }
 
 at::Tensor Engine::step_scalars() {
@@ -358,8 +360,13 @@ at::Tensor Engine::step_scalars() {
   HSYNC_CHECK(step_.scalars.defined(), "no weighted step has run yet");
   resolve_pack_scale();
   if (!device_.is_cuda()) return step_.scalars;
-  // Only a weighted step resolves its total (and copies it to the host); a plain step under Join does not.
-  HSYNC_CHECK(step_.scalars_copied.has_value(), "no weighted step has run yet");
+  if (!step_.scalars_copied) {
+    // A plain step under Join keeps DDP's scale and never resolves a total, which queues the copy to the
+    // host: its scalars' all-reduce went before its first bucket; the copy waits for it here.
+    issue_due_step_scalars();
+    comm_->synchronize_through(step_.scalars_seq);
+    queue_scalars_copy();
+  }
   step_.scalars_copied->synchronize();
   comm_->check();  // a failure after the copy was queued: the values may be garbage (Note [NCCL failures])
   return step_.scalars_host;

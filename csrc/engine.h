@@ -186,6 +186,7 @@ class Engine {
   void refuse_a_late_gradient(size_t index);  // Note [Nested backwards]
   void resolve_pack_scale();               // caller holds mutex_
   void issue_due_step_scalars();           // caller holds mutex_
+  void queue_scalars_copy();               // GPU: the step scalars to the host, after the stream; caller holds mutex_
   void pack(size_t index, const at::Tensor& grad);
   void launch_complete_buckets();
   void set_hooked_buckets();               // Note [Hook order]

@@ -455,3 +455,49 @@ def test_bad_arguments_are_refused_naming_the_problem():
     assert "reduces each bucket to the rank that owns its parameters" in errors["a hook after sharding"]
     assert "has a communication hook of the user's" in errors["a hooked model"]
     assert errors["owners after a refusal"] is None  # a refused optimizer leaves the model's reduction alone
+
+
+PLAIN_JOIN_STEPS = (2, 4)  # rank r's plain steps under Join: rank 0 joins after two
+
+
+def plain_steps_under_join(rank: int, world_size: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Plain loss.backward() steps through a ShardedOptimizer (budgets 3:1) under model.join(): DDP's
+    arithmetic (the sum of the active ranks' gradients over the world size), the joined rank shadowing."""
+    import hsync
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32).to(device), bucket_cap_mb=TINY_BUCKET_MB)
+    optimizer = hsync.ShardedOptimizer(model, torch.optim.AdamW, memory_budget=["3GiB", "1GiB"], lr=1e-2)
+    with model.join():
+        for step in range(PLAIN_JOIN_STEPS[rank]):
+            x, y = (t.to(device) for t in plain_join_batch(rank, step))
+            mse(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return {name: p.detach().cpu() for name, p in model.module.named_parameters()}
+
+
+def plain_join_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(4, 4, generator=generator), torch.randn(4, generator=generator)
+
+
+def reference_plain_under_join() -> dict[str, torch.Tensor]:
+    net = make_net(seed=0, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for step in range(max(PLAIN_JOIN_STEPS)):
+        active = [r for r, steps in enumerate(PLAIN_JOIN_STEPS) if step < steps]
+        (sum(mse(net(x), y) for x, y in map(lambda r: plain_join_batch(r, step), active)) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: p.detach() for name, p in net.named_parameters()}
+
+
+def test_plain_steps_under_join_step_as_ddp_would():
+    # The step scalars of a plain step are read too (whether it was finite), which a GPU copies to the host apart.
+    results = run_ranks(plain_steps_under_join, 2)
+    expected = reference_plain_under_join()
+    for rank, params in enumerate(results):
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}, {name}")

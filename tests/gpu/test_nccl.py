@@ -228,3 +228,13 @@ def test_memory_proportional_shares_train_where_even_ones_run_out_of_memory():
     assert shares[0]["owned"] > 2 * shares[1]["owned"] > 0, shares
     assert all(r["peak"] <= r["cap"] for r in shares), shares
     assert shares[0]["checksum"] == shares[1]["checksum"], shares
+
+
+def test_nccl_plain_steps_under_join_through_a_sharded_optimizer():
+    """A plain step under Join never resolves a total, which on a GPU is what copies the step's scalars to the host;
+    the sharded optimizer still reads whether the step was finite."""
+    results = run_ranks(test_sharded_optimizer.plain_steps_under_join, 2, "cuda", env=SOCKET_ENV, timeout=120)
+    expected = test_sharded_optimizer.reference_plain_under_join()
+    for rank, params in enumerate(results):
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5, msg=f"rank {rank}, {name}")
