@@ -460,6 +460,11 @@ def test_bad_arguments_are_refused_naming_the_problem():
 PLAIN_JOIN_STEPS = (2, 4)  # rank r's plain steps under Join: rank 0 joins after two
 
 
+def plain_join_slices(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each rank's examples in `step` (none once it has joined)."""
+    return global_batch(step, [4 if step < steps else 0 for steps in PLAIN_JOIN_STEPS], dtype=torch.float32)[2]
+
+
 def plain_steps_under_join(rank: int, world_size: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Plain loss.backward() steps through a ShardedOptimizer (budgets 3:1) under model.join(): DDP's
     arithmetic (the sum of the active ranks' gradients over the world size), the joined rank shadowing."""
@@ -468,27 +473,23 @@ def plain_steps_under_join(rank: int, world_size: int, device: str = "cpu") -> d
     if device == "cuda":
         torch.cuda.set_device(0)
     model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32).to(device), bucket_cap_mb=TINY_BUCKET_MB)
-    optimizer = hsync.ShardedOptimizer(model, torch.optim.AdamW, memory_budget=["3GiB", "1GiB"], lr=1e-2)
+    optimizer = hsync.ShardedOptimizer(model, torch.optim.SGD, memory_budget=["3GiB", "1GiB"], lr=0.1,
+                                       momentum=0.9)
     with model.join():
         for step in range(PLAIN_JOIN_STEPS[rank]):
-            x, y = (t.to(device) for t in plain_join_batch(rank, step))
+            x, y = (t.to(device) for t in plain_join_slices(step)[rank])
             mse(model(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
     return {name: p.detach().cpu() for name, p in model.module.named_parameters()}
 
 
-def plain_join_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 * rank + step)
-    return torch.randn(4, 4, generator=generator), torch.randn(4, generator=generator)
-
-
 def reference_plain_under_join() -> dict[str, torch.Tensor]:
     net = make_net(seed=0, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)  # unlike Adam, it sees a wrong scale
     for step in range(max(PLAIN_JOIN_STEPS)):
-        active = [r for r, steps in enumerate(PLAIN_JOIN_STEPS) if step < steps]
-        (sum(mse(net(x), y) for x, y in map(lambda r: plain_join_batch(r, step), active)) / 2).backward()
+        active = [(x, y) for x, y in plain_join_slices(step) if len(x)]
+        (sum(mse(net(x), y) for x, y in active) / len(PLAIN_JOIN_STEPS)).backward()
         optimizer.step()
         optimizer.zero_grad()
     return {name: p.detach() for name, p in net.named_parameters()}
