@@ -9,8 +9,8 @@
 #
 # Every section runs under its own time limit, within GPU_CHECK_SECONDS in all (default 570), and
 # writes its log into OUT_DIR as it runs; OUT_DIR/report.md grows a section at a time, so a run
-# cut short still leaves what it had. Nine files in all (five logs, the report, the benchmark's
-# JSON and page, the step's profile), and failures.md where a test failed. Uses the python3 on PATH
+# cut short still leaves what it had: the sections' logs, the report, the benchmark's JSON and page,
+# the step's profile, and failures.md where a test failed. Uses the python3 on PATH
 # and its torch (no network needed). GPU_CHECK_TESTS, where set, names the tests to run instead of
 # all of tests/gpu; GPU_CHECK_BENCH=0 leaves the benchmark and the profile out (a rerun of some tests).
 set -uo pipefail
@@ -70,9 +70,24 @@ HSYNC_WITH_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${M
 built=$?
 # torchft for the failover test, from wheels carried along (no network there): .whl/, which scripts/gpu_wheels.sh
 # fills for the GPU machine's Python. Without them that test skips.
+# Only the wheels of what the machine lacks: a newer protobuf or typing_extensions ahead of its own on PYTHONPATH
+# would change what every later section imports.
+missing_wheels() {
+  python3 - .whl/*.whl <<'PY'
+import importlib.metadata, sys
+for wheel in sys.argv[1:]:
+    try:
+        importlib.metadata.version(wheel.rsplit("/", 1)[-1].split("-")[0])
+    except importlib.metadata.PackageNotFoundError:
+        print(wheel)
+PY
+}
 if compgen -G ".whl/*.whl" > /dev/null; then
-  section wheels 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/hsync-site .whl/*.whl && export PYTHONPATH=/tmp/hsync-site${PYTHONPATH:+:$PYTHONPATH}
+  mapfile -t wheels < <(missing_wheels)
+  if ((${#wheels[@]} > 0)); then
+    section wheels 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/hsync-site "${wheels[@]}" && export PYTHONPATH=/tmp/hsync-site${PYTHONPATH:+:$PYTHONPATH}
+  fi
 fi
 export -f versions  # timeout runs commands, not shell functions
 section versions 30 bash -c versions
@@ -81,7 +96,11 @@ section versions 30 bash -c versions
 # (busy times, the balancing plan) come into the report through HSYNC_CHECK_NOTES.
 # Each failure's traceback goes into failures.md as it happens (tests/gpu/conftest.py).
 export HSYNC_CHECK_NOTES="$out/notes.md" HSYNC_CHECK_FAILURES="$out/failures.md"
-read -ra tests <<< "${GPU_CHECK_TESTS:-tests/gpu}"  # some tests' ids, to run those again alone
+# The NCCL tests first and the failover test (three groups, a restart: the longest) last, so a section cut short
+# loses the least. GPU_CHECK_TESTS: some tests' ids, to run those again alone.
+first_and_last=(-e test_nccl.py -e test_failover_cuda.py)
+default_tests="tests/gpu/test_nccl.py $(ls tests/gpu/test_*.py | grep -v "${first_and_last[@]}" | tr '\n' ' ')"
+read -ra tests <<< "${GPU_CHECK_TESTS:-$default_tests tests/gpu/test_failover_cuda.py}"
 section tests 330 python3 -m pytest "${pytest_args[@]}" "${tests[@]}"
 if [ -f "$HSYNC_CHECK_NOTES" ]; then
   { printf '\n## measured by the tests\n\n'; cat "$HSYNC_CHECK_NOTES"; } >> "$report"
