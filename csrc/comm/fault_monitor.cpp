@@ -211,7 +211,8 @@ bool run_bounded(std::function<void()> work, Clock::duration limit, const std::f
 FaultMonitor::FaultMonitor(c10::intrusive_ptr<c10d::Store> store, std::string key, int rank,
                            std::string backend, std::chrono::milliseconds timeout)
     : state_(std::make_shared<State>()),
-      timeout_(timeout) {
+      timeout_(timeout),
+      creator_(getpid()) {
   TORCH_CHECK(timeout.count() > 0, "hsync: the collective timeout must be positive, got ", timeout.count(), " ms");
   state_->store = std::move(store);
   state_->key = std::move(key);
@@ -221,6 +222,10 @@ FaultMonitor::FaultMonitor(c10::intrusive_ptr<c10d::Store> store, std::string ke
 }
 
 FaultMonitor::~FaultMonitor() {
+  if (in_forked_child()) {  // Note [Forked children]: no thread here to stop, its lock perhaps held
+    new std::thread(std::move(thread_));  // a handle the child never joins, left with the memory
+    return;
+  }
   std::unique_lock<std::mutex> lock(state_->mutex);
   state_->stop = true;
   state_->wake.notify_all();

@@ -16,6 +16,14 @@
 // rank in another group, with a longer deadline, stops at once too, and the error names the rank
 // that saw the failure first. Communicators built afterwards start clean: a trainer that regroups
 // the survivors after a failure (DDP's _update_process_group, a new quorum) goes on over them.
+//
+// Note [Forked children]
+// A process forked from a rank (a DataLoader worker) inherits the memory of every communicator but
+// none of its threads, and a mutex a thread held at the fork stays locked there forever. Its copy
+// of a dropped wrapper is destroyed by the child's garbage collector when a reference cycle is
+// collected: that destructor must then touch neither the threads nor the locks nor the NCCL
+// communicator, which are the parent's. It leaves them as they are (the child's copy of the memory
+// is reclaimed when the child exits), and the parent's own copy tears down as always.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -30,6 +38,8 @@
 #include <optional>
 #include <string>
 #include <thread>
+
+#include <unistd.h>
 
 namespace hsync {
 
@@ -86,11 +96,15 @@ class FaultMonitor {
   FaultMonitor(c10::intrusive_ptr<c10d::Store> store, std::string key, int rank, std::string backend,
                std::chrono::milliseconds timeout);
   // Stops the thread; a thread stuck in a frozen store is left behind rather than waited for.
+  // Note [Forked children].
   ~FaultMonitor();
   FaultMonitor(const FaultMonitor&) = delete;
   FaultMonitor& operator=(const FaultMonitor&) = delete;
 
   std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // Whether this process is a fork of the one that built the monitor: Note [Forked children].
+  bool in_forked_child() const { return getpid() != creator_; }
 
   // Records this rank's failure (the first one wins), posts it for the peers and throws it.
   [[noreturn]] void fail(const std::string& what);
@@ -128,6 +142,7 @@ class FaultMonitor {
 
   std::shared_ptr<State> state_;
   std::chrono::milliseconds timeout_;
+  pid_t creator_;
   std::thread thread_;
 };
 

@@ -175,6 +175,7 @@ void NcclComm::tear_down_within_limit(ncclComm_t comm, bool destroy) const {
 }
 
 NcclComm::~NcclComm() {
+  if (monitor().in_forked_child()) return;  // the communicator is the parent's: Note [Forked children]
   monitor().clear_hooks();
   // The process is exiting and CUDA is already gone: the operating system reclaims everything.
   if (answered(cudaStreamQuery(stream_.stream())) == cudaErrorCudartUnloading) return;

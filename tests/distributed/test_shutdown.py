@@ -5,8 +5,11 @@ them could abort the process (about one exit in three on two cores): the ranks m
 and destroy_process_group() must end the group's threads.
 """
 
+import gc
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -67,3 +70,50 @@ def test_destroy_process_group_ends_gloo_threads_after_the_first_optimizer():
         assert not dynamo_was_loaded, "the case needs torch._dynamo first loaded after init_process_group"
         assert running, "gloo threads expected while the group lives"
         assert after == []
+
+
+_collected_in_worker_s = float("nan")
+
+
+def _collect_in_worker(worker_id: int) -> None:
+    # A thread of the worker's own, as its queue feeder: a destructor that joined or detached the parent's
+    # threads failed there with "Invalid argument" and aborted the worker.
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+    global _collected_in_worker_s
+    begun = time.monotonic()
+    gc.collect()
+    _collected_in_worker_s = time.monotonic() - begun
+
+
+class _Timings(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> float:
+        return _collected_in_worker_s
+
+
+def wrappers_collected_in_a_dataloader_worker(rank: int, world_size: int) -> list[float]:
+    """Wrappers dropped inside reference cycles, then collected by a forked DataLoader worker's garbage
+    collector: Note [Forked children] in csrc/comm/fault_monitor.h."""
+    gc.disable()  # the parent must not collect them first
+    for _ in range(3):
+        model = hsync.WeightedDDP(nn.Linear(8, 1))
+        model.backward(model(torch.randn(4, 8)).sum(), weight=4)
+        cycle: list = [model]
+        cycle.append(cycle)
+        del model, cycle
+    loader = torch.utils.data.DataLoader(_Timings(), batch_size=2, num_workers=1, worker_init_fn=_collect_in_worker)
+    timings = [float(t) for batch in loader for t in batch]
+    gc.enable()
+    model = hsync.WeightedDDP(nn.Linear(8, 1))  # the parent's group still works
+    model.backward(model(torch.randn(4, 8)).sum(), weight=4)
+    dist.destroy_process_group()
+    return timings
+
+
+def test_a_dataloader_worker_that_collects_dropped_wrappers_goes_on():
+    # Three dropped wrappers cost a worker 6 s (a 2 s wait for each one's missing monitor thread), or aborted it.
+    for timings in run_ranks(wrappers_collected_in_a_dataloader_worker, 2):
+        assert len(timings) == 4
+        assert max(timings) < 1.0, f"the worker's garbage collection took {max(timings):.2f} s"
