@@ -36,6 +36,7 @@ clip_grad_norm_ clips over every rank's shard, and save_state gathers the whole 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -123,7 +124,7 @@ class Accelerator(accelerate.Accelerator):
                                  "with the one model it steps, in the same prepare() call or after it")
             optimizer = hsync.ShardedOptimizer(models[0], type(optimizer), memory_budget=self.memory_budget,
                                                params=[dict(group) for group in optimizer.param_groups],
-                                               **optimizer.defaults)
+                                               **_constructor_defaults(optimizer))
         self.sharded_optimizer = optimizer
         return super().prepare_optimizer(optimizer, device_placement=False)
 
@@ -175,3 +176,12 @@ class Accelerator(accelerate.Accelerator):
     @property
     def non_blocking(self) -> bool:
         return bool(getattr(self.dataloader_config, "non_blocking", False))
+
+
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults its class's constructor takes back: some record more than they take (AdamW's
+    decoupled_weight_decay, which AdamW sets itself). Each group keeps them all."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(optimizer.defaults)
+    return {key: value for key, value in optimizer.defaults.items() if key in accepted}

@@ -215,3 +215,44 @@ def test_a_model_already_wrapped_is_refused_in_one_line_on_every_rank(wrapper, n
     for message in run_ranks(prepare_a_wrapped_model, 2, wrapper, env=ENV):
         assert message == (f"hsync.integrations.accelerate.Accelerator.prepare: the model is already wrapped in "
                            f"{named}; pass the module inside it (its .module): hsync wraps it itself"), message
+
+
+# Hyperparameters off their defaults, so that one lost on the way to the shards changes the steps. AdamW records
+# decoupled_weight_decay in its defaults, which its constructor does not take.
+OPTIMIZERS = {
+    "AdamW": (torch.optim.AdamW, dict(lr=3e-2, betas=(0.8, 0.9), weight_decay=0.05, amsgrad=True)),
+    "Adagrad": (torch.optim.Adagrad, dict(lr=5e-2, lr_decay=0.01, initial_accumulator_value=0.1)),
+    "RMSprop": (torch.optim.RMSprop, dict(lr=1e-2, alpha=0.9, momentum=0.5, centered=True)),
+}
+
+
+def steps_of(model: nn.Module, optimizer: torch.optim.Optimizer, backward: Callable) -> None:
+    x, y, _ = data()[:16]
+    for _ in range(3):
+        backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def sharded_steps(rank: int, world_size: int, name: str) -> dict[str, torch.Tensor]:
+    """Every rank the same 16 examples a step, so the weighted mean is one process's gradient."""
+    import hsync
+    from hsync.integrations.accelerate import Accelerator
+
+    optimizer_class, hyperparameters = OPTIMIZERS[name]
+    accelerator = Accelerator(cpu=True, shard_optimizer=True)
+    model = net()
+    model, optimizer = accelerator.prepare(model, optimizer_class(model.parameters(), **hyperparameters))
+    assert type(optimizer.optimizer) is hsync.ShardedOptimizer, type(optimizer.optimizer)
+    steps_of(model, optimizer, lambda loss: model.backward(loss, weight=16))
+    return {key: value.detach().clone() for key, value in model.module.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_sharded_optimizer_keeps_the_prepared_optimizers_hyperparameters(name):
+    optimizer_class, hyperparameters = OPTIMIZERS[name]
+    model = net()
+    steps_of(model, optimizer_class(model.parameters(), **hyperparameters), lambda loss: loss.backward())
+    for params in run_ranks(sharded_steps, 2, name, env=ENV, timeout=120):
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(params[key], value, rtol=1e-5, atol=1e-6)
