@@ -684,8 +684,10 @@ at::Tensor Engine::sum_overflowed(const Bucket& bucket) {
 // that memory. So a rank holds its own buckets and two of others', not every gradient. Every rank must
 // still learn every bucket's flags (a non-finite gradient anywhere skips the step everywhere; a float16
 // sum's overflow is seen only by its owner), so after the buckets' reduces one all-reduce carries each
-// owner's reduced flags, zeros from the others. Owners are fixed between steps; a communication hook, which
-// hands every bucket to every rank, is refused.
+// owner's reduced flags, zeros from the others. Owner -1 marks a parameter that no owner steps (one outside
+// the sharded optimizer's groups, which another optimizer may step on every rank): its buckets are all-reduced
+// as without owners, and rank 0 brings their flags. Owners are fixed between steps; a communication hook,
+// which hands every bucket to every rank, is refused.
 void Engine::set_owners(const std::vector<int64_t>& owners) {
   std::lock_guard<std::mutex> lock(mutex_);
   HSYNC_CHECK(!step_.active, "parameter owners are set between steps");
@@ -694,8 +696,8 @@ void Engine::set_owners(const std::vector<int64_t>& owners) {
   HSYNC_CHECK(owners.empty() || owners.size() == params_.size(), "owners for ", owners.size(), " of ",
               params_.size(), " parameters");
   for (int64_t owner : owners) {
-    HSYNC_CHECK(owner >= 0 && owner < comm_->world_size(), "owner ", owner, " is outside world size ",
-                comm_->world_size());
+    HSYNC_CHECK(owner >= -1 && owner < comm_->world_size(), "owner ", owner, " is outside world size ",
+                comm_->world_size(), " (-1: every rank)");
   }
   owners_ = owners;
   std::vector<int64_t> order;  // the buckets' current order, cut anew at the owners' boundaries
@@ -710,7 +712,7 @@ at::Tensor Engine::share_owned_flags() {
   std::vector<at::Tensor> tails;      // each bucket's, its owner's reduced one, in bucket order
   std::vector<at::Tensor> overflows;  // each float16 bucket's sum, seen by its owner
   for (const Bucket& bucket : buckets_) {
-    const bool owned = bucket.owner == rank;
+    const bool owned = bucket.owner == rank || (bucket.owner < 0 && rank == 0);  // all-reduced: alike everywhere
     tails.push_back(owned ? bucket.tail.to(at::kDouble) : at::zeros({bucket.tail_numel()}, options));
     overflows.push_back(owned && bucket.buffer.scalar_type() == at::kHalf ? sum_overflowed(bucket)
                                                                           : at::zeros({1}, options));

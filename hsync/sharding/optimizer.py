@@ -88,8 +88,15 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._consolidated: dict | None = None
         Joinable.__init__(self)
         self._built = True
-        # Last: once set, the model's gradients go to their owners only, which only this optimizer steps.
-        model._set_param_owners([owner for owner, owned in enumerate(self.layout.ranges) for _ in owned], self)
+        self._give_owners()
+
+    def _give_owners(self) -> None:
+        """Once set, the gradients of the groups' parameters go to their owners only, which only this optimizer
+        steps. The model's other parameters keep their gradients whole on every rank (owner -1), for an optimizer
+        of their own, as with DDP and ZeroRedundancyOptimizer; add_param_group gives them owners."""
+        stepped = {p for group in self.param_groups for p in group["params"]}
+        self._model._set_param_owners([owner if self._all[i] in stepped else -1
+                                       for owner, owned in enumerate(self.layout.ranges) for i in owned], self)
 
     # --- the parameters -------------------------------------------------------------------------------------
 
@@ -116,6 +123,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             group = self._checked([dict(self.param_groups[-1])])[0]
             self._local.add_param_group(self._owned_part(group))
             self._sync_hyperparameters(self.param_groups[-1:], self._local.param_groups[-1:])
+            self._give_owners()
 
     @staticmethod
     def _sync_hyperparameters(source: list[dict], target: list[dict]) -> None:
@@ -146,8 +154,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def _share_parameters(self) -> None:
         """Each owner's parameters to every rank (in broadcasts of at most a bucket's bytes each)."""
         engine = self._model._ensure_engine()
+        stepped = {p for group in self.param_groups for p in group["params"]}
         for owner, owned in enumerate(self.layout.ranges):
-            engine.broadcast_coalesced([self._all[i].detach() for i in owned], owner)
+            engine.broadcast_coalesced([self._all[i].detach() for i in owned if self._all[i] in stepped], owner)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every parameter's gradient, owned or not, as torch.optim.Optimizer's."""
@@ -163,8 +172,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             raise ValueError(f"hsync.ShardedOptimizer.clip_grad_norm_: norm_type must be positive, got {norm_type}")
         if not self._tell_joined_ranks(clip=(float(max_norm), norm_type)):
             return torch.tensor(math.nan, device=self._model.device)  # Note [Sharded steps under Join]
-        grads = [p.grad for p in self._all if p.grad is not None]
-        mine = [p.grad for p in self._all if p.grad is not None and p in self._owned]
+        stepped = [p for group in self.param_groups for p in group["params"]]  # this optimizer's, as clipped alone
+        grads = [p.grad for p in stepped if p.grad is not None]
+        mine = [p.grad for p in stepped if p.grad is not None and p in self._owned]
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(torch.float64) for g in mine]) if mine \
             else torch.zeros(1, dtype=torch.float64, device=self._model.device)
         if math.isinf(norm_type):

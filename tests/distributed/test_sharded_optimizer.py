@@ -143,6 +143,48 @@ def test_a_skipped_owner_range_is_caught():
         assert_same_training(results, exact=True)
 
 
+def partial_groups_side_by_side(rank: int, world_size: int, sharded_first: bool) -> dict:
+    """A ShardedOptimizer over the weights only, SGD with momentum over the biases on every rank, stepped in
+    either order; from step 4 the sharded optimizer takes the biases in a group of their own (add_param_group)
+    and the SGD is dropped. The same through an unsharded WeightedDDP and AdamW, as assert_same_training reads."""
+    import hsync
+
+    out: dict = {"whole": [], "sharded": [], "norms": [], "bias_grads": []}
+    for name in ("whole", "sharded"):
+        model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32), bucket_cap_mb=TINY_BUCKET_MB)
+        weights = [p for n, p in model.module.named_parameters() if n.endswith("weight")]
+        biases = [p for n, p in model.module.named_parameters() if not n.endswith("weight")]
+        adamw = hsync.ShardedOptimizer(model, torch.optim.AdamW, memory_budget=["3MiB", "1MiB"], params=weights,
+                                       lr=0.01) if name == "sharded" else torch.optim.AdamW(weights, lr=0.01)
+        sgd: torch.optim.Optimizer | None = torch.optim.SGD(biases, lr=0.05, momentum=0.9)
+        for step in range(6):
+            if step == 4:
+                adamw.add_param_group({"params": biases, "lr": 0.02})
+                sgd = None
+            _, _, parts = global_batch(step, sizes_of(step, world_size)[0], dtype=torch.float32)
+            x, y = parts[rank]
+            loss = mse(model(x, use_branch=rank == 1), y) if len(x) else model(x).sum() * 0
+            assert model.backward(loss, weight=len(x)).finite
+            if name == "sharded" and sgd is not None:
+                out["bias_grads"].append(sum(p.grad is not None for p in biases))
+            for optimizer in ([adamw, sgd] if sharded_first else [sgd, adamw]):
+                if optimizer is not None:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            out[name].append({n: p.detach().clone() for n, p in model.module.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("sharded_first", [True, False], ids=["sharded-first", "other-first"])
+def test_parameters_outside_the_groups_keep_whole_gradients_for_an_optimizer_of_their_own(sharded_first):
+    # As with DDP and ZeroRedundancyOptimizer: the model's parameters outside the sharded optimizer's groups are
+    # all-reduced, not reduced to an owner, so another optimizer steps them alike on every rank.
+    results = run_ranks(partial_groups_side_by_side, 2, sharded_first)
+    assert_same_training(results, exact=True)
+    with_grads = [r["bias_grads"] for r in results]
+    assert with_grads[0] == with_grads[1] and min(with_grads[0]) > 0, with_grads
+
+
 def gradient_bytes_kept(rank: int, world_size: int, sharded: bool) -> tuple[int, int]:
     """(bytes a model's steps leave alive beyond its parameters, the parameters' bytes) on this rank, with the
     gradients kept as bucket views and set_to_none=False, so that what stays is what the reduction holds."""
