@@ -8,7 +8,9 @@ import math
 import os
 import socket
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn, TypeVar
 
 import torch
@@ -44,6 +46,18 @@ class Parser(argparse.ArgumentParser):
             return check(args)
         except ValueError as error:
             self.error(str(error))
+
+
+def unwritable_folder(path: Path) -> str | None:
+    """Why the folder `path` cannot be made or written in (None if it can): checked before any work, since the
+    programs write there only at the end."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def at_least(least: int):

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from apps.cli import at_least, device_flag, positive_float
+from apps.cli import at_least, device_flag, positive_float, unwritable_folder
 
 Rows = list[tuple[int, str]]
 
@@ -57,6 +57,10 @@ def read_labelled(path: Path) -> Rows:
 def class_count(path: Path, rows: Rows) -> tuple[int, list[str]]:
     """K for labels 0..K-1, each of which must appear; and notes on classes seen fewer than FEW times."""
     counts = Counter(label for label, _ in rows)
+    if not counts:
+        raise ValueError(f"--data {path} holds no labelled line ('label<TAB>text')")
+    if len(counts) < 2:
+        raise ValueError(f"{path}: a classifier needs two classes or more; every line has label {next(iter(counts))}")
     missing = sorted(set(range(max(counts) + 1)) - set(counts))
     if missing:
         raise ValueError(f"{path}: the labels must be the classes 0..K-1, each present; classes {missing} never "
@@ -110,6 +114,8 @@ def checked(args: argparse.Namespace, output_flags: Sequence[str] = ()) -> tuple
         path = getattr(args, flag)
         if path is not None and path.exists() and not path.is_dir():
             raise ValueError(f"--{flag.replace('_', '-')} {path} is a file")
+        if path is not None and (why := unwritable_folder(path)):
+            raise ValueError(f"--{flag.replace('_', '-')} {path} cannot be written: {why}")
     return load(args.data)
 
 

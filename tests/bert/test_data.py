@@ -20,6 +20,8 @@ def test_rank_values_are_parsed_with_clear_errors():
 def test_missing_and_empty_corpora_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         data.read_documents(tmp_path / "nope.txt")
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        data.read_documents(tmp_path)
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n  \n")
     with pytest.raises(ValueError, match="holds no text"):

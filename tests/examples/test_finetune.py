@@ -35,12 +35,18 @@ def test_demo_task_is_learned_across_two_ranks(tmp_path):
     ("1\tfine\n0\tpoor\n7\tgood\n1\tok\n0\tmeh\n", (), "classes [2, 3, 4, 5, 6] never appear"),
     ("1\tfine\n", ("--batch-size", "0"), "argument --batch-size: must be at least 1, got 0"),
     ("1\tfine\n", ("--warmup-fraction", "1"), "--warmup-fraction must be in [0, 1), got 1.0"),
-], ids=["malformed", "too-small", "negative-label", "stray-label", "batch-size", "warmup"])
+    ("\n \n", (), "bad.txt holds no labelled line ('label<TAB>text')"),
+    ("0\tfine\n0\tpoor\n0\tgood\n0\tok\n0\tmeh\n", (), "a classifier needs two classes or more; every line has "
+                                                         "label 0"),
+    ("1\tfine\n0\tpoor\n1\tgood\n1\tok\n0\tmeh\n", ("--save-dir", "{tmp}/bad.txt/out"),
+     "bad.txt/out cannot be written: NotADirectoryError"),
+], ids=["malformed", "too-small", "negative-label", "stray-label", "batch-size", "warmup", "empty", "one-class",
+        "unwritable-save-dir"])
 def test_a_bad_file_or_flag_is_one_line_before_any_work(tmp_path, capsys, lines, args, message):
     bad = tmp_path / "bad.txt"
     bad.write_text(lines)
     with pytest.raises(SystemExit) as refused:
-        finetune.parse(["--data", str(bad), *args])
+        finetune.parse(["--data", str(bad), *(arg.format(tmp=tmp_path) for arg in args)])
     error = capsys.readouterr().err
     assert refused.value.code == 2 and error.count("\n") == 1 and message in error, error
 

@@ -61,12 +61,20 @@ def prepare_bible_corpus(path: Path) -> Path:
     return path
 
 
+def corpus_text(path: Path) -> str:
+    """The corpus file's text; a clear error if it is missing, a folder or empty."""
+    if not path.is_file():
+        raise FileNotFoundError(f"corpus {path} {'is not a file' if path.exists() else 'does not exist'}")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"corpus {path} holds no text")
+    return text
+
+
 def read_documents(path: Path) -> list[list[str]]:
     """The corpus as documents of sentences; a clear error if it is missing or empty."""
-    if not path.is_file():
-        raise FileNotFoundError(f"corpus {path} does not exist")
     documents, current = [], []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in corpus_text(path).splitlines():
         if line.strip():
             current.append(line.strip())
         elif current:
@@ -74,8 +82,6 @@ def read_documents(path: Path) -> list[list[str]]:
             current = []
     if current:
         documents.append(current)
-    if not documents:
-        raise ValueError(f"corpus {path} holds no text")
     return documents
 
 
@@ -274,9 +280,7 @@ def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> Corpus:
             problem = f"{type(error).__name__}: {error}"
     fail_together(problem, "cannot prepare the data")  # also waits for every machine's corpus
     try:
-        if not corpus.is_file():
-            raise FileNotFoundError(f"corpus {corpus} does not exist")
-        digest = hashlib.sha256(corpus.read_bytes()).hexdigest()
+        digest = hashlib.sha256(corpus_text(corpus).encode("utf-8")).hexdigest()
         if dist.get_rank() == 0:
             # Keyed by the text, not the file's name: an edited corpus gets a vocabulary of its own.
             vocab_dir = data_dir / f"vocab-{digest[:16]}-{preset.vocab_size}"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -41,7 +40,7 @@ from apps.bert.model import (
     wrap_model,
 )
 from apps.bert.report import Logger, PlanReport
-from apps.cli import init_distributed, report, world_size_from_env
+from apps.cli import init_distributed, report, unwritable_folder, world_size_from_env
 from hsync.balance import split_proportionally
 from hsync.balance.simulate import SimulatedSlowdown
 
@@ -153,12 +152,9 @@ def whole_state(optimizer: torch.optim.Optimizer) -> dict | None:
 
 def unwritable_outputs(cfg: TrainConfig) -> str | None:
     """Why --save-dir or --log-file cannot be written (rank 0 writes them), found before any work."""
+    if cfg.save_dir and (why := unwritable_folder(Path(cfg.save_dir))):
+        return why
     try:
-        if cfg.save_dir:
-            save_dir = Path(cfg.save_dir)
-            save_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=save_dir):
-                pass
         if cfg.log_file:
             with open(cfg.log_file, "a"):
                 pass
