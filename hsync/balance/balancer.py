@@ -106,6 +106,10 @@ class BalanceConfig:
             raise ValueError(f"BalanceConfig.min_gain must be in [0, 1), got {self.min_gain!r}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"BalanceConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"BalanceConfig.seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.shuffle, bool):
+            raise ValueError(f"BalanceConfig.shuffle must be True or False, got {self.shuffle!r}")
         if self.rank_batch_sizes is not None:
             sizes = list(self.rank_batch_sizes)
             if any(not isinstance(n, int) or n < 0 for n in sizes) or sum(sizes) != self.global_batch_size:

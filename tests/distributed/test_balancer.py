@@ -580,6 +580,9 @@ def test_different_data_or_settings_are_refused_on_every_rank():
     ({"global_batch_size": 8, "min_gain": 1.5}, "min_gain must be in"),
     ({"global_batch_size": 8, "replan_every": 0}, "replan_every must be an integer >= 1"),
     ({"global_batch_size": 8, "memory_fraction": 0}, "memory_fraction must be in"),
+    ({"global_batch_size": 8, "seed": 1.5}, "seed must be an integer, got 1.5"),
+    ({"global_batch_size": 8, "seed": "0"}, "seed must be an integer, got '0'"),
+    ({"global_batch_size": 8, "shuffle": "no"}, "shuffle must be True or False, got 'no'"),
 ])
 def test_nonsense_settings_are_refused(fields, message):
     import hsync
