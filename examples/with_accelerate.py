@@ -52,9 +52,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                   micro_batch_limit=args.micro_batch * max(lengths)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     steps = args.epochs * balancer.steps_per_epoch
-    # Accelerate steps a prepared scheduler once per rank at every optimizer step: it counts in ranks' steps.
-    scheduler = get_linear_schedule_with_warmup(optimizer, steps // 10 * accelerator.num_processes,
-                                                steps * accelerator.num_processes)
+    scheduler = get_linear_schedule_with_warmup(optimizer, steps // 10, steps)  # in global steps, on any world
     optimizer, scheduler, train_loader, test_loader = accelerator.prepare(
         optimizer, scheduler, DataLoader(train, batch_sampler=balancer, collate_fn=encode),
         DataLoader(test, batch_size=16, collate_fn=encode))

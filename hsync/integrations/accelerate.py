@@ -26,7 +26,10 @@ but moves its batches to the device; and the Balancer, not a count, says when a 
 runs Balancer.backward and sets Accelerate's sync_gradients to whether the global batch is complete,
 which is what the prepared optimizer and scheduler step on. So gradient_accumulation_steps stays 1 (a
 rank's share runs in micro-batches by the Balancer's micro_batch_limit), and the Balancer is saved
-and loaded with save_state and load_state.
+and loaded with save_state and load_state. The balanced loader's length is the number of global steps on
+any number of ranks, so a prepared scheduler steps once per global step, as in one process (Accelerate
+steps it once per rank, for loaders whose length shrinks with the ranks): a schedule sized from
+len(loader) or Balancer.steps_per_epoch ends where it would in one process.
 
 With Accelerator(shard_optimizer=True), prepare() puts an hsync.ShardedOptimizer of the optimizer's class,
 groups and settings in the optimizer's place, over the prepared model (docs/sharding.md), without device
@@ -128,6 +131,18 @@ class Accelerator(accelerate.Accelerator):
         self.sharded_optimizer = optimizer
         return super().prepare_optimizer(optimizer, device_placement=False)
 
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        prepared = super().prepare_scheduler(scheduler)
+        self._count_global_steps()
+        return prepared
+
+    def _count_global_steps(self) -> None:
+        """With a Balancer, every rank's loader yields the global steps, as one process's would: a prepared
+        scheduler steps once per global step (Accelerate's split_batches count), not once per rank."""
+        if self.balancer is not None:
+            for scheduler in self._schedulers:
+                scheduler.split_batches = True
+
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         if self.sharded_optimizer is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
@@ -147,6 +162,7 @@ class Accelerator(accelerate.Accelerator):
                              "optimizer's)")
         self.balancer = data_loader.batch_sampler
         self.register_for_checkpointing(self.balancer)  # save_state / load_state carry where the data stands
+        self._count_global_steps()
         place = self.device_placement if device_placement is None else device_placement
         return BalancedLoader(data_loader, self.device if place else torch.device("cpu"), self.non_blocking)
 

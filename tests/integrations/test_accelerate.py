@@ -256,3 +256,31 @@ def test_a_sharded_optimizer_keeps_the_prepared_optimizers_hyperparameters(name)
     for params in run_ranks(sharded_steps, 2, name, env=ENV, timeout=120):
         for key, value in model.state_dict().items():
             torch.testing.assert_close(params[key], value, rtol=1e-5, atol=1e-6)
+
+
+def scheduled_lr(rank: int, world_size: int) -> list[float]:
+    """One epoch of balanced global steps under a decaying LambdaLR, prepared with the optimizer and loader."""
+    import hsync
+    from hsync.integrations.accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    balancer = hsync.Balancer(model, EXAMPLES, hsync.BalanceConfig(global_batch_size=GLOBAL_BATCH))
+    optimizer, scheduler, loader = accelerator.prepare(
+        optimizer, scheduler, torch.utils.data.DataLoader(data(), batch_sampler=balancer))
+    for x, y, _ in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    return scheduler.get_last_lr()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_prepared_scheduler_steps_once_per_global_step_on_any_number_of_ranks(world_size):
+    steps = EXAMPLES // GLOBAL_BATCH  # what len(loader) says on every rank
+    for lr in run_ranks(scheduled_lr, world_size, env=ENV, timeout=120):
+        assert lr == [pytest.approx(LR / (1 + steps))]
