@@ -120,8 +120,8 @@ def test_accelerates_loop_steps_equal_one_process_over_the_same_global_batches(s
         assert [len(s) for s in ranks[0]["steps"]] == [24] * steps
     expected, losses = one_process(batches)
     for result in ranks:
-        # Once a global batch, as many times as there are ranks: Accelerate's convention (split_batches=False).
-        assert result["scheduler_steps"] == 2 * steps
+        # Once a global batch, as in one process: the global batch does not grow with the ranks here.
+        assert result["scheduler_steps"] == steps
         assert result["losses"] == pytest.approx(losses, rel=1e-5)
         for name, value in expected.items():
             torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6)
