@@ -94,11 +94,15 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """Once set, the gradients of the groups' parameters go to their owners only, which only this optimizer
         steps. The model's other parameters keep their gradients whole on every rank (owner -1), for an optimizer
         of their own, as with DDP and ZeroRedundancyOptimizer; add_param_group gives them owners."""
-        stepped = {p for group in self.param_groups for p in group["params"]}
+        stepped = set(self._stepped())
         self._model._set_param_owners([owner if self._all[i] in stepped else -1
                                        for owner, owned in enumerate(self.layout.ranges) for i in owned], self)
 
     # --- the parameters -------------------------------------------------------------------------------------
+
+    def _stepped(self) -> list[torch.Tensor]:
+        """The parameters of this optimizer's groups, in order (the model may have others)."""
+        return [p for group in self.param_groups for p in group["params"]]
 
     def _checked(self, groups: list[dict]) -> list[dict]:
         for group in groups:
@@ -154,7 +158,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def _share_parameters(self) -> None:
         """Each owner's parameters to every rank (in broadcasts of at most a bucket's bytes each)."""
         engine = self._model._ensure_engine()
-        stepped = {p for group in self.param_groups for p in group["params"]}
+        stepped = set(self._stepped())
         for owner, owned in enumerate(self.layout.ranges):
             engine.broadcast_coalesced([self._all[i].detach() for i in owned if self._all[i] in stepped], owner)
 
@@ -172,9 +176,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             raise ValueError(f"hsync.ShardedOptimizer.clip_grad_norm_: norm_type must be positive, got {norm_type}")
         if not self._tell_joined_ranks(clip=(float(max_norm), norm_type)):
             return torch.tensor(math.nan, device=self._model.device)  # Note [Sharded steps under Join]
-        stepped = [p for group in self.param_groups for p in group["params"]]  # this optimizer's, as clipped alone
-        grads = [p.grad for p in stepped if p.grad is not None]
-        mine = [p.grad for p in stepped if p.grad is not None and p in self._owned]
+        grads = [p.grad for p in self._stepped() if p.grad is not None]
+        mine = [p.grad for p in self._stepped() if p.grad is not None and p in self._owned]
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(torch.float64) for g in mine]) if mine \
             else torch.zeros(1, dtype=torch.float64, device=self._model.device)
         if math.isinf(norm_type):
@@ -289,7 +292,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _numbering(self) -> dict[torch.Tensor, int]:
         """Each parameter's index in the whole optimizer's state_dict: across groups, in order."""
-        return {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+        return {p: i for i, p in enumerate(self._stepped())}
 
     def _global_groups(self) -> list[dict]:
         numbering = self._numbering()
