@@ -162,8 +162,13 @@ class Channels:
         group = group or dist.group.WORLD
         if group is None:
             raise RuntimeError("hsync needs torch.distributed.init_process_group() first")
-        if "gloo" in str(dist.get_backend(group)):
+        backend = str(dist.get_backend(group))
+        if "gloo" in backend:
             device = torch.device("cpu")
+        elif not torch.cuda.is_available():
+            raise RuntimeError(f"hsync: the process group's backend is {backend!r}, and on a machine without a GPU "
+                               "hsync needs gloo: init_process_group('gloo') (Accelerate: Accelerator(cpu=True), or "
+                               "accelerate launch --cpu)")
         elif device is None or device.type != "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         timeout_s = resolve_timeout(None) if timeout_s is None else timeout_s

@@ -193,3 +193,27 @@ def interrupted_plain_backward(rank: int, world_size: int) -> None:
 def test_a_plain_backward_after_an_interrupted_one_is_refused():
     for text in run_ranks_expecting_errors(interrupted_plain_backward, 2):
         assert "a new backward started before the previous gradient reduction finished" in text
+
+
+def wrapped_over_an_undefined_backend(rank: int, world_size: int) -> str:
+    """A group made as Accelerate makes one under torchrun on a machine without a GPU, unless told cpu=True."""
+    import torch.distributed as dist
+
+    import hsync
+
+    dist.destroy_process_group()
+    dist.init_process_group("undefined", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        hsync.WeightedDDP(nn.Linear(2, 2))
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        dist.destroy_process_group()
+    return "no error"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
+def test_a_group_without_gloo_on_a_machine_without_a_gpu_is_refused_naming_its_backend():
+    assert run_ranks(wrapped_over_an_undefined_backend, 1) == [
+        "hsync: the process group's backend is 'undefined', and on a machine without a GPU hsync needs gloo: "
+        "init_process_group('gloo') (Accelerate: Accelerator(cpu=True), or accelerate launch --cpu)"]
