@@ -1,6 +1,16 @@
 """BERT pretraining across mixed GPUs: see examples/apps/bert/train.py, or run with --help."""
 
+import torch.distributed as dist
+
 from apps.bert.train import main
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit:
+        # The ranks agreed to stop (apps.bert.consensus.fail_together): the group ends cleanly first, since a
+        # process that exits with a gloo group alive may abort in its teardown (pytorch/pytorch#190489), a
+        # SIGABRT after the one-line error.
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise

@@ -3,8 +3,6 @@ leaving the others waiting in a collective; under hsync's collective deadline (h
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from hsync.collectives import Channels
 
 
@@ -13,9 +11,6 @@ def fail_together(problem: str | None, what: str) -> None:
     problems = Channels.of_group().gather_objects(problem, f"the ranks' problems ({what})")
     first = next(((rank, p) for rank, p in enumerate(problems) if p), None)
     if first:
-        # Every rank agreed to stop, so the group can end cleanly first: a process that exits with a gloo group
-        # alive may abort in its teardown (pytorch/pytorch#190489), a SIGABRT after the one-line error.
-        dist.destroy_process_group()
         raise SystemExit(f"hsync: {what} (rank {first[0]}): {first[1]}")
 
 
