@@ -176,8 +176,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             raise ValueError(f"hsync.ShardedOptimizer.clip_grad_norm_: norm_type must be positive, got {norm_type}")
         if not self._tell_joined_ranks(clip=(float(max_norm), norm_type)):
             return torch.tensor(math.nan, device=self._model.device)  # Note [Sharded steps under Join]
-        grads = [p.grad for p in self._stepped() if p.grad is not None]
-        mine = [p.grad for p in self._stepped() if p.grad is not None and p in self._owned]
+        with_grad = [p for p in self._stepped() if p.grad is not None]
+        grads = [p.grad for p in with_grad]
+        mine = [p.grad for p in with_grad if p in self._owned]
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(torch.float64) for g in mine]) if mine \
             else torch.zeros(1, dtype=torch.float64, device=self._model.device)
         if math.isinf(norm_type):
