@@ -95,8 +95,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         steps. The model's other parameters keep their gradients whole on every rank (owner -1), for an optimizer
         of their own, as with DDP and ZeroRedundancyOptimizer; add_param_group gives them owners."""
         stepped = set(self._stepped())
-        self._model._set_param_owners([owner if self._all[i] in stepped else -1
-                                       for owner, owned in enumerate(self.layout.ranges) for i in owned], self)
+        owners = [owner if self._all[i] in stepped else -1 for owner, owned in enumerate(self.layout.ranges)
+                  for i in owned]
+        # The owners cut the buckets, so ranks whose groups differ would issue different collectives.
+        if any(theirs != owners for theirs in self._channel.gather_objects(owners, "the sharded parameters")):
+            raise ValueError("hsync.ShardedOptimizer: the ranks' parameter groups hold different parameters; every "
+                             "rank passes the same groups of the model's parameters")
+        self._model._set_param_owners(owners, self)
 
     # --- the parameters -------------------------------------------------------------------------------------
 

@@ -185,6 +185,19 @@ def test_parameters_outside_the_groups_keep_whole_gradients_for_an_optimizer_of_
     assert with_grads[0] == with_grads[1] and min(with_grads[0]) > 0, with_grads
 
 
+def groups_that_differ(rank: int, world_size: int) -> None:
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32))
+    weights = [p for n, p in model.module.named_parameters() if n.endswith("weight")]
+    hsync.ShardedOptimizer(model, torch.optim.SGD, params=weights if rank == 0 else list(model.parameters()), lr=1)
+
+
+def test_groups_that_differ_between_ranks_are_refused_on_every_rank():
+    for error in run_ranks_expecting_errors(groups_that_differ, 2):
+        assert "the ranks' parameter groups hold different parameters" in error, error
+
+
 def gradient_bytes_kept(rank: int, world_size: int, sharded: bool) -> tuple[int, int]:
     """(bytes a model's steps leave alive beyond its parameters, the parameters' bytes) on this rank, with the
     gradients kept as bucket views and set_to_none=False, so that what stays is what the reduction holds."""
