@@ -30,7 +30,9 @@ class JoinState:
     optimizer's step owes the protocol."""
 
     def __init__(self, model: WeightedDDP) -> None:
-        self.model = model
+        # The wrapper owns this state: a strong reference back would keep a dropped wrapper, and its buckets' memory,
+        # alive until a garbage collection (torch's DDP is freed at once).
+        self._model = weakref.ref(model)
         self.divide_by_initial_world_size = True  # the join() argument, for plain loss.backward() steps
         self.plain_steps: bool | None = None  # what the engine was told of plain steps under Join (None: outside)
         self.announced = False  # whether this rank's last forward under Join told the joined ranks it synchronises
@@ -39,6 +41,10 @@ class JoinState:
         # (active), "shadow" (joined), or nothing.
         self.sharded_step: str | None = None
         self._group: JoinGroup | None = None  # what torch's Join reduces over: the model's join_process_group
+
+    @property
+    def model(self) -> WeightedDDP:
+        return self._model()
 
     def engine_rebuilt(self) -> None:
         """A new engine has not been told how plain steps divide (and may have a new group)."""

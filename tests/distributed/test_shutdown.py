@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,49 @@ def test_a_dataloader_worker_that_collects_dropped_wrappers_goes_on():
     for timings in run_ranks(wrappers_collected_in_a_dataloader_worker, 2):
         assert len(timings) == 4
         assert max(timings) < 1.0, f"the worker's garbage collection took {max(timings):.2f} s"
+
+
+def _used_every_way(model: hsync.WeightedDDP) -> list:
+    """Steps through each path that keeps state beside the wrapper; returns what a training loop would hold
+    (an optimizer, a Balancer), dropped with the wrapper."""
+    x = torch.randn(4, 8)
+    with model.no_sync():
+        model.backward(model(x).sum(), weight=4)
+    model.backward(model(x).sum(), weight=4)
+    model(x).sum().backward()
+    optimizer = hsync.ShardedOptimizer(model, torch.optim.AdamW, lr=0.1)
+    optimizer.step()
+    balancer = hsync.Balancer(model, 16, hsync.BalanceConfig(global_batch_size=8))
+    for indices in balancer:
+        if balancer.backward(model(torch.randn(len(indices), 8)).sum()):
+            break
+    with model.join():  # last: torch's Join leaves its joinables joining after the context, as DDP does
+        model(x).sum().backward()
+        optimizer.step()
+    return [optimizer, balancer]
+
+
+def dropped_wrappers(rank: int, world_size: int) -> tuple[bool, bool]:
+    """Whether a dropped torch DDP and a dropped WeightedDDP, each used, are freed with garbage collection off."""
+    gc.disable()
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
+        ddp(torch.randn(4, 8)).sum().backward()
+        ddp_freed = weakref.ref(ddp)
+        del ddp
+        model = hsync.WeightedDDP(nn.Linear(8, 1))
+        kept = _used_every_way(model)
+        hsync_freed = weakref.ref(model)
+        del model, kept
+        return ddp_freed() is None, hsync_freed() is None
+    finally:
+        gc.enable()
+        dist.destroy_process_group()
+
+
+def test_a_dropped_wrapper_is_freed_at_once_as_torchs_ddp_is():
+    # The wrapper's Join state held it back: a cycle, freed only by a garbage collection, which kept its buckets (on
+    # a GPU, the size of the gradients) until the collector's oldest generation next ran.
+    for ddp_freed, hsync_freed in run_ranks(dropped_wrappers, 2):
+        assert ddp_freed, "torch's DDP itself was not freed: the case needs another model"
+        assert hsync_freed, "a dropped WeightedDDP waited for a garbage collection"
