@@ -19,7 +19,7 @@ from torch.distributed.algorithms.join import Join, JoinHook
 
 from hsync.collectives import Channels
 from hsync.compat import reduced_parameters
-from hsync.stats import BAD_RANKS, LOSS_NONFINITE, WEIGHT, bad_input_message
+from hsync.stats import BAD_RANKS, WEIGHT, bad_input_message, step_is_finite
 
 if TYPE_CHECKING:
     from hsync.ddp import WeightedDDP
@@ -92,7 +92,7 @@ class JoinState:
         """Whether the last synchronised step's loss and gradients were finite on every rank (StepStats.finite,
         for steps with no StepStats too)."""
         engine = self.model._ensure_engine()
-        return engine.step_scalars()[LOSS_NONFINITE] == 0 and float(engine.last_grad_nonfinite()) == 0
+        return step_is_finite(engine.step_scalars(), float(engine.last_grad_nonfinite()))
 
     def _exchange(self, synced: bool, buffers_due: bool, joined: bool) -> tuple[bool, bool, int]:
         """One all-reduce per forward under Join: whether a synced step and a buffer broadcast follow, and the

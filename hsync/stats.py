@@ -38,6 +38,12 @@ class BadInput(enum.IntEnum):
         }[self]
 
 
+def step_is_finite(reduced: list[float] | torch.Tensor, grad_nonfinite: float) -> bool:
+    """Whether a synchronised step is one to take, from its reduced scalars and its gradients' flag: every
+    rank's loss and gradients finite, and a total weight above 0 (a plain step under Join counts 1 a rank)."""
+    return float(reduced[WEIGHT]) > 0 and float(reduced[LOSS_NONFINITE]) == 0 and grad_nonfinite == 0
+
+
 class StepStats:
     """Global statistics of one synchronised step.
 
@@ -79,12 +85,14 @@ class StepStats:
     @property
     def finite(self) -> bool:
         """False when any rank's loss or unscaled gradient held an inf or NaN, or its backward raised
-        midway (its gradient is partial): skip this step everywhere."""
+        midway (its gradient is partial), or no rank had an example (a total weight of 0: the mean, as
+        the loss, is undefined, and an optimizer stepping on zeros would still decay and move): skip
+        this step everywhere."""
         grad_nonfinite = float(self._grad_nonfinite)
         # On GPU, waiting for the flag is waiting for the buckets: a collective that failed meanwhile
         # (its values are garbage) raises here, before anyone steps on them.
         self._check_comm()
-        return self._reduced[LOSS_NONFINITE] == 0 and grad_nonfinite == 0
+        return step_is_finite(self._reduced, grad_nonfinite)
 
     @property
     def metrics(self) -> dict[str, float]:

@@ -51,3 +51,52 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank(poisoned_weight):
     assert history[POISONED_STEP]["scale"] == history[POISONED_STEP - 1]["scale"] / 2
     assert not torch.equal(history[POISONED_STEP + 1]["params"], history[POISONED_STEP]["params"])
     assert history[-1]["scale"] == history[POISONED_STEP]["scale"] * 2
+
+
+# Each rank's weight at each step; 0 is a dummy batch of 2 examples that counts for nothing. Step 1 has no example
+# anywhere; at step 2 rank 1 has joined and rank 0's only batch is a dummy, so the step has none either.
+EMPTY_STEP_WEIGHTS = [[4, 0, 0, 3], [2, 0]]
+
+
+def batch_sizes(step: int) -> list[int]:
+    return [w[step] if step < len(w) and w[step] else 2 for w in EMPTY_STEP_WEIGHTS]
+
+
+def steps_without_examples(rank: int, world_size: int, sharded: bool) -> tuple[list[bool], dict[str, torch.Tensor]]:
+    """AdamW with weight decay under model.join(), plain or sharded, skipping the steps that are not finite."""
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32))
+    kwargs = dict(lr=0.1, weight_decay=0.1)
+    optimizer = (hsync.ShardedOptimizer(model, torch.optim.AdamW, **kwargs) if sharded
+                 else torch.optim.AdamW(model.parameters(), **kwargs))
+    finite = []
+    with model.join():
+        for step, weight in enumerate(EMPTY_STEP_WEIGHTS[rank]):
+            x, y = global_batch(step, batch_sizes(step), dtype=torch.float32)[2][rank]
+            stats = model.backward(mse(model(x), y), weight=weight)
+            finite.append(stats.finite)
+            if stats.finite:
+                optimizer.step()
+            optimizer.zero_grad()
+    return finite, {name: p.detach() for name, p in model.module.named_parameters()}
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["adamw", "sharded-adamw"])
+def test_a_step_without_an_example_anywhere_is_skipped_on_every_rank(sharded):
+    # Its gradient was zeros and stats.finite true, so AdamW stepped: weight decay and the moments moved every
+    # parameter on a step that had seen nothing. Under Join the joined rank, which shadows the sharded optimizer's
+    # step when the step is finite, must decide as the active ranks do, or the ranks' collectives part.
+    results = run_ranks(steps_without_examples, 2, sharded, timeout=60)
+    assert [finite for finite, _ in results] == [[True, False, False, True], [True, False]]
+    net = make_net(seed=0, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.1, weight_decay=0.1)
+    for step in (0, 3):
+        slices = [s for s, w in zip(global_batch(step, batch_sizes(step), dtype=torch.float32)[2], EMPTY_STEP_WEIGHTS,
+                                    strict=True) if step < len(w) and w[step]]
+        mse(net(torch.cat([x for x, _ in slices])), torch.cat([y for _, y in slices])).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for rank, (_, params) in enumerate(results):
+        for name, value in net.named_parameters():
+            torch.testing.assert_close(params[name], value.detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank}, {name}")
