@@ -146,13 +146,17 @@ class StateBytes:
         self._optimizer_class, self._defaults = optimizer_class, defaults
 
     def owned_per_parameter_byte(self) -> float:
-        """What a rank keeps per byte of a parameter it owns: the gradient's bucket slot, which is also its .grad
-        with gradient_as_bucket_view (a .grad of its own beside it otherwise), and the optimizer state."""
+        """What a rank keeps per byte of a parameter it owns: its gradient and the optimizer state."""
+        return self.gradient_per_parameter_byte() + self.optimizer_state_per_parameter_byte()
+
+    def gradient_per_parameter_byte(self) -> float:
+        """What a gradient kept takes per byte of its parameter: its bucket slot, which is also its .grad with
+        gradient_as_bucket_view (a .grad of its own beside it otherwise)."""
         model = self._model
         element = next(p for p in model.parameters() if p.requires_grad).element_size()
         slot = torch.empty((), dtype=model.comm_dtype).element_size() / element if model.comm_dtype else 1.0
         views = model.gradient_as_bucket_view and model.comm_dtype is None
-        return slot + (0.0 if views else 1.0) + self.optimizer_state_per_parameter_byte()
+        return slot + (0.0 if views else 1.0)
 
     def in_flight(self, sizes: list[int]) -> int:
         """What a backward holds at once beyond the owned buckets: the two buffers another rank's buckets take

@@ -72,16 +72,21 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         held = sum(sizes) + model._ensure_engine().allocated_bucket_bytes()
         budget = this_ranks_budget(memory_budget, model.rank, model.world_size, model.device, held)
         budgets = self._channel.gather_objects(budget, "the memory budgets")
-        state_bytes = StateBytes(model, optimizer_class, defaults)
-        self.layout: Layout = plan_layout(sizes, budgets, state_bytes.owned_per_parameter_byte(),
-                                          state_bytes.in_flight(sizes))
-        """Which parameters each rank owns (their indices among the model's trainable parameters)."""
-        self._owned = set(self._all[i] for i in self.layout.ranges[model.rank])
         groups = list(params) if params is not None else [{"params": self._all}]
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
+        groups = self._checked(groups)
+        grouped = {p for group in groups for p in group["params"]}
+        outside = [i for i, p in enumerate(self._all) if p not in grouped]
+        self._same_on_every_rank(outside, "the parameters outside the groups")  # they shape the layout
+        state_bytes = StateBytes(model, optimizer_class, defaults)
+        self.layout: Layout = plan_layout(sizes, budgets, state_bytes.owned_per_parameter_byte(),
+                                          state_bytes.in_flight(sizes), outside=set(outside),
+                                          outside_per_byte=state_bytes.gradient_per_parameter_byte())
+        """Which parameters each rank owns (their indices among the model's trainable parameters)."""
+        self._owned = set(self._all[i] for i in self.layout.ranges[model.rank])
         # The optimizer this rank runs: the same groups, each holding only the parameters it owns.
-        self._local = optimizer_class([self._owned_part(group) for group in self._checked(groups)], **defaults)
+        self._local = optimizer_class([self._owned_part(group) for group in groups], **defaults)
         super().__init__([dict(group, params=list(group["params"])) for group in groups], self._local.defaults)
         self._sync_hyperparameters(self.param_groups, self._local.param_groups)
         self.state = self._local.state  # the owned parameters' state, as the local optimizer keeps it
@@ -97,11 +102,15 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         stepped = set(self._stepped())
         owners = [owner if self._all[i] in stepped else -1 for owner, owned in enumerate(self.layout.ranges)
                   for i in owned]
-        # The owners cut the buckets, so ranks whose groups differ would issue different collectives.
-        if any(theirs != owners for theirs in self._channel.gather_objects(owners, "the sharded parameters")):
+        self._same_on_every_rank(owners, "the sharded parameters")  # they cut the buckets
+        self._model._set_param_owners(owners, self)
+
+    def _same_on_every_rank(self, indices: list[int], label: str) -> None:
+        """Refuses, on every rank, parameter groups that differ between ranks: what they decide (the layout, the
+        owners that cut the buckets) would differ too, and so would the ranks' collectives."""
+        if any(theirs != indices for theirs in self._channel.gather_objects(indices, label)):
             raise ValueError("hsync.ShardedOptimizer: the ranks' parameter groups hold different parameters; every "
                              "rank passes the same groups of the model's parameters")
-        self._model._set_param_owners(owners, self)
 
     # --- the parameters -------------------------------------------------------------------------------------
 

@@ -5,22 +5,22 @@ A rank's budget is the memory it can give to the model's state: its parameters, 
 the optimizer state it owns. Parameters are whole on every rank; the gradients a rank keeps are those
 of the parameters it owns (another rank's bucket is let go once sent: Note [Owned buckets] in
 csrc/engine.cpp), plus what a backward holds in flight: the two buffers other ranks' buckets take turns
-in, and a fresh gradient. So each rank's capacity is its budget less the parameters and what is in
-flight, and the parameters are split, in registration
-order, into one contiguous range per rank whose gradients and optimizer state are in proportion to
-that capacity. A rank that declares nothing shares in proportion to the device memory it can still
-get, measured after the model was placed (the parameters counted back in), as the Balancer measures
-it for its micro-batches (obtainable_bytes: the card's free memory and the allocator's cache, or a
-per-process fraction's cap); so the Balancer then plans micro-batches from what the state leaves. On
-the CPU, where there is no such measure, ranks that declare
-nothing get equal shares. A model whose state cannot fit is refused before any step, naming each
-rank, its budget and what it would need.
+in, and a fresh gradient. So each rank's capacity is its budget less the parameters, what is in flight
+and the gradients of the parameters outside the optimizer's groups (whole on every rank, for an
+optimizer of the user's), and the parameters are split, in registration order, into one contiguous
+range per rank whose gradients and optimizer state are in proportion to that capacity. A rank that
+declares nothing shares in proportion to the device memory it can still get, measured after the model
+was placed (the parameters counted back in), as the Balancer measures it for its micro-batches
+(obtainable_bytes: the card's free memory and the allocator's cache, or a per-process fraction's cap);
+so the Balancer then plans micro-batches from what the state leaves. On the CPU, where there is no such
+measure, ranks that declare nothing get equal shares. A model whose state cannot fit is refused before
+any step, naming each rank, its budget and what it would need.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,50 +77,64 @@ class Layout:
 
 
 def plan_layout(sizes: Sequence[int], budgets: Sequence[int | None], owned_per_byte: float,
-                in_flight: int = 0) -> Layout:
+                in_flight: int = 0, outside: Collection[int] = (), outside_per_byte: float = 0.0) -> Layout:
     """Splits parameters of `sizes` bytes into contiguous ranges, one per rank, what each rank keeps for the
     parameters it owns (`owned_per_byte` bytes per byte of parameter: their gradients and optimizer state) in
-    proportion to its capacity: its budget less the parameters and the `in_flight` bytes a backward holds at
-    once. Refuses a model whose state cannot fit (ValueError naming every rank)."""
+    proportion to its capacity: its budget less the parameters, the `in_flight` bytes a backward holds at once
+    and the gradients (`outside_per_byte` per byte) of the parameters `outside` the optimizer's groups (indices
+    into `sizes`), which every rank keeps whole. Those cost their range nothing. Refuses a model whose state
+    cannot fit (ValueError naming every rank)."""
     world = len(budgets)
     total = sum(sizes)
-    whole = total + in_flight  # on every rank
-    per_byte = owned_per_byte
+    shard = [0 if i in outside else size for i, size in enumerate(sizes)]
+    outside_gradients = int((total - sum(shard)) * outside_per_byte)
+    whole = total + in_flight + outside_gradients  # on every rank
     if all(b is None for b in budgets):
         capacities = [1.0] * world
     elif any(b is None for b in budgets):
         raise ValueError("memory_budget: declare a budget on every rank or on none")
     else:
         capacities = [max(0.0, b - whole) for b in budgets]
-    sharded = total * per_byte
+    sharded = sum(shard) * owned_per_byte
+    fixed = Fixed(total, in_flight, outside_gradients)
     if budgets[0] is not None and (sum(capacities) < sharded or sum(capacities) == 0):
-        raise ValueError(refusal(budgets, total, in_flight, sharded))
+        raise ValueError(refusal(budgets, fixed, sharded))
     weight = sum(capacities)
     bounds, prefix, start = [], 0, 0
     cumulative = 0.0
     for rank in range(world):
         cumulative += capacities[rank]
-        target = total * cumulative / weight if rank < world - 1 else total
+        target = sum(shard) * cumulative / weight if rank < world - 1 else total
         end = start
-        while end < len(sizes) and prefix + sizes[end] / 2 <= target:  # nearest boundary: a tensor is whole
-            prefix += sizes[end]
+        while end < len(sizes) and prefix + shard[end] / 2 <= target:  # nearest boundary: a tensor is whole
+            prefix += shard[end]
             end += 1
         bounds.append(range(start, end))
         start = end
-    needs = tuple(whole + int(sum(sizes[i] for i in r) * per_byte) for r in bounds)
+    needs = tuple(whole + int(sum(shard[i] for i in r) * owned_per_byte) for r in bounds)
     if budgets[0] is not None and any(need > budget for need, budget in zip(needs, budgets, strict=True)):
-        raise ValueError(refusal(budgets, total, in_flight, sharded, needs))
+        raise ValueError(refusal(budgets, fixed, sharded, needs))
     return Layout(tuple(bounds), needs)
 
 
-def refusal(budgets: Sequence[int | None], parameters: int, in_flight: int, sharded: float,
-            needs: Sequence[int] | None = None) -> str:
+@dataclass(frozen=True)
+class Fixed:
+    """What every rank holds whatever it owns, in bytes."""
+
+    parameters: int
+    in_flight: int
+    outside_gradients: int
+
+
+def refusal(budgets: Sequence[int | None], fixed: Fixed, sharded: float, needs: Sequence[int] | None = None) -> str:
     ranks = ", ".join(f"rank {r}: budget {_mib(b)}" + (f", needs {_mib(needs[r])}" if needs else "")
                       for r, b in enumerate(budgets))
+    outside = (f", the gradients of the parameters outside the optimizer's groups ({_mib(fixed.outside_gradients)})"
+               if fixed.outside_gradients else "")
     return (f"hsync.ShardedOptimizer: the model's state does not fit the ranks' memory budgets ({ranks}); every "
-            f"rank holds the parameters whole ({_mib(parameters)}) and the gradient buckets in flight "
-            f"({_mib(in_flight)}), and a share of the gradients and optimizer state ({_mib(int(sharded))} in all). "
-            "Raise the budgets, add ranks or shrink the model")
+            f"rank holds the parameters whole ({_mib(fixed.parameters)}), the gradient buckets in flight "
+            f"({_mib(fixed.in_flight)}){outside} and a share of the gradients and optimizer state "
+            f"({_mib(int(sharded))} in all). Raise the budgets, add ranks or shrink the model")
 
 
 def _mib(size: int | None) -> str:

@@ -62,3 +62,17 @@ def test_a_model_that_cannot_fit_is_refused_naming_each_rank_its_budget_and_need
         plan_layout([3 * MIB, MIB], [12 * MIB, 12 * MIB], owned_per_byte=3.0)  # fits in sum, not whole tensors
     with pytest.raises(ValueError, match="on every rank or on none"):
         plan_layout([MIB], [None, 4 * MIB], owned_per_byte=3.0)
+
+
+def test_parameters_outside_the_groups_cost_every_rank_their_gradients_and_no_range_anything():
+    # Parameters 0-9 outside the optimizer's groups (another optimizer steps them): their gradients are whole on
+    # every rank (1 byte per parameter byte here), their optimizer state is not this optimizer's.
+    sizes = [100] * 40  # 4000 bytes of parameters, 500 in flight, 1000 of gradients outside the groups
+    budgets = [5500 + 6900, 5500 + 2100]  # capacities 23:7 for the 30 grouped parameters' 9000 bytes of state
+    layout = plan_layout(sizes, budgets, owned_per_byte=3.0, in_flight=500, outside=set(range(10)),
+                         outside_per_byte=1.0)
+    assert [sum(1 for i in r if i >= 10) for r in layout.ranges] == [23, 7], layout.ranges
+    assert layout.needs == tuple(budgets)
+    with pytest.raises(ValueError, match=r"outside the optimizer's groups \(1.0 KiB\)"):
+        plan_layout(sizes, [b - 500 for b in budgets], owned_per_byte=3.0, in_flight=500, outside=set(range(10)),
+                    outside_per_byte=1.0)
