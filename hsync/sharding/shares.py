@@ -86,8 +86,9 @@ def plan_layout(sizes: Sequence[int], budgets: Sequence[int | None], owned_per_b
     cannot fit (ValueError naming every rank)."""
     world = len(budgets)
     total = sum(sizes)
-    shard = [0 if i in outside else size for i, size in enumerate(sizes)]
-    outside_gradients = int((total - sum(shard)) * outside_per_byte)
+    shard = [0 if i in outside else size for i, size in enumerate(sizes)]  # what a range is sized by
+    shard_total = sum(shard)
+    outside_gradients = int((total - shard_total) * outside_per_byte)
     whole = total + in_flight + outside_gradients  # on every rank
     if all(b is None for b in budgets):
         capacities = [1.0] * world
@@ -95,7 +96,7 @@ def plan_layout(sizes: Sequence[int], budgets: Sequence[int | None], owned_per_b
         raise ValueError("memory_budget: declare a budget on every rank or on none")
     else:
         capacities = [max(0.0, b - whole) for b in budgets]
-    sharded = sum(shard) * owned_per_byte
+    sharded = shard_total * owned_per_byte
     fixed = Fixed(total, in_flight, outside_gradients)
     if budgets[0] is not None and (sum(capacities) < sharded or sum(capacities) == 0):
         raise ValueError(refusal(budgets, fixed, sharded))
@@ -104,7 +105,7 @@ def plan_layout(sizes: Sequence[int], budgets: Sequence[int | None], owned_per_b
     cumulative = 0.0
     for rank in range(world):
         cumulative += capacities[rank]
-        target = sum(shard) * cumulative / weight if rank < world - 1 else total
+        target = shard_total * cumulative / weight if rank < world - 1 else total
         end = start
         while end < len(sizes) and prefix + shard[end] / 2 <= target:  # nearest boundary: a tensor is whole
             prefix += shard[end]
