@@ -60,7 +60,8 @@ class BalancingArguments:
     """A fixed share of every global batch per rank, adding up to it; None: planned from measured speeds."""
     by_tokens: bool | None = None
     """Balance by tokens (each example's len(input_ids)) rather than examples. None: when the dataset has
-    input_ids or TrainingArguments.group_by_length is set."""
+    input_ids or TrainingArguments groups by length (train_sampling_strategy="group_by_length", or
+    group_by_length before transformers 5.23)."""
     warmup_steps: int = 2
     """Steps not measured at the start (BalanceConfig.warmup_steps)."""
     probe_steps: int = 3
@@ -123,9 +124,11 @@ class Trainer(transformers.Trainer):
             options: dict[str, Any] = {"find_unused_parameters": find_unused}
             if args.ddp_bucket_cap_mb is not None:
                 options["bucket_cap_mb"] = args.ddp_bucket_cap_mb
-            if self.model.device.type == "cuda":
-                options["device_ids"] = [self.model.device.index]
-            ensure_process_group(self.model.device)
+            # A PreTrainedModel's .device, for any nn.Module Trainer takes: where its parameters are.
+            device = next(self.model.parameters()).device
+            if device.type == "cuda":
+                options["device_ids"] = [device.index]
+            ensure_process_group(device)
             weighted = self.weighted_ddp = hsync.WeightedDDP(self.model, **options)
             if args.torch_compile:  # what Accelerate's prepare would have done to the model it wrapped
                 weighted = torch.compile(weighted, backend=args.torch_compile_backend or "inductor",
@@ -220,7 +223,7 @@ class Trainer(transformers.Trainer):
         first = dataset[0]
         has_ids = isinstance(first, dict) and "input_ids" in first
         if by_tokens is None:
-            by_tokens = has_ids or self.args.group_by_length
+            by_tokens = has_ids or groups_by_length(self.args)
         if not by_tokens:
             return len(dataset)
         if not has_ids:
@@ -283,6 +286,12 @@ class Trainer(transformers.Trainer):
 
 
 BALANCER_STATE = "hsync_balancer.pt"
+
+
+def groups_by_length(args: transformers.TrainingArguments) -> bool:
+    """Whether Trainer would batch examples of similar lengths (an argument renamed in transformers 5.23)."""
+    return (getattr(args, "train_sampling_strategy", None) == "group_by_length"
+            or bool(getattr(args, "group_by_length", False)))
 
 
 def load_balancer_state(checkpoint: str) -> dict:

@@ -351,3 +351,72 @@ def test_a_model_already_in_torch_ddp_is_refused_in_one_line_on_every_rank(tmp_p
     for message in run_ranks(handed_a_torch_ddp, 2, str(tmp_path), env=LAUNCH_ENV):
         assert message == ("hsync.integrations.transformers.Trainer: the model is already wrapped in a "
                            "DistributedDataParallel; pass the module inside it (its .module): hsync wraps it itself")
+
+
+class Regression(torch.nn.Module):
+    """A plain nn.Module, as Trainer takes besides a PreTrainedModel: no .device, a dict with the loss out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.net(x).squeeze(-1)
+        return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+
+class Points(torch.utils.data.Dataset):
+    """Examples without input_ids (balanced by examples); records what it serves, a list per optimizer step."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(2)
+        self.x = torch.randn(32, 8, generator=g)
+        self.y = self.x @ torch.randn(8, generator=g)
+        self.recording = False
+        self.steps: list[list[int]] = [[]]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if self.recording:
+            self.steps[-1].append(i)
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+def plain_module_on_points(rank: int, world_size: int, output_dir: str) -> dict:
+    from transformers import TrainerCallback
+
+    from hsync.integrations.transformers import BalancingArguments, Trainer
+
+    data = Points()
+
+    class Steps(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            data.recording = True
+
+        def on_step_end(self, args, state, control, **kwargs):
+            data.steps.append([])
+
+    trainer = Trainer(model=Regression(), args=training_args(output_dir, per_device_train_batch_size=4),
+                      train_dataset=data, callbacks=[Steps()], balancing=BalancingArguments(rank_batch_sizes=[12, 4]))
+    trainer.train()
+    return {"params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, "steps": data.steps[:-1]}
+
+
+def test_a_plain_module_on_examples_without_input_ids_trains_as_one_process(tmp_path):
+    # Both failed before any step: the module has no .device (a PreTrainedModel's), and transformers 5.23 renamed
+    # TrainingArguments.group_by_length, which deciding whether to balance by tokens read.
+    ranks = run_ranks(plain_module_on_points, 2, str(tmp_path), env=ENV, timeout=120)
+    global_batches = [a + b for a, b in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True)]
+    assert [len(batch) for batch in global_batches] == [16] * 4  # 32 examples, 2 epochs
+    model, data = Regression(), Points()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for indices in global_batches:
+        model(data.x[indices], data.y[indices])["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for result in ranks:
+        for name, value in model.named_parameters():
+            torch.testing.assert_close(result["params"][name], value.detach(), rtol=1e-5, atol=1e-6, msg=name)
