@@ -33,7 +33,9 @@ changes the seams where that happens:
   as the slowest, and the Balancer would keep an equal split;
 - a ddp_comm_hook (PowerSGD, the user's own) is registered on the WeightedDDP, on the CPU too;
 - the train loader is stateful (state_dict / load_state_dict: the Balancer's), which Lightning saves in
-  every checkpoint and restores with ckpt_path=, so a resumed run goes on with the same global batches;
+  every checkpoint and restores with ckpt_path= inside an epoch; the strategy restores it from a checkpoint
+  written at an epoch's end too, where Lightning does not. So a resumed run goes on with the same global
+  batches;
 - evaluation loaders get Lightning's sampler that repeats no example (ranks may run different numbers of
   batches), and the module evaluates without its wrapper, so self.log(..., sync_dist=True) gives exact
   metrics over the whole set;
@@ -106,6 +108,7 @@ class HsyncStrategy(DDPStrategy):
         self._weight: float | torch.Tensor | None = None
         self._leading_micro_batch = False  # a micro-batch before the step's last: its logs are not synced
         self._set_aside: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # see training_step
+        self._resumed_loader_state: dict | None = None  # see load_checkpoint
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -196,6 +199,16 @@ class HsyncStrategy(DDPStrategy):
             self.model = self.lightning_module
         super().teardown()
 
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # Lightning gives the train loader its saved state only on a resume inside an epoch. From a checkpoint
+        # written at an epoch's end it starts the next epoch afresh, and a DistributedSampler's set_epoch gives
+        # that epoch's order; the Balancer's order, step count and plan are its state, restored in _step_loader.
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        states = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader", [])
+        state = states[0] if len(states) == 1 else None
+        self._resumed_loader_state = state if isinstance(state, dict) and "step_in_epoch" in state else None
+        return checkpoint
+
     # -- the data ------------------------------------------------------------------------------------
 
     def process_dataloader(self, dataloader: object) -> object:
@@ -226,6 +239,9 @@ class HsyncStrategy(DDPStrategy):
             micro_batch_limit=loader.batch_size if self._micro_batches_per_step > 1 else None)
         if self.balancer is None or self.balancer.model is not self.model:  # a first fit(), or another module
             self.balancer = self._new_balancer(self.model, len(loader.dataset), config)
+        if self._resumed_loader_state is not None:
+            self.balancer.load_state_dict(self._resumed_loader_state)
+            self._resumed_loader_state = None
         workers = loader.num_workers
         options = dict(num_workers=workers, pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn,
                        persistent_workers=loader.persistent_workers, timeout=loader.timeout)

@@ -103,12 +103,13 @@ def fit(rank: int, world_size: int, strategy_options: dict | None, accumulate: i
     torch.manual_seed(0)
     module = module_class(weighted=variant == "weighted", sharded=variant == "sharded-clipped")()
     strategy = "hsync" if strategy_options is None else HsyncStrategy(**strategy_options)
-    saver = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    savers = [ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}"),
+              ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1, filename="{epoch}")]  # at its end
     precision = {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(variant, "32-true")
     hardware = dict(accelerator="gpu", devices=1, num_nodes=world_size) if variant == "fp16" else dict(
         accelerator="cpu", devices=world_size)
     trainer = L.Trainer(strategy=strategy, **hardware, max_epochs=EPOCHS,
-                        max_steps=max_steps, accumulate_grad_batches=accumulate, callbacks=[saver], logger=False,
+                        max_steps=max_steps, accumulate_grad_batches=accumulate, callbacks=savers, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
                         num_sanity_val_steps=0, precision=precision,
                         gradient_clip_val=CLIP if variant in ("clip-compiled", "sharded-clipped") else None)
@@ -219,9 +220,14 @@ def test_a_resume_through_ckpt_path_ends_as_an_uninterrupted_run_on_as_many_rank
     resumed = run_ranks(fit, 2, options, 1, str(tmp_path / "b"), str(checkpoint), env=ENV, timeout=240)
     alone = run_ranks(fit, 1, options, 1, str(tmp_path / "c"), str(checkpoint),
                       env={**ENV, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}, timeout=240)
+    # From the end of the first epoch (3 steps), where Lightning does not restore a loader's state itself: the
+    # second epoch ran the first's order again.
+    at_epoch_end = run_ranks(fit, 2, options, 1, str(tmp_path / "d"), str(tmp_path / "a" / "epoch=0.ckpt"), env=ENV,
+                             timeout=240)
     assert global_batches(resumed) == global_batches(straight)[4:]
     assert [sorted(step) for step in alone[0]["steps"]] == global_batches(straight)[4:]
-    for after in (*resumed, *alone):
+    assert global_batches(at_epoch_end) == global_batches(straight)[3:]
+    for after in (*resumed, *alone, *at_epoch_end):
         assert after["global_step"] == 6
         for name, value in straight[0]["params"].items():
             torch.testing.assert_close(after["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
