@@ -342,15 +342,18 @@ class HsyncStrategy(DDPStrategy):
         if self._leading_micro_batch:  # Note [Lightning]: synced at the step's last micro-batch
             return tensor
         op = str(reduce_op).lower().rsplit(".", 1)[-1]  # "mean", or ReduceOp.SUM's "RedOpType.SUM"
-        if not (isinstance(tensor, torch.Tensor) and isinstance(self.model, hsync.WeightedDDP)
-                and op in ("sum", "mean", "avg") and group is None):
+        if not (isinstance(tensor, torch.Tensor) and op in ("sum", "mean", "avg") and group is None):
             with self._waiting_for_peers():
                 return super().reduce(tensor, group, reduce_op)
+        # Outside fit() (trainer.validate() or test(), before or after it) the module is not wrapped: the world's
+        # channel, as DDPStrategy's reduce takes the world's group.
+        channel = (Channels.of_model(self.model) if isinstance(self.model, hsync.WeightedDDP)
+                   else Channels.of_group(device=self.root_device))
         with self._waiting_for_peers():  # a log's sync_dist: not the rank's own work
             # Through hsync's channel, under its deadline; summed in float64: Lightning's divides an integer sum
             # by the ranks in integers, and a mean metric's count of examples (its denominator) would lose its
             # fraction where ranks ran different numbers of them.
-            total = Channels.of_model(self.model).all_reduce_sum(tensor.double(), "a logged value's sync_dist")
+            total = channel.all_reduce_sum(tensor.double(), "a logged value's sync_dist")
         if op == "sum":
             return total.to(tensor.device, tensor.dtype)
         mean = total / self.world_size

@@ -125,7 +125,8 @@ def fit(rank: int, world_size: int, strategy_options: dict | None, accumulate: i
             "comm_hook": trainer.strategy._weighted._comm_hook is not None}
     with warnings.catch_warnings(record=True) as caught:  # Lightning's about repeated examples would be false
         warnings.simplefilter("always")
-        result["validated_count"] = trainer.validate(module, verbose=False)[0]["val_count"]
+        validated = trainer.validate(module, verbose=False)[0]
+    result["validated_count"], result["validated_loss"] = validated["val_count"], validated["val_loss"]
     result["warned"] = [str(w.message) for w in caught if "DistributedSampler" in str(w.message)]
     return result
 
@@ -167,8 +168,10 @@ def test_lightning_steps_equal_one_process_over_the_same_global_batches(options,
     for result in ranks:
         assert result["val_count"] == VALIDATION
         assert result["val_loss"] == pytest.approx(val_loss, rel=1e-5)
-        # trainer.validate() after fit: unrepeated too, and without Lightning's warning that examples repeat.
+        # trainer.validate() after fit: unrepeated too, and without Lightning's warning that examples repeat; its
+        # mean over ranks of each rank's count of examples, which fit() takes in floating point, truncated 16.5.
         assert result["validated_count"] == VALIDATION
+        assert result["validated_loss"] == pytest.approx(val_loss, rel=1e-5)
         assert result["warned"] == []
 
 
