@@ -27,7 +27,11 @@ changes the seams where that happens:
 - self.log(..., sync_dist=True) in a training_step syncs once a step, at the last micro-batch: ranks run
   different numbers of micro-batches, and a collective per call would pair one rank's first micro-batch
   with another's last (or wait forever). Lightning's mean over ranks of an integer (a metric's count of
-  examples) truncates, harmless where every rank counts alike; here it is taken in floating point;
+  examples) truncates, harmless where every rank counts alike; here it is taken in floating point. Each
+  micro-batch's logs weigh its own examples in the epoch's mean (Lightning would infer every one's from the
+  step's item, its first micro-batch), and a step's value (on_step) weighs each rank's by the examples of its
+  last micro-batch: a rank's whole share where it runs in one, so the step's mean over every example; under
+  accumulation the ranks' last micro-batches, as DDP logs the last;
 - those syncs, and the SIGTERM flag Lightning broadcasts before every batch, are waits for peers
   (WeightedDDP.waiting_for_peers): counted as work, a fast rank's wait there would make it look as slow
   as the slowest, and the Balancer would keep an equal split;
@@ -61,6 +65,7 @@ work) rather than failing.
 
 from __future__ import annotations
 
+import math
 import warnings
 from contextlib import nullcontext
 from typing import Any
@@ -71,7 +76,8 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler, _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 import hsync
@@ -107,6 +113,7 @@ class HsyncStrategy(DDPStrategy):
         self._micro_batches_per_step: int | None = None  # accumulate_grad_batches, before setup() makes it 1
         self._weight: float | torch.Tensor | None = None
         self._leading_micro_batch = False  # a micro-batch before the step's last: its logs are not synced
+        self._last_micro_batch_examples: int | None = None  # while the step's last runs: what its logs weigh
         self._set_aside: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # see training_step
         self._resumed_loader_state: dict | None = None  # see load_checkpoint
 
@@ -301,6 +308,7 @@ class HsyncStrategy(DDPStrategy):
         self._leading_micro_batch = True
         try:
             for micro in leading:
+                self._logs_weigh(micro)
                 output = self._take_weight(super().training_step(micro, *rest, **kwargs))
                 loss = output["loss"] if isinstance(output, dict) else output
                 self.backward(loss, None)
@@ -312,7 +320,23 @@ class HsyncStrategy(DDPStrategy):
         self._set_aside = [(p, p.grad) for p in self.lightning_module.parameters() if leading and p.grad is not None]
         for p, _ in self._set_aside:
             p.grad = None
-        return self._take_weight(super().training_step(last, *rest, **kwargs))
+        self._last_micro_batch_examples = self._logs_weigh(last)
+        try:
+            return self._take_weight(super().training_step(last, *rest, **kwargs))
+        finally:
+            self._last_micro_batch_examples = None
+
+    def _logs_weigh(self, micro: Any) -> int | None:
+        """Lightning weighs a value logged for the epoch by its batch's size, which it would infer from the whole
+        step's item (the first micro-batch's): each micro-batch weighs its own examples (none for a filler, another
+        rank's examples run with weight 0). Returns that size (None: no tensor in it to tell)."""
+        results = self.lightning_module.trainer._results
+        try:
+            examples = 0 if self.balancer.filler else extract_batch_size(micro)
+        except MisconfigurationException:  # no tensor to tell: Lightning's own inference, if a log asks for it
+            examples = None
+        results.batch, results.batch_size = micro, examples
+        return examples
 
     def _take_weight(self, output: Any) -> Any:
         """The module's training_step may return {"loss": ..., "weight": ...}: what its loss is a mean over."""
@@ -349,15 +373,24 @@ class HsyncStrategy(DDPStrategy):
         # channel, as DDPStrategy's reduce takes the world's group.
         channel = (Channels.of_model(self.model) if isinstance(self.model, hsync.WeightedDDP)
                    else Channels.of_group(device=self.root_device))
+        dtype = tensor.dtype if tensor.is_floating_point() else torch.float64
+        examples = self._last_micro_batch_examples
         with self._waiting_for_peers():  # a log's sync_dist: not the rank's own work
             # Through hsync's channel, under its deadline; summed in float64: Lightning's divides an integer sum
             # by the ranks in integers, and a mean metric's count of examples (its denominator) would lose its
             # fraction where ranks ran different numbers of them.
+            if op != "sum" and examples is not None and tensor.numel() == 1:
+                # A value of the step (on_step), logged at its last micro-batch: each rank's weighs that
+                # micro-batch's examples, as Lightning weighs batches within a rank, since the ranks' differ.
+                pair = torch.stack([tensor.detach().double().reshape(()) * examples,
+                                    torch.tensor(float(examples), dtype=torch.float64, device=tensor.device)])
+                value, weight = channel.all_reduce_sum(pair, "a logged value's sync_dist").tolist()
+                return torch.tensor(value / weight if weight else math.nan, dtype=dtype,
+                                    device=tensor.device).reshape(tensor.shape)
             total = channel.all_reduce_sum(tensor.double(), "a logged value's sync_dist")
         if op == "sum":
             return total.to(tensor.device, tensor.dtype)
-        mean = total / self.world_size
-        return mean.to(tensor.device, tensor.dtype if tensor.is_floating_point() else torch.float64)
+        return (total / self.world_size).to(tensor.device, dtype)
 
 
 check_framework_version(lightning)

@@ -58,6 +58,7 @@ def module_class(weighted: bool = False, sharded: bool = False):
                 return {"loss": loss, "weight": w.sum()}
             loss = nn.functional.mse_loss(self.net(x).float(), y)
             self.log("train_loss", loss, sync_dist=True)
+            self.log("epoch_loss", loss, sync_dist=True, on_step=False, on_epoch=True)
             return loss
 
         def on_before_optimizer_step(self, optimizer):
@@ -119,6 +120,7 @@ def fit(rank: int, world_size: int, strategy_options: dict | None, accumulate: i
             "dtypes": sorted(module.dtypes), "steps": module.steps[:-1], "losses": module.losses,
             "skipped": module.skipped, "global_step": trainer.global_step,
             "logged": float(trainer.callback_metrics["train_loss"]), "batches": trainer.num_training_batches,
+            "epoch_loss": float(trainer.callback_metrics.get("epoch_loss", float("nan"))),
             "loss": trainer.strategy.step_stats.loss, "plan": trainer.strategy.balancer.planned_split(),
             "val_loss": float(trainer.callback_metrics["val_loss"]),
             "val_count": float(trainer.callback_metrics["val_count"]),
@@ -137,9 +139,11 @@ def global_batches(ranks: list[dict]) -> list[list[int]]:
 
 @pytest.mark.parametrize(("options", "accumulate"), [
     ({"balance": {"global_batch_size": GLOBAL_BATCH, "rank_batch_sizes": [24, 8], "micro_batch_limit": 8}}, 1),
-    (None, 2)], ids=["fixed-24+8", "auto-accumulating"])
+    ({"balance": {"global_batch_size": GLOBAL_BATCH, "rank_batch_sizes": [24, 8]}}, 1),
+    (None, 2)], ids=["fixed-24+8", "fixed-24+8-whole", "auto-accumulating"])
 def test_lightning_steps_equal_one_process_over_the_same_global_batches(options, accumulate, tmp_path):
-    # The second: strategy="hsync" by name, each global batch batch_size x accumulate_grad_batches x ranks = 32.
+    # The last: strategy="hsync" by name, each global batch batch_size x accumulate_grad_batches x ranks = 32, in
+    # micro-batches of 8 or fewer, of different sizes.
     import hsync
 
     if options is not None:
@@ -153,9 +157,15 @@ def test_lightning_steps_equal_one_process_over_the_same_global_batches(options,
     if options is not None:
         assert [len(s) for s in ranks[0]["steps"]] == [24] * steps
     expected, losses = one_process(batches)
+    whole = options is not None and options["balance"].micro_batch_limit is None  # one micro-batch a rank
     for result in ranks:
         assert result["global_step"] == steps and result["batches"] == steps // EPOCHS
         assert result["loss"] == pytest.approx(losses[-1], rel=1e-5)  # the last step's loss over every rank
+        # An epoch's sync_dist mean: over its every example, each micro-batch weighing its own (Lightning would
+        # weigh them all as the step's first).
+        assert result["epoch_loss"] == pytest.approx(sum(losses[-3:]) / 3, rel=1e-5)
+        if whole:  # a step's value: the ranks' one micro-batch each, weighed by their examples, is the step's
+            assert result["logged"] == pytest.approx(losses[-1], rel=1e-5)
         for name, value in expected.items():
             torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
     assert ranks[0]["logged"] == ranks[1]["logged"]  # sync_dist: one value on every rank
