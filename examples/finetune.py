@@ -43,7 +43,11 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.R
     def check(args: argparse.Namespace):
         if not 0 <= args.warmup_fraction < 1:
             raise ValueError(f"--warmup-fraction must be in [0, 1), got {args.warmup_fraction}")
-        return args, *labelled.checked(args, ["save_dir"])
+        train, test, num_labels, notes = labelled.checked(args, ["save_dir"])
+        if args.batch_size > len(train):
+            notes = [*notes, f"--batch-size {args.batch_size} is more than the {len(train)} training texts: each "
+                             "step takes all of them, one step an epoch"]
+        return args, train, test, num_labels, notes
 
     return parser.parse_checked(argv, check)
 

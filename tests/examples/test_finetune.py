@@ -57,3 +57,13 @@ def test_the_program_refuses_before_any_work_in_one_line(tmp_path):
                             timeout=120, cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "argument --batch-size: must be at least 1, got 0" in result.stderr
+
+
+def test_a_batch_larger_than_the_data_is_noted(tmp_path):
+    data = tmp_path / "small.txt"
+    data.write_text("".join(f"{i % 2}\ttext {i}\n" for i in range(10)))  # 8 to train on, 2 held out
+    *_, notes = finetune.parse(["--data", str(data), "--batch-size", "64"])
+    assert "--batch-size 64 is more than the 8 training texts: each step takes all of them, one step an epoch" \
+        in notes, notes
+    *_, notes = finetune.parse(["--data", str(data), "--batch-size", "8"])
+    assert not any("--batch-size" in note for note in notes), notes
