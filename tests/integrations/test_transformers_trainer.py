@@ -5,6 +5,8 @@ shares and measured ones, gradient accumulation on; saving, and what is refused.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -420,3 +422,42 @@ def test_a_plain_module_on_examples_without_input_ids_trains_as_one_process(tmp_
     for result in ranks:
         for name, value in model.named_parameters():
             torch.testing.assert_close(result["params"][name], value.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+ENDS_AT_EXIT = """
+import atexit, sys
+import torch, torch.distributed as dist
+atexit.register(lambda: print("group at exit:", dist.is_initialized()))  # runs after hsync's, registered later
+import transformers
+from hsync.integrations.transformers import BalancingArguments, Trainer
+
+class Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels):
+        return {"loss": torch.nn.functional.mse_loss(self.net(x).squeeze(-1), labels)}
+
+data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(8)]
+args = transformers.TrainingArguments(output_dir=sys.argv[1], per_device_train_batch_size=4, num_train_epochs=1,
+                                      use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+Trainer(model=Regression(), args=args, train_dataset=data, balancing=BalancingArguments()).train()
+if sys.argv[2] == "fail":
+    raise RuntimeError("the program failed after training")
+"""
+
+
+@pytest.mark.parametrize("ending", ["success", "fail"])
+def test_the_process_group_ends_at_exit_after_a_run_that_did_not_fail(ending, tmp_path):
+    # Left to the interpreter's shutdown, a gloo thread releasing an evaluation's all-gather aborted about one
+    # Trainer exit in eight ("terminate called without an active exception"), under torch DDP too. After a
+    # failure the group is left alone: its end would wait for gloo's threads until gloo's own deadline.
+    script = tmp_path / "train.py"
+    script.write_text(ENDS_AT_EXIT)
+    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}  # `python train.py`: a world of one
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "out"), ending], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert result.returncode == (0 if ending == "success" else 1), result.stderr[-2000:]
+    assert f"group at exit: {ending == 'fail'}" in result.stdout, result.stdout + result.stderr[-2000:]
