@@ -70,8 +70,15 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         # What the model holds now that its state will be made of: the parameters, and gradient buckets (if a
         # backward ran already) that the owners will replace.
         held = sum(sizes) + model._ensure_engine().allocated_bucket_bytes()
-        budget = this_ranks_budget(memory_budget, model.rank, model.world_size, model.device, held)
+        try:
+            budget: int | str | None = this_ranks_budget(memory_budget, model.rank, model.world_size, model.device,
+                                                         held)
+        except (TypeError, ValueError) as error:  # raised on every rank below, not on this one alone
+            budget = str(error)
         budgets = self._channel.gather_objects(budget, "the memory budgets")
+        refused = [r for r, theirs in enumerate(budgets) if isinstance(theirs, str)]
+        if refused:
+            raise ValueError(f"{budgets[refused[0]]} (rank {refused[0]}; refused on ranks {refused})")
         groups = list(params) if params is not None else [{"params": self._all}]
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]

@@ -595,3 +595,27 @@ def test_the_layout_counts_the_gradients_of_parameters_outside_the_groups_on_eve
     for rank, (need, held) in enumerate(run_ranks(state_held_with_parameters_outside_the_groups, 2)):
         # Within 1%: the buckets' flags and slot alignment are not counted.
         assert abs(held - need) <= 0.01 * need, f"rank {rank} holds {held} bytes between steps, its layout: {need}"
+
+
+def a_budget_only_one_rank_refuses(rank: int, world_size: int) -> list[str]:
+    """Budgets that only rank 1's own parse refuses: its entry of a list, and a size of its own."""
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32))
+    errors = []
+    for budget in (["1GiB", "bogus"], "1GiB" if rank == 0 else "-5"):
+        try:
+            hsync.ShardedOptimizer(model, torch.optim.SGD, memory_budget=budget, lr=0.1)
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_a_budget_only_one_rank_refuses_is_refused_on_every_rank():
+    # Rank 0 was told only that its peer had exited (the refusal came before the budgets' gather).
+    for errors in run_ranks(a_budget_only_one_rank_refuses, 2):
+        assert errors == [
+            "memory_budget[1]: cannot read 'bogus' as a size (for example '6GiB', '512MB' or 1e9) (rank 1; refused on "
+            "ranks [1])",
+            "memory_budget: cannot read '-5' as a size (for example '6GiB', '512MB' or 1e9) (rank 1; refused on ranks "
+            "[1])"], errors
