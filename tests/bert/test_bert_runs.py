@@ -325,7 +325,7 @@ def test_bad_input_is_one_line_on_every_rank_before_any_work(tmp_path):
     damaged.mkdir()
     (damaged / "step-00000004.pt").write_bytes(b"")  # an interrupted copy of a run's folder, say
     for refusal in refusals_in_ranks(tmp_path, "--save-dir", str(damaged), "--resume"):
-        assert "step-00000004.pt: EOFError" in refusal, refusal
+        assert "step-00000004.pt is damaged or not a checkpoint: EOFError" in refusal, refusal
 
     a_file = tmp_path / "a-file"
     a_file.write_text("")

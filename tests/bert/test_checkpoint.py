@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hsync.collectives import Channels
 from tests.spawn import run_ranks, run_ranks_with_victim
 
 pytestmark = pytest.mark.distributed
@@ -104,3 +105,34 @@ def test_a_resume_of_another_run_or_past_its_end_is_refused_naming_why(tmp_path)
         assert "the checkpoint is at step 3, after --max-steps 2" in refused["past the end"]
         # Its pruning would delete the checkpoints, and a later --resume would pick up theirs.
         assert "holds an earlier run's checkpoints (up to step-00000003.pt); pass --resume" in refused["a fresh run"]
+
+
+def damaged_or_foreign(rank: int, world_size: int, save_dir: str) -> dict[str, str]:
+    from apps.bert import checkpoint
+
+    path = Path(save_dir) / "step-00000001.pt"
+    refused = {}
+    checkpoint.save(Path(save_dir), 1, {"model": {"w": torch.full((1000,), 1234.5)}, "meta": {}})
+    if rank == 0:  # a disk's or a copy's flipped bytes, inside a tensor: torch.load reads them as other numbers
+        data = bytearray(path.read_bytes())
+        at = data.index(torch.tensor([1234.5] * 4).numpy().tobytes())
+        data[at:at + 16] = bytes(b ^ 0x5A for b in data[at:at + 16])
+        path.write_bytes(bytes(data))
+    for case, content in (("damaged", None), ("text", b"not a checkpoint\n"), ("foreign", {"a": 1})):
+        if rank == 0 and isinstance(content, bytes):
+            path.write_bytes(content)
+        elif rank == 0 and content is not None:
+            torch.save(content, path)
+        Channels.of_group().barrier("the file written")
+        with pytest.raises(SystemExit) as stopped:
+            checkpoint.load(Path(save_dir), {}, {})
+        refused[case] = str(stopped.value)
+    return refused
+
+
+def test_a_damaged_or_foreign_checkpoint_is_refused_saying_so(tmp_path):
+    # The damaged one loaded: a resume from it trained to a loss of 3.6e27 and exited 0.
+    for refused in run_ranks(damaged_or_foreign, 2, str(tmp_path), timeout=60):
+        assert "is damaged: what it holds does not match the checksum written with it" in refused["damaged"]
+        assert "step-00000001.pt is damaged or not a checkpoint: " in refused["text"], refused["text"]
+        assert "is not a checkpoint of this program (it has no step, settings or RNG states)" in refused["foreign"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,25 @@ def earlier_run(save_dir: str, resume: bool) -> str | None:
            "choose another --save-dir"
 
 
+def checksum(value: Any, crc: int = 0) -> int:
+    """A CRC-32 of everything `value` (a checkpoint's tensors and plain values) holds, in a fixed order: bytes
+    flipped on a disk or in a copy change it, where torch.load would read them as other numbers."""
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        crc = zlib.crc32(f"{flat.dtype}{tuple(value.shape)}".encode(), crc)
+        return zlib.crc32(flat.view(torch.uint8).numpy(), crc)
+    if isinstance(value, dict):
+        for key in sorted(value, key=repr):
+            crc = checksum(value[key], zlib.crc32(repr(key).encode(), crc))
+        return crc
+    if isinstance(value, list | tuple):  # alike: a tuple may load as a list
+        crc = zlib.crc32(str(len(value)).encode(), crc)
+        for item in value:
+            crc = checksum(item, crc)
+        return crc
+    return zlib.crc32(repr(value).encode(), crc)
+
+
 def _pickled_objects(path: Path) -> list[str]:
     """What in the file torch's weights-only loading refuses (empty if the file cannot even be read)."""
     try:
@@ -77,8 +97,9 @@ def save(save_dir: Path, step: int, state: dict[str, Any]) -> Path | None:
         try:
             save_dir.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(path.name + ".tmp")
+            payload = {**state, "step": step, "rng": rngs}
             with open(tmp, "wb") as f:
-                torch.save({**state, "step": step, "rng": rngs}, f)
+                torch.save({**payload, "checksum": checksum(payload)}, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)  # atomic: a reader sees the old set of files or the new one
@@ -104,6 +125,11 @@ def load(save_dir: Path, expected: dict[str, Any], may_change: dict[str, Any], s
             raise FileNotFoundError(f"no checkpoint in {save_dir}")
         # Tensors and plain values only: a pickled object could run code on every rank as it loads.
         state = torch.load(path, map_location="cpu", weights_only=True)
+        if not (isinstance(state, dict) and {"meta", "step", "rng"} <= state.keys()):
+            raise ValueError(f"{path} is not a checkpoint of this program (it has no step, settings or RNG states)")
+        written = state.pop("checksum", None)  # (none in a checkpoint written before it was added: not checked)
+        if written is not None and checksum(state) != written:
+            raise ValueError(f"{path} is damaged: what it holds does not match the checksum written with it")
         for key, value in expected.items():
             if state["meta"].get(key, value) != value:  # (a key added since the checkpoint was written: not checked)
                 raise ValueError(f"{path} was written with {key}={state['meta'].get(key)!r}, this run has "
@@ -113,7 +139,8 @@ def load(save_dir: Path, expected: dict[str, Any], may_change: dict[str, Any], s
         if max_steps is not None and state["step"] > max_steps:
             raise ValueError(f"the checkpoint is at step {state['step']}, after --max-steps {max_steps}")
     except Exception as error:  # a damaged file can fail in any way (EOFError, UnpicklingError, ...)
-        problem = str(error) if isinstance(error, (OSError, ValueError)) else f"{path}: {type(error).__name__}: {error}"
+        problem = (str(error) if isinstance(error, (OSError, ValueError))
+                   else f"{path} is damaged or not a checkpoint: {type(error).__name__}: {error}")
         if isinstance(error, pickle.UnpicklingError) and (objects := _pickled_objects(path)):
             problem = (f"{path} holds pickled objects ({', '.join(objects)}), which could run code as they load; "
                        "hsync resumes from checkpoints of tensors and plain values only, as it writes them")
