@@ -34,13 +34,18 @@ def test_a_group_killed_mid_run_is_restarted_and_every_group_ends_with_the_same_
 
 
 @pytest.mark.parametrize(("command", "message"), [
-    ((str(LAUNCH), "0", str(PROGRAM)), "N must be a positive number of replica groups, got '0'"),
+    ((str(LAUNCH), "0", str(PROGRAM)), "N must be a number of replica groups from 1 to 999, got '0'"),
+    # Wrapped around by bash's arithmetic, this one started groups without end.
+    ((str(LAUNCH), "99999999999999999999", str(PROGRAM)),
+     "N must be a number of replica groups from 1 to 999, got '99999999999999999999'"),
     ((str(LAUNCH), "--min-replicas", "3", "2", str(PROGRAM)),
      "--min-replicas must be a number from 1 to N (2), got '3'"),
     ((str(LAUNCH), "2", "nowhere.py"), "no program 'nowhere.py'"),
     ((sys.executable, str(PROGRAM), "--crash", "group1"),
      "argument --crash: expected GROUP:STEP (group1:40), got 'group1'"),
-], ids=["groups", "min-replicas", "program", "crash"])
+    ((sys.executable, str(PROGRAM), "--crash", "group1:\u00b2"),  # a digit to str.isdigit(), not to int()
+     "argument --crash: expected GROUP:STEP (group1:40), got 'group1:\u00b2'"),
+], ids=["groups", "huge-groups", "min-replicas", "program", "crash", "crash-superscript"])
 def test_a_bad_argument_is_one_line(tmp_path, command, message):
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
