@@ -123,8 +123,10 @@ def test_the_step_profile_compares_hsyncs_step_with_the_floors(tmp_path):
     assert all(float(v) > 0 for v in totals.values()), text
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert len(rows) >= 20, text
-    # hsync's step runs collectives the bare model's never does: they come first.
-    assert re.match(r"\| `c10d::\w+` \| [0-9.]+ \| 0\.0 \|", rows[0]), text
+    # hsync's step runs collectives the bare model's never does. (Not necessarily first: on a loaded CPU one slow
+    # call of another op, the non-finite check's, once came before them.)
+    collectives = [row for row in rows if row.startswith("| `c10d::")]
+    assert collectives and all(re.match(r"\| `c10d::\w+` \| [0-9.]+ \| 0\.0 \|", row) for row in collectives), text
 
 
 def test_the_step_profile_refuses_a_nonsense_step_count():
