@@ -38,6 +38,11 @@ from hsync.errors import describe
 from hsync.sharding.shares import Layout, MemoryBudget, plan_layout, this_ranks_budget
 
 
+def _different_groups() -> ValueError:
+    return ValueError("hsync.ShardedOptimizer: the ranks' parameter groups hold different parameters; every rank "
+                      "passes the same groups of the model's parameters")
+
+
 class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     """`optimizer_class` over a WeightedDDP's parameters, its state sharded across the ranks by memory.
 
@@ -70,22 +75,25 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         # What the model holds now that its state will be made of: the parameters, and gradient buckets (if a
         # backward ran already) that the owners will replace.
         held = sum(sizes) + model._ensure_engine().allocated_bucket_bytes()
-        try:
-            budget: int | str | None = this_ranks_budget(memory_budget, model.rank, model.world_size, model.device,
-                                                         held)
-        except (TypeError, ValueError) as error:  # raised on every rank below, not on this one alone
-            budget = str(error)
-        budgets = self._channel.gather_objects(budget, "the memory budgets")
-        refused = [r for r, theirs in enumerate(budgets) if isinstance(theirs, str)]
-        if refused:
-            raise ValueError(f"{budgets[refused[0]]} (rank {refused[0]}; refused on ranks {refused})")
         groups = list(params) if params is not None else [{"params": self._all}]
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
         groups = self._checked(groups)
         grouped = {p for group in groups for p in group["params"]}
         outside = [i for i, p in enumerate(self._all) if p not in grouped]
-        self._same_on_every_rank(outside, "the parameters outside the groups")  # they shape the layout
+        try:
+            budget: int | str | None = this_ranks_budget(memory_budget, model.rank, model.world_size, model.device,
+                                                         held)
+        except (TypeError, ValueError) as error:  # raised on every rank below, not on this one alone
+            budget = str(error)
+        # One gather: the budgets, and the parameters outside the groups, which shape the layout as well.
+        everyone = self._channel.gather_objects((budget, outside), "the memory budgets")
+        budgets = [theirs for theirs, _ in everyone]
+        refused = [r for r, theirs in enumerate(budgets) if isinstance(theirs, str)]
+        if refused:
+            raise ValueError(f"{budgets[refused[0]]} (rank {refused[0]}; refused on ranks {refused})")
+        if any(theirs != outside for _, theirs in everyone):
+            raise _different_groups()
         state_bytes = StateBytes(model, optimizer_class, defaults)
         self.layout: Layout = plan_layout(sizes, budgets, state_bytes.owned_per_parameter_byte(),
                                           state_bytes.in_flight(sizes), outside=set(outside),
@@ -116,8 +124,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """Refuses, on every rank, parameter groups that differ between ranks: what they decide (the layout, the
         owners that cut the buckets) would differ too, and so would the ranks' collectives."""
         if any(theirs != indices for theirs in self._channel.gather_objects(indices, label)):
-            raise ValueError("hsync.ShardedOptimizer: the ranks' parameter groups hold different parameters; every "
-                             "rank passes the same groups of the model's parameters")
+            raise _different_groups()
 
     # --- the parameters -------------------------------------------------------------------------------------
 
