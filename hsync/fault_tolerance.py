@@ -46,6 +46,8 @@ import logging
 import os
 import socket
 import sys
+import time
+import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,15 @@ except ImportError as error:  # pragma: no cover - the extra is installed wherev
     raise ImportError("hsync.fault_tolerance needs torchft: pip install hsync[torchft]") from error
 
 log = logging.getLogger(__name__)
+
+CHECK_ONLY = "HSYNC_CHECK_ONLY"
+"""When this variable is 1, FaultTolerantSteps checks its settings and then ends the program (status 0), before it
+joins a job. scripts/fault_tolerant_local.sh runs the program so once before it starts the groups, so that a
+refused flag is one line, not one per group and per restart of torchrun."""
+
+LIGHTHOUSE_PATIENCE = datetime.timedelta(seconds=5)
+"""How long a replica waits for the Lighthouse to answer before it says that it is waiting (it waits up to the
+deadline: groups may start before it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +168,10 @@ class FaultTolerantSteps:
         if not lighthouse:
             raise ValueError("hsync.fault_tolerance: no Lighthouse: pass FaultToleranceConfig(lighthouse=...) or set "
                              "TORCHFT_LIGHTHOUSE")
+        lighthouse_source = "FaultToleranceConfig.lighthouse" if config.lighthouse else "TORCHFT_LIGHTHOUSE"
+        lighthouse_host, lighthouse_port = _lighthouse_endpoint(lighthouse, lighthouse_source)
+        if os.environ.get(CHECK_ONLY) == "1":
+            raise SystemExit(0)
         self.module, self.optimizer = module, optimizer
         self._examples, self._balance = examples, balance
         self._wrap_options = dict(wrap_options or {})
@@ -173,6 +188,8 @@ class FaultTolerantSteps:
         self._store = dist.TCPStore(config.host, 0, is_master=True, wait_for_workers=False, timeout=self._timeout)
         replica_id = config.replica_id or os.environ.get("REPLICA_GROUP_ID") or f"{config.host}:{os.getpid()}"
         self._replica_id = replica_id
+        _wait_for_lighthouse(lighthouse_host, lighthouse_port, f"{lighthouse} ({lighthouse_source})", replica_id,
+                             self._timeout)
         self.manager = Manager(
             pg=self._quorum, load_state_dict=self._load_state_dict, state_dict=self._state_dict,
             min_replica_size=config.min_replicas, use_async_quorum=False, timeout=self._timeout,
@@ -298,6 +315,43 @@ class FaultTolerantSteps:
         self.module.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._position = state["position"]
+
+
+def _lighthouse_endpoint(address: str, source: str) -> tuple[str, int]:
+    """The host and port of the Lighthouse at `address`, which must be an http(s) URL: torchft's client takes any
+    other text for an address that does not answer, and says so only at the deadline."""
+    url = urllib.parse.urlsplit(address)
+    try:
+        port = url.port or {"http": 80, "https": 443}.get(url.scheme)
+    except ValueError:  # a port that is not a number from 0 to 65535
+        port = None
+    if url.scheme not in ("http", "https") or not url.hostname or not port:
+        raise ValueError(f"hsync.fault_tolerance: {source} must be the Lighthouse's address, http://host:port, "
+                         f"got {address!r}")
+    return url.hostname, port
+
+
+def _wait_for_lighthouse(host: str, port: int, name: str, replica_id: str, timeout: datetime.timedelta) -> None:
+    """Returns once the Lighthouse accepts a connection; says after LIGHTHOUSE_PATIENCE that this replica waits for
+    it, and fails at the deadline naming it (torchft's client would wait as long in silence)."""
+    start = time.monotonic()
+    deadline = start + timeout.total_seconds()
+    said_so = False
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as error:
+            problem = error
+        now = time.monotonic()
+        if now >= deadline:
+            raise TimeoutError(f"hsync.fault_tolerance: replica {replica_id}: no Lighthouse answered at {name} within "
+                               f"the deadline of {timeout.total_seconds():g} s: {problem}")
+        if not said_so and now - start >= LIGHTHOUSE_PATIENCE.total_seconds():
+            log.warning("hsync: replica %s: waiting for the Lighthouse at %s (%s); giving up after %g s", replica_id,
+                        name, problem, timeout.total_seconds())
+            said_so = True
+        time.sleep(min(0.2, deadline - now))
 
 
 def lighthouse_command(port: int, min_replicas: int, *, join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 2000,

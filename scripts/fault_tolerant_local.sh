@@ -45,6 +45,11 @@ if [ ! -f "$1" ]; then
 fi
 bin=.venv/bin
 port=$("$bin/python" -c "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])")
+export TORCHFT_LIGHTHOUSE=http://localhost:$port
+
+# The program checks its flags once, alone, before anything starts: under torchrun a refused flag would be printed by
+# every group, again at each restart. hsync.fault_tolerance ends it there (status 0) under HSYNC_CHECK_ONLY=1.
+REPLICA_GROUP_ID=group0 HSYNC_CHECK_ONLY=1 "$bin/python" "$@"
 
 # A dead group is seen at its next collective; its heartbeat stops counting after 2 s, and a quorum waits up to
 # 2 s for groups that heartbeat but have not asked to join.
@@ -57,7 +62,7 @@ pids=()
 for ((g = 0; g < groups; g++)); do
   (
     set +e  # the status is torchrun's, not its filter's
-    export REPLICA_GROUP_ID=group$g TORCHFT_LIGHTHOUSE=http://localhost:$port
+    export REPLICA_GROUP_ID=group$g
     "$bin/torchrun" --standalone --nproc_per_node 1 --max-restarts 3 "$@" 2>&1 \
       | grep --line-buffered -v -e '\[INFO\]' -e '"GET /checkpoint/' -e '^frame #' -e '^Exception raised from' \
       | sed -u "s/^/[group$g] /"

@@ -1,7 +1,11 @@
 """What hsync.fault_tolerance refuses before it joins a job, in one line: a bad setting, a replica group of
-several ranks, a process group of the program's own, a ShardedOptimizer, no Lighthouse."""
+several ranks, a process group of the program's own, a ShardedOptimizer, no Lighthouse or one that does not
+answer."""
 
 import datetime
+import logging
+import socket
+import time
 
 import pytest
 import torch
@@ -46,6 +50,50 @@ def test_no_lighthouse_is_refused(monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     with pytest.raises(ValueError, match="no Lighthouse: pass FaultToleranceConfig"):
         steps_for()
+
+
+@pytest.mark.parametrize("address", ["localhost:29510", "http://", "ftp://localhost:29510",
+                                     "http://localhost:99999", "http://localhost:port"])
+@pytest.mark.parametrize("source", ["FaultToleranceConfig.lighthouse", "TORCHFT_LIGHTHOUSE"])
+def test_a_lighthouse_address_that_is_not_an_http_url_is_refused_at_once(monkeypatch, address, source):
+    # torchft's client took each of these for a Lighthouse that does not answer, and said so at the deadline.
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", address)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=f"{source} must be the Lighthouse's address, http://host:port, "
+                                         f"got '{address}'"):
+        steps_for(**({"lighthouse": address} if source.startswith("FaultToleranceConfig") else {}))
+    assert time.monotonic() - start < 5
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_a_lighthouse_that_does_not_answer_is_named_at_the_deadline_and_waited_for_aloud(monkeypatch, caplog):
+    import hsync.fault_tolerance
+
+    monkeypatch.setattr(hsync.fault_tolerance, "LIGHTHOUSE_PATIENCE", datetime.timedelta(seconds=0.5))
+    address = f"http://localhost:{closed_port()}"
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING), pytest.raises(
+            TimeoutError, match=rf"replica g0: no Lighthouse answered at {address} \(FaultToleranceConfig.lighthouse\) "
+                                r"within the deadline of 2 s: .*refused"):
+        steps_for(lighthouse=address, replica_id="g0", timeout=datetime.timedelta(seconds=2))
+    assert 2 <= time.monotonic() - start < 6
+    waiting = [r.getMessage() for r in caplog.records if "waiting for the Lighthouse" in r.getMessage()]
+    assert len(waiting) == 1 and address in waiting[0] and "giving up after 2 s" in waiting[0], caplog.text
+
+
+def test_under_check_only_the_settings_are_checked_and_the_program_ends_before_it_joins(monkeypatch):
+    monkeypatch.setenv("HSYNC_CHECK_ONLY", "1")
+    with pytest.raises(ValueError, match="must be the Lighthouse's address"):
+        steps_for(lighthouse="localhost:1")
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as stopped:  # nothing answers there: it did not try to connect
+        steps_for(lighthouse=f"http://localhost:{closed_port()}", timeout=datetime.timedelta(seconds=30))
+    assert stopped.value.code == 0 and time.monotonic() - start < 5
 
 
 def refusals_in_a_process_group(rank: int, world_size: int) -> list[str]:

@@ -41,11 +41,16 @@ def test_a_group_killed_mid_run_is_restarted_and_every_group_ends_with_the_same_
     ((str(LAUNCH), "--min-replicas", "3", "2", str(PROGRAM)),
      "--min-replicas must be a number from 1 to N (2), got '3'"),
     ((str(LAUNCH), "2", "nowhere.py"), "no program 'nowhere.py'"),
+    # Checked once before the groups start: under torchrun, each group printed it at each of its restarts.
+    ((str(LAUNCH), "3", str(PROGRAM), "--epochs", "0"), "argument --epochs: must be at least 1, got 0"),
+    ((str(LAUNCH), "2", str(ROOT / "examples" / "bert.py"), "--fault-tolerant", "--preset", "tiny", "--max-steps", "0"),
+     "--max-steps must be at least 1, got 0"),
     ((sys.executable, str(PROGRAM), "--crash", "group1"),
      "argument --crash: expected GROUP:STEP (group1:40), got 'group1'"),
     ((sys.executable, str(PROGRAM), "--crash", "group1:\u00b2"),  # a digit to str.isdigit(), not to int()
      "argument --crash: expected GROUP:STEP (group1:40), got 'group1:\u00b2'"),
-], ids=["groups", "huge-groups", "min-replicas", "program", "crash", "crash-superscript"])
+], ids=["groups", "huge-groups", "min-replicas", "program", "program-flag", "bert-flag", "crash",
+        "crash-superscript"])
 def test_a_bad_argument_is_one_line(tmp_path, command, message):
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
