@@ -362,9 +362,13 @@ at::Tensor Engine::step_scalars() {
   if (!device_.is_cuda()) return step_.scalars;
   if (!step_.scalars_copied) {
     // A plain step under Join keeps DDP's scale and never resolves a total, which queues the copy to the
-    // host: its scalars' all-reduce went before its first bucket; the copy waits for it here.
+    // host: its scalars' all-reduce went before its first bucket; the copy waits for it here, a wait for the
+    // peers like resolve_pack_scale's (Note [Busy time]).
     issue_due_step_scalars();
-    comm_->synchronize_through(step_.scalars_seq);
+    {
+      const PeerWait wait(clock_);
+      comm_->synchronize_through(step_.scalars_seq);
+    }
     queue_scalars_copy();
   }
   step_.scalars_copied->synchronize();
