@@ -12,6 +12,9 @@
 # known, as at a start); with N, a lost group's step waits for torchrun to bring it back, and is then run again
 # by all.
 #
+# The program runs once alone first, with HSYNC_CHECK_ONLY=1: it parses its flags, and hsync.fault_tolerance ends
+# it before it joins a job; a refused flag ends the script there, in one line.
+#
 # On several machines, start one Lighthouse (torchft_lighthouse --min_replicas M) and on each machine its groups
 # as below, with TORCHFT_LIGHTHOUSE=http://LIGHTHOUSE_HOST:PORT and a REPLICA_GROUP_ID unique in the job.
 set -euo pipefail
@@ -47,8 +50,7 @@ bin=.venv/bin
 port=$("$bin/python" -c "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])")
 export TORCHFT_LIGHTHOUSE=http://localhost:$port
 
-# The program checks its flags once, alone, before anything starts: under torchrun a refused flag would be printed by
-# every group, again at each restart. hsync.fault_tolerance ends it there (status 0) under HSYNC_CHECK_ONLY=1.
+# Under torchrun, a refused flag would be printed by every group, again at each restart.
 REPLICA_GROUP_ID=group0 HSYNC_CHECK_ONLY=1 "$bin/python" "$@"
 
 # A dead group is seen at its next collective; its heartbeat stops counting after 2 s, and a quorum waits up to
