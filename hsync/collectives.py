@@ -162,7 +162,8 @@ class Channels:
         group = group or dist.group.WORLD
         if group is None:
             raise RuntimeError("hsync needs torch.distributed.init_process_group() first")
-        backend = str(dist.get_backend(group))
+        # "cpu:gloo,cuda:nccl" for init_process_group() without a backend, whose get_backend() is 'undefined'.
+        backend = dist.get_backend_config(group)
         if "gloo" in backend:
             device = torch.device("cpu")
         elif not torch.cuda.is_available():

@@ -53,6 +53,20 @@ def two_forwards_batch_norm(rank, world_size, wrap):
     return {"grads": grads_of(model.module), "buffers": dict(model.module.named_buffers())}
 
 
+def steps_on_the_default_group(rank, world_size, wrap):
+    model = wrap(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double())
+    for step in range(2):
+        x, y = global_batch(step, [3, 3])[2][rank]
+        model.zero_grad()
+        mse(model(x).squeeze(1), y).backward()
+    return grads_of(model.module)
+
+
+def test_a_process_group_made_without_a_backend_trains_as_with_ddp():
+    # The README's loop: init_process_group() with no backend, whose get_backend() is 'undefined' (torch 2.14).
+    assert_same(run_ranks(side_by_side, 2, steps_on_the_default_group, backend=None))
+
+
 def test_two_forwards_one_backward_with_batch_norm():
     assert_same(run_ranks(side_by_side, 2, two_forwards_batch_norm))
 
