@@ -158,10 +158,11 @@ class WrapSettings:
         return dataclasses.replace(self, **values)
 
     def that_must_agree(self, communication_hook: str) -> dict[str, object]:
-        """What shapes the collectives: ranks that disagree would send buckets that don't match."""
+        """What shapes the collectives: ranks that disagree would send buckets that don't match, or step scalars
+        of other lengths or in another order (the metrics')."""
         return dict(comm_dtype=self.comm_dtype, communication_hook=communication_hook,
                     bucket_cap_mb=self.bucket_bytes_cap / MIB, first_bucket_cap_mb=self.first_bucket_bytes_cap / MIB,
-                    cross_rank_backward=self.cross_rank_backward)
+                    cross_rank_backward=self.cross_rank_backward, metric_names=self.metric_names)
 
 
 class Setting:

@@ -99,6 +99,9 @@ def wrap(rank: int, world_size: int, variant: str) -> None:
     settings = {
         "comm_dtype differs": dict(comm_dtype=torch.bfloat16 if rank == 1 else None),
         "bucket cap differs": dict(bucket_cap_mb=25 + rank),
+        # In another order, each rank's sums went under the others' names.
+        "metric names in another order": dict(metric_names=("correct", "count")[::1 - 2 * rank]),
+        "metric names differ": dict(metric_names=("correct", "count")[:2 - rank]),
         "comm_dtype int": dict(comm_dtype=torch.int64),
         "comm_dtype str": dict(comm_dtype="bf16"),
     }
@@ -122,6 +125,10 @@ def wrap(rank: int, world_size: int, variant: str) -> None:
         ("in DataParallel", "on rank 1, it is already wrapped in a torch DataParallel"),  # said on every rank
         ("comm_dtype differs", "comm_dtype differs across ranks: None on rank 0, torch.bfloat16 on rank 1"),
         ("bucket cap differs", "bucket_cap_mb differs across ranks: 25.0 on rank 0, 26.0 on rank 1"),
+        ("metric names in another order",
+         "metric_names differs across ranks: ('correct', 'count') on rank 0, ('count', 'correct') on rank 1"),
+        ("metric names differ", "metric_names differs across ranks: ('correct', 'count') on rank 0, ('correct',) on "
+                                "rank 1"),
         ("comm_dtype int", "ValueError: hsync.WeightedDDP: comm_dtype must be None or one of torch.float32, "
                            "torch.float64, torch.float16, torch.bfloat16, got dtype torch.int64"),
         ("comm_dtype str", "TypeError: hsync.WeightedDDP: comm_dtype must be None or one of torch.float32, "
