@@ -24,14 +24,22 @@ def bad_step_then_good_step(rank: int, world_size: int, bad: dict) -> tuple[str,
         loss = bad.get("loss", loss)
         weight = bad.get("weight", weight)
         metrics = bad.get("metrics")
+    with model.no_sync():  # a micro-batch before it, whose gradient the refused step drops too
+        model.backward(mse(model(x), y), weight=4)
     try:
         model.backward(loss, weight=weight, metrics=metrics)
     except ValueError as error:
         message = str(error)
     else:
         raise AssertionError(f"rank {rank}: no error for {bad}")
-    model.module.zero_grad()
-    stats = model.backward(mse(model(x), y), weight=4)
+    assert all(p.grad is None for p in model.module.parameters()), f"rank {rank}: the refused step left gradients"
+    stats = model.backward(mse(model(x), y), weight=4)  # no zero_grad(): nothing is left to add to
+    after = [p.grad for p in model.module.parameters()]
+    model.module.zero_grad(set_to_none=True)
+    model.backward(mse(model(x), y), weight=4)
+    for a, p in zip(after, model.module.parameters(), strict=True):
+        assert (a is None and p.grad is None) or torch.equal(a, p.grad), (
+            f"rank {rank}: the next good step's gradients are not those of the same step from none")
     return message, stats.weight
 
 
@@ -58,7 +66,7 @@ def test_bad_input_raises_on_every_rank(bad, shared, own):
         assert shared in message, f"rank {rank}: {message}"
         if own and rank == 1:
             assert own in message, message
-        assert "not applied" in message
+        assert "not applied" in message and "gradients are dropped (set to None)" in message
         assert next_weight == 12, "the next good step must work on every rank"
 
 
@@ -202,25 +210,30 @@ def test_a_plain_backward_after_an_interrupted_one_is_refused():
         assert "a new backward started before the previous gradient reduction finished" in text
 
 
-def wrapped_over_an_undefined_backend(rank: int, world_size: int) -> str:
-    """A group made as Accelerate makes one under torchrun on a machine without a GPU, unless told cpu=True."""
+def wrapped_over_a_group_of(rank: int, world_size: int, backends: str | None) -> str:
+    """A group made as Accelerate makes one under torchrun ('undefined': torch picks each device's backend), whose
+    backends are `backends` where given (a group without gloo, which this machine cannot make)."""
     import torch.distributed as dist
 
     import hsync
 
     dist.destroy_process_group()
     dist.init_process_group("undefined", store=dist.HashStore(), rank=0, world_size=1)
+    if backends is not None:
+        dist.get_backend_config = lambda group=None: backends
     try:
-        hsync.WeightedDDP(nn.Linear(2, 2))
+        model = hsync.WeightedDDP(nn.Linear(2, 2))
+        return f"trained, weight {model.backward(model(torch.ones(1, 2)).sum(), weight=1).weight}"
     except RuntimeError as error:
         return str(error)
     finally:
         dist.destroy_process_group()
-    return "no error"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
-def test_a_group_without_gloo_on_a_machine_without_a_gpu_is_refused_naming_its_backend():
-    assert run_ranks(wrapped_over_an_undefined_backend, 1) == [
-        "hsync: the process group's backend is 'undefined', and on a machine without a GPU hsync needs gloo: "
+def test_a_group_without_gloo_on_a_machine_without_a_gpu_is_refused_naming_its_backends():
+    # get_backend() says 'undefined' for both; their configurations tell them apart.
+    assert run_ranks(wrapped_over_a_group_of, 1, None) == ["trained, weight 1.0"]
+    assert run_ranks(wrapped_over_a_group_of, 1, "cuda:nccl") == [
+        "hsync: the process group's backend is 'cuda:nccl', and on a machine without a GPU hsync needs gloo: "
         "init_process_group('gloo') (Accelerate: Accelerator(cpu=True), or accelerate launch --cpu)"]
