@@ -598,6 +598,9 @@ class WeightedDDP(DistributedDataParallel):
         self.require_forward_param_sync = True
         host = engine.step_scalars()
         if host[BAD_RANKS] > 0:
+            # What the buckets wrote back is a partial sum; the window's earlier micro-batches are in it too.
+            for p in self.module.parameters():
+                p.grad = None
             raise ValueError(bad_input_message(host, window.problem, self.rank))
         return self._step_stats(host, None if busy is None else busy.seconds)
 

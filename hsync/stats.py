@@ -224,4 +224,5 @@ def bad_input_message(host: torch.Tensor, own_problem: str | None, rank: int) ->
     else:
         who = f"{count} ranks passed bad input (a negative, NaN, infinite or non-numeric weight, or a bad loss)"
     mine = f"; on this rank ({rank}): {own_problem}" if own_problem else ""
-    return f"hsync: WeightedDDP.backward: {who}{mine}. The step was not applied; no rank took it."
+    return (f"hsync: WeightedDDP.backward: {who}{mine}. The step was not applied; no rank took it, and its gradients "
+            "are dropped (set to None), with those of its no_sync micro-batches")
