@@ -308,7 +308,7 @@ class Balancer:
         busy, units = 0.0, 0.0
         if self._previous is not None and (seconds := self._clock.step_seconds(*self._previous)) is not None:
             busy, units = seconds, self._previous[1]
-        report = Report(busy, units, self._capacity(), self._split_through + 1)
+        report = Report(busy, units, self._capacity(), self._split_through + 1, micro.step)
         steps_before = self._steps.completed
         try:
             stats = self.model.backward(loss, weight, {**(metrics or {}), **self._codec.encode(self.rank, report)})
@@ -355,6 +355,13 @@ class Balancer:
 
     def _step_done(self, step: int, stats: StepStats) -> None:
         reports = self._codec.decode(stats.metrics)
+        if any(r.step != step for r in reports):
+            for p in self.model.module.parameters():  # a sum over other global batches
+                p.grad = None
+            raise ValueError(f"hsync.Balancer: the ranks ran different steps as one: "
+                             f"{', '.join(f'rank {r} step {report.step}' for r, report in enumerate(reports))}; "
+                             "their Balancers were not loaded from the same state (a checkpoint read on some ranks "
+                             "only?). The step's gradients are dropped")
         # What the ranks reported is the step before this one.
         self._policy.observe(step - 1, [r.busy_s for r in reports], [r.units for r in reports],
                              full=self._measured_step_full)
@@ -445,7 +452,19 @@ class Balancer:
         return state
 
     def load_state_dict(self, state: Mapping) -> None:
+        """Goes on from `state` (state_dict()'s, on every rank the same: a rank loaded otherwise is named at the
+        next step)."""
         config = self.config
+        missing = [key for key in ("epoch", "step_in_epoch", "global_step", "seed", "global_batch_size",
+                                   "num_examples") if key not in state]
+        if missing:
+            raise ValueError(f"hsync.Balancer: the state has no {', '.join(missing)}: not a Balancer's state_dict()")
+        position = {key: state[key] for key in ("epoch", "step_in_epoch", "global_step")}
+        if not (all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in position.values())
+                and position["step_in_epoch"] < self.steps_per_epoch
+                and position["global_step"] >= position["step_in_epoch"]):
+            raise ValueError(f"hsync.Balancer: the state's position {position} is not one of this run's (epochs of "
+                             f"{self.steps_per_epoch} steps)")
         kept = {**state, "shuffle": state.get("shuffle", config.shuffle)}  # older checkpoints lack it
         for key, ours in (("num_examples", len(self._splitter.costs)), ("global_batch_size", config.global_batch_size),
                           ("seed", config.seed), ("shuffle", config.shuffle)):

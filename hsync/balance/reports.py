@@ -25,13 +25,16 @@ class Report:
     """The most units its memory allows in one micro-batch (0: not known, or no bound)."""
     split_through: int
     """One more than the last step its sampler has split (0: none)."""
+    step: int
+    """The global step it sends this with: the same on every rank, unless their Balancers were not loaded from
+    the same state."""
 
 
 class ReportCodec:
     """Reports in and out of a step's metrics, for `world_size` ranks."""
 
     # One per field of Report, in its order: the names a StepStats' metrics have carried all along.
-    _QUANTITIES = ("busy", "units", "capacity", "split_through")
+    _QUANTITIES = ("busy", "units", "capacity", "split_through", "step")
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
@@ -50,5 +53,5 @@ class ReportCodec:
     def decode(self, metrics: Mapping[str, float]) -> list[Report]:
         """Every rank's report, from a step's reduced metrics."""
         values = [[float(metrics[name]) for name in per_rank] for per_rank in self._names]
-        return [Report(busy_s, units, capacity, int(round(split_through)))
-                for busy_s, units, capacity, split_through in zip(*values, strict=True)]
+        return [Report(busy_s, units, capacity, int(round(split_through)), int(round(step)))
+                for busy_s, units, capacity, split_through, step in zip(*values, strict=True)]

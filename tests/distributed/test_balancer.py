@@ -574,6 +574,56 @@ def test_different_data_or_settings_are_refused_on_every_rank():
     assert run_ranks(refused_on_every_rank, 2, timeout=60) == [True, True]
 
 
+def loaded_otherwise_on_one_rank(rank, world_size):
+    """Rank 1 loads a state two steps ahead of rank 0's (a stale checkpoint read on one node)."""
+    import hsync
+
+    model = hsync.WeightedDDP(make_model())
+    balancer = hsync.Balancer(model, 30, hsync.BalanceConfig(global_batch_size=12))
+    state = balancer.state_dict()
+    if rank == 1:
+        state = {**state, "global_step": 2, "step_in_epoch": 2}
+    balancer.load_state_dict(state)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"the ranks ran different steps as one: rank 0 step 0, rank 1 step 2; "
+                                         r"their Balancers were not loaded from the same state"):
+        train(model, balancer, optimizer, 1)
+    assert all(p.grad is None for p in model.module.parameters()), "the step's gradients mix two global batches"
+    return True
+
+
+def test_a_balancer_state_loaded_otherwise_on_one_rank_is_named_at_the_next_step_on_every_rank():
+    # Each rank had gone on with steps of other global batches, reduced together, without a word.
+    assert run_ranks(loaded_otherwise_on_one_rank, 2, timeout=60) == [True, True]
+
+
+def refused_states(rank, world_size):
+    import hsync
+
+    balancer = hsync.Balancer(hsync.WeightedDDP(make_model()), 30, hsync.BalanceConfig(global_batch_size=12))
+    state = balancer.state_dict()
+    refusals = []
+    for bad in ({"epoch": -3}, {"step_in_epoch": 3}, {"global_step": 1, "step_in_epoch": 2}, {"epoch": 1.0},
+                {"num_examples": None}):
+        try:
+            balancer.load_state_dict({key: value for key, value in {**state, **bad}.items() if value is not None})
+        except ValueError as error:
+            refusals.append(str(error))
+    assert (balancer.epoch, balancer.global_step) == (0, 0), "a refused state changes nothing"
+    return refusals
+
+
+def test_a_state_that_is_no_position_of_this_run_is_refused():
+    # -3 trained five epochs where two were asked; step 3 of an epoch of 3 steps skipped that epoch.
+    position = "is not one of this run's (epochs of 3 steps)"
+    assert run_ranks(refused_states, 1) == [[
+        f"hsync.Balancer: the state's position {{'epoch': -3, 'step_in_epoch': 0, 'global_step': 0}} {position}",
+        f"hsync.Balancer: the state's position {{'epoch': 0, 'step_in_epoch': 3, 'global_step': 0}} {position}",
+        f"hsync.Balancer: the state's position {{'epoch': 0, 'step_in_epoch': 2, 'global_step': 1}} {position}",
+        f"hsync.Balancer: the state's position {{'epoch': 1.0, 'step_in_epoch': 0, 'global_step': 0}} {position}",
+        "hsync.Balancer: the state has no num_examples: not a Balancer's state_dict()"]]
+
+
 @pytest.mark.parametrize(("fields", "message"), [
     ({"global_batch_size": 0}, "global_batch_size must be an integer >= 1"),
     ({"global_batch_size": 8, "rank_batch_sizes": [4, 3]}, "adding up to global_batch_size 8"),

@@ -52,14 +52,14 @@ def test_a_lockstep_split_that_leaves_a_rank_without_an_example_is_refused_befor
 
 def test_reports_survive_the_sum_over_ranks():
     codec = ReportCodec(3)
-    reports = [Report(0.5, 12.0, 0.0, 4), Report(0.0, 0.0, 96.0, 5), Report(1.25, 7.0, 3.0, 0)]
+    reports = [Report(0.5, 12.0, 0.0, 4, 3), Report(0.0, 0.0, 96.0, 5, 3), Report(1.25, 7.0, 3.0, 0, 2)]
     reduced = Counter()
     for rank, report in enumerate(reports):
         sent = codec.encode(rank, report)
         assert set(sent) <= set(codec.metric_names)
         reduced.update(sent)
     assert codec.decode({name: reduced[name] for name in codec.metric_names}) == reports
-    assert len(codec.metric_names) == 4 * 3
+    assert len(codec.metric_names) == 5 * 3
 
 
 class FakeDevice:
