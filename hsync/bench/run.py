@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,8 @@ from hsync.bench.sharding import shard_capacity, shard_throughput
 from hsync.bench.training import time_variants
 from hsync.bench.workloads import GPU_BERT_BASE, bert_workload, dtype_suffix, mover_workload
 from hsync.collectives import end_process_group
+
+_MAX_RANKS_PER_CORE = 4
 
 
 @dataclass
@@ -159,9 +162,33 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
             json.dump(output, f)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Its errors are one line, without the usage block (under torchrun, every rank prints it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _unwritable(path: str) -> str | None:
+    """Why the file `path` cannot be written (None if it can): checked before a run of many minutes, not after."""
+    target = Path(path)
+    if target.is_dir():
+        return "it is a folder"
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as error:
+        return f"{type(error).__name__}: {error.strerror}"
+    if not existed:
+        target.unlink()
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the memory profiler's own chatter, on every step
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="python -m hsync.bench", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the models run")
     parser.add_argument("--world-size", type=int, default=2,
                         help="ranks to spawn (under torchrun: its world); rows that need another number of "
@@ -180,6 +207,10 @@ def main(argv: list[str] | None = None) -> None:
                              "sizes (default 8 64 256 1024), against the oracle and the equal split; no process is "
                              "spawned (hsync/bench/cluster.py)")
     args = parser.parse_args(argv)
+    for flag in ("json", "plot", "markdown"):
+        path = getattr(args, flag)
+        if path is not None and (problem := _unwritable(path)):
+            parser.error(f"--{flag} {path}: cannot write there ({problem})")
     if args.simulate_cluster is not None:
         sizes = args.simulate_cluster or [8, 64, 256, 1024]
         if any(n < 2 for n in sizes):
@@ -191,6 +222,10 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("world_size", "rounds", "steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    most = _MAX_RANKS_PER_CORE * (os.cpu_count() or 1)
+    if args.device == "cpu" and "RANK" not in os.environ and args.world_size > most:
+        parser.error(f"--world-size {args.world_size}: at most {most} CPU ranks on this machine's "
+                     f"{os.cpu_count()} cores ({_MAX_RANKS_PER_CORE} a core); more would time the scheduler")
     if args.rounds * args.steps < 2:  # a median and a p90 of one step say nothing, and quantiles refuse it
         parser.error(f"--rounds x --steps must give at least 2 timed steps per variant, got {args.rounds} x "
                      f"{args.steps}")

@@ -1,6 +1,7 @@
 """The benchmark's command line: which rows --only selects, and flags it refuses before any work."""
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -49,13 +50,23 @@ def test_an_anchored_pattern_selects_one_row():
     (["--only", "bert-("], "--only 'bert-(' is not a regular expression"),
     (["--only", "^bert$", "resnet"], "--only ^bert$ resnet matches no workload"),
     (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    # Spawned without a word until a timeout ended it.
+    (["--world-size", "1000"], f"--world-size 1000: at most {4 * (os.cpu_count() or 1)} CPU ranks on this machine's"),
+    # Each was found only after every row had run, its figures lost.
+    (["--json", "/proc/no-such/r.json"], "--json /proc/no-such/r.json: cannot write there (FileNotFoundError"),
+    (["--plot", "."], "--plot .: cannot write there (it is a folder)"),
+    (["--markdown", "{file}/page.md"], "--markdown {file}/page.md: cannot write there (NotADirectoryError"),
 ])
-def test_bad_flags_are_refused_in_one_line(flags, message, capsys):
+def test_bad_flags_are_refused_in_one_line(flags, message, capsys, tmp_path):
+    file = tmp_path / "a-file"
+    file.write_text("")
+    flags = [flag.format(file=file) for flag in flags]
     with pytest.raises(SystemExit) as exit_info:
-        main(["--device", "cpu", *flags])
+        main(["--device", "cpu", "--only", "^bert-mini$", *flags])
     assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert message in error, error
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and message.format(file=file) in error, error
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="a CUDA device is visible")
