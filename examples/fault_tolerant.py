@@ -18,14 +18,13 @@ with the same parameters, and prints their digest.
 
 import hashlib
 import os
-import re
 import signal
 
 import torch
 from torch import nn
 
 import hsync
-from apps.cli import Parser, at_least, device_flag
+from apps.cli import Parser, at_least, device_flag, is_count
 
 
 def main() -> None:
@@ -41,7 +40,7 @@ def main() -> None:
     crash_group, crash_step = None, None
     if args.crash is not None:
         crash_group, _, step_text = args.crash.partition(":")
-        if not crash_group or not re.fullmatch(r"[0-9]+", step_text):  # not isdigit(): it takes "²", int() not
+        if not crash_group or not is_count(step_text):
             parser.error(f"argument --crash: expected GROUP:STEP (group1:40), got {args.crash!r}")
         crash_step = int(step_text)
     replica = os.environ.get("REPLICA_GROUP_ID")

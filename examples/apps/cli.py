@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -58,6 +59,11 @@ def unwritable_folder(path: Path) -> str | None:
     except OSError as error:
         return f"{type(error).__name__}: {error}"
     return None
+
+
+def is_count(text: str) -> bool:
+    """Whether `text` is a whole number in ASCII digits (str.isdigit() takes '²', which int() refuses)."""
+    return re.fullmatch(r"[0-9]+", text) is not None
 
 
 def at_least(least: int):

@@ -5,6 +5,7 @@ and the pretrained classifier they tune."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 from collections import Counter
@@ -12,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from apps.cli import at_least, device_flag, positive_float, unwritable_folder
+from apps.cli import at_least, device_flag, is_count, positive_float, unwritable_folder
 
 Rows = list[tuple[int, str]]
 
@@ -48,7 +49,7 @@ def read_labelled(path: Path) -> Rows:
             label, sep, text = line.partition("\t")
             if not sep or not text.strip():
                 raise ValueError(f"{path}:{number}: expected 'label<TAB>text'")
-            if not label.strip().isdigit():
+            if not is_count(label.strip()):
                 raise ValueError(f"{path}:{number}: the label {label.strip()!r} is not a class number 0, 1, 2, ...")
             rows.append((int(label), text.strip()))
     return rows
@@ -61,10 +62,14 @@ def class_count(path: Path, rows: Rows) -> tuple[int, list[str]]:
         raise ValueError(f"--data {path} holds no labelled line ('label<TAB>text')")
     if len(counts) < 2:
         raise ValueError(f"{path}: a classifier needs two classes or more; every line has label {next(iter(counts))}")
-    missing = sorted(set(range(max(counts) + 1)) - set(counts))
-    if missing:
-        raise ValueError(f"{path}: the labels must be the classes 0..K-1, each present; classes {missing} never "
-                         f"appear among {sorted(counts)} (a stray label would add classes)")
+    absent = max(counts) + 1 - len(counts)
+    if absent:  # named a few at a time: a stray label of 12 digits would name a trillion
+        first = list(itertools.islice((c for c in range(max(counts)) if c not in counts), 10))
+        named = ", ".join(map(str, first)) + (", ..." if absent > 10 else "")
+        seen = sorted(counts)
+        raise ValueError(f"{path}: the labels must be the classes 0..K-1, each present; {absent} of the classes "
+                         f"0..{max(counts)} never appear ({named}) among the labels {seen[:10]}"
+                         f"{' and more' if len(seen) > 10 else ''} (a stray label would add classes)")
     notes = [f"{path}: class {label} appears only {n} time(s) in {len(rows)} lines"
              for label, n in sorted(counts.items()) if n < FEW]
     return len(counts), notes

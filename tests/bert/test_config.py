@@ -60,6 +60,7 @@ def test_the_presets_warm_up_is_cut_to_a_tenth_of_a_short_run():
     (["--simulate-slowdown", "1=1e300"], "--simulate-slowdown factors must be between 1 (a slower rank) and 100"),
     (["--simulate-slowdown", "1=2,1=3"], "--simulate-slowdown: rank 1 is given twice"),
     (["--simulate-slowdown", "2=3"], "'2=3' is not RANK=VALUE with a rank below 2"),
+    (["--simulate-slowdown", "\u00b2=3"], "'\u00b2=3' is not RANK=VALUE with a rank below 2"),  # int() refused '²'
     (["--data-workers", "-1"], "--data-workers must be between 0 and 64, got -1"),
     (["--data-workers", "1000"], "--data-workers must be between 0 and 64, got 1000"),
 ])

@@ -32,7 +32,8 @@ def test_demo_task_is_learned_across_two_ranks(tmp_path):
     ("1\tfine\nnot a label line\n", (), "bad.txt:2: expected 'label<TAB>text'"),
     ("1\tfine\n0\tpoor\n1\tgood\n", (), "bad.txt holds 3 labelled line(s): too few to hold a fifth out"),
     ("1\tfine\n-1\tpoor\n", (), "bad.txt:2: the label '-1' is not a class number 0, 1, 2, ..."),
-    ("1\tfine\n0\tpoor\n7\tgood\n1\tok\n0\tmeh\n", (), "classes [2, 3, 4, 5, 6] never appear"),
+    ("1\tfine\n0\tpoor\n7\tgood\n1\tok\n0\tmeh\n", (), "5 of the classes 0..7 never appear (2, 3, 4, 5, 6)"),
+    ("1\tfine\n\u00b2\tpoor\n", (), "bad.txt:2: the label '\u00b2' is not a class number 0, 1, 2, ..."),
     ("1\tfine\n", ("--batch-size", "0"), "argument --batch-size: must be at least 1, got 0"),
     ("1\tfine\n", ("--warmup-fraction", "1"), "--warmup-fraction must be in [0, 1), got 1.0"),
     ("\n \n", (), "bad.txt holds no labelled line ('label<TAB>text')"),
@@ -40,7 +41,7 @@ def test_demo_task_is_learned_across_two_ranks(tmp_path):
                                                          "label 0"),
     ("1\tfine\n0\tpoor\n1\tgood\n1\tok\n0\tmeh\n", ("--save-dir", "{tmp}/bad.txt/out"),
      "bad.txt/out cannot be written: NotADirectoryError"),
-], ids=["malformed", "too-small", "negative-label", "stray-label", "batch-size", "warmup", "empty", "one-class",
+], ids=["malformed", "too-small", "negative-label", "stray-label", "superscript-label", "batch-size", "warmup", "empty", "one-class",
         "unwritable-save-dir"])
 def test_a_bad_file_or_flag_is_one_line_before_any_work(tmp_path, capsys, lines, args, message):
     bad = tmp_path / "bad.txt"

@@ -13,5 +13,15 @@ def test_classes_are_counted_and_a_rare_one_is_reported(tmp_path):
 
 
 def test_a_class_missing_below_the_largest_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"classes \[1\] never appear among \[0, 2\]"):
+    with pytest.raises(ValueError, match=r"1 of the classes 0..2 never appear \(1\) among the labels \[0, 2\]"):
         class_count(tmp_path, [(0, "a"), (2, "c")])
+
+
+def test_a_stray_label_of_many_digits_is_refused_naming_a_few_missing_classes(tmp_path):
+    # An id column taken for the label: every class up to it was listed, or a set of them built (MemoryError).
+    with pytest.raises(ValueError) as refused:
+        class_count(tmp_path, [(0, "a"), (1, "b"), (123456789012, "c")])
+    assert str(refused.value) == (
+        f"{tmp_path}: the labels must be the classes 0..K-1, each present; 123456789010 of the classes "
+        "0..123456789012 never appear (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, ...) among the labels [0, 1, 123456789012] "
+        "(a stray label would add classes)")

@@ -12,7 +12,7 @@ import os
 import typing
 from dataclasses import dataclass
 
-from apps.cli import DEVICES, Parser, check_device
+from apps.cli import DEVICES, Parser, check_device, is_count
 
 
 @dataclass(frozen=True)
@@ -250,7 +250,7 @@ def parse_rank_values(text: str, world_size: int, what: str, default: float) -> 
             number = float(value)
         except ValueError:
             number = math.nan
-        if not sep or not rank.strip().isdigit() or int(rank) >= world_size or not math.isfinite(number):
+        if not sep or not is_count(rank.strip()) or int(rank) >= world_size or not math.isfinite(number):
             raise ValueError(f"{what}: '{item}' is not RANK=VALUE with a rank below {world_size}")
         if int(rank) in given:
             raise ValueError(f"{what}: rank {int(rank)} is given twice")
