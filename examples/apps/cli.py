@@ -38,7 +38,7 @@ class Parser(argparse.ArgumentParser):
         super().__init__(description=description, formatter_class=HelpFormatter, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        refuse(message, self.prog)
 
     def parse_checked(self, argv: list[str] | None, check: Callable[[argparse.Namespace], T]) -> T:
         """Parses, then returns `check(args)`: a ValueError it raises becomes the same one-line error."""
@@ -47,6 +47,13 @@ class Parser(argparse.ArgumentParser):
             return check(args)
         except ValueError as error:
             self.error(str(error))
+
+
+def refuse(message: str, prog: str | None = None) -> NoReturn:
+    """Ends the program with a flag's or file's error in one line (exit status 2, as argparse's), before any work:
+    for one found after parsing (a --model folder that does not load)."""
+    print(f"{prog or Path(sys.argv[0]).name}: error: {message} (see --help)", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def unwritable_folder(path: Path) -> str | None:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from apps.cli import at_least, device_flag, is_count, positive_float, unwritable_folder
+from apps.cli import at_least, device_flag, is_count, positive_float, refuse, unwritable_folder
 
 Rows = list[tuple[int, str]]
 
@@ -134,9 +134,15 @@ def pretrained_classifier(folder: Path | None, num_labels: int) -> tuple[Any, An
 
     transformers.logging.set_verbosity_error()  # the new classifier head is expected, not news
     source = str(folder or get_model_path())
-    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels)
+    except Exception as error:  # noqa: BLE001 - whatever from_pretrained raises, the folder is the cause
+        if folder is None:
+            raise
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        refuse(f"--model {folder} does not load as a model with its tokenizer: {type(error).__name__}: {first_line}")
     # Longer texts are cut to what the model's position embeddings allow, as every tokenizer pipeline does.
     return tokenizer, model, min(tokenizer.model_max_length, model.config.max_position_embeddings)
 

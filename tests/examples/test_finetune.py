@@ -41,8 +41,8 @@ def test_demo_task_is_learned_across_two_ranks(tmp_path):
                                                          "label 0"),
     ("1\tfine\n0\tpoor\n1\tgood\n1\tok\n0\tmeh\n", ("--save-dir", "{tmp}/bad.txt/out"),
      "bad.txt/out cannot be written: NotADirectoryError"),
-], ids=["malformed", "too-small", "negative-label", "stray-label", "superscript-label", "batch-size", "warmup", "empty", "one-class",
-        "unwritable-save-dir"])
+], ids=["malformed", "too-small", "negative-label", "stray-label", "superscript-label", "batch-size", "warmup",
+        "empty", "one-class", "unwritable-save-dir"])
 def test_a_bad_file_or_flag_is_one_line_before_any_work(tmp_path, capsys, lines, args, message):
     bad = tmp_path / "bad.txt"
     bad.write_text(lines)
@@ -58,6 +58,21 @@ def test_the_program_refuses_before_any_work_in_one_line(tmp_path):
                             timeout=120, cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "argument --batch-size: must be at least 1, got 0" in result.stderr
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ("{}", "does not load as a model with its tokenizer: ValueError: "),
+    ("{", "does not load as a model with its tokenizer: OSError: It looks like the config file at "),
+], ids=["not-a-model", "bad-json"])
+def test_a_model_folder_that_does_not_load_is_one_line(tmp_path, config, message):
+    # It passed the flag check (it has a config.json), then from_pretrained's traceback ended the program.
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(config)
+    result = subprocess.run([sys.executable, str(FINETUNE), "--model", str(folder), "--device", "cpu"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"finetune.py: error: --model {folder} {message}" in result.stderr, result.stderr
 
 
 def test_a_batch_larger_than_the_data_is_noted(tmp_path):
