@@ -44,6 +44,7 @@ from __future__ import annotations
 import array
 import hashlib
 import math
+import numbers
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ from hsync.balance.retry import GradientBackup, halves, rows_of
 from hsync.balance.splitter import MicroBatch, StepSplitter
 from hsync.collectives import Channels
 from hsync.ddp import WeightedDDP
+from hsync.errors import describe
 from hsync.stats import StepStats
 
 
@@ -102,6 +104,16 @@ class BalanceConfig:
         positive_int("warmup_steps", self.warmup_steps, 0)
         positive_int("probe_steps", self.probe_steps)
         positive_int("replan_every", self.replan_every)
+        for name in ("min_gain", "memory_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"BalanceConfig.{name} must be a number, got {value!r}")
+        limit = self.micro_batch_limit
+        per_rank = list(limit) if isinstance(limit, Sequence) and not isinstance(limit, str) else [limit]
+        if any(v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not v > 0)
+               for v in per_rank):
+            raise ValueError(f"BalanceConfig.micro_batch_limit must be None, a positive number or one per rank, "
+                             f"got {limit!r}")
         if not 0 <= self.min_gain < 1:
             raise ValueError(f"BalanceConfig.min_gain must be in [0, 1), got {self.min_gain!r}")
         if not 0 < self.memory_fraction <= 1:
@@ -512,10 +524,13 @@ class Balancer:
 
 
 def _example_costs(examples: int | Sequence[float]) -> list[float]:
-    if isinstance(examples, int) and not isinstance(examples, bool):
+    if isinstance(examples, numbers.Integral) and not isinstance(examples, bool):  # numpy's too
         if examples < 1:
             raise ValueError(f"hsync.Balancer needs at least one example, got {examples}")
-        return [1.0] * examples
+        return [1.0] * int(examples)
+    if isinstance(examples, numbers.Number | str | bytes):  # a float count, say
+        raise ValueError(f"hsync.Balancer: examples must be the number of examples (an int) or one cost per example "
+                         f"(their lengths), got {describe(examples)}")
     try:
         costs = [float(c) for c in examples]
     except (TypeError, ValueError):

@@ -597,6 +597,21 @@ def test_a_balancer_state_loaded_otherwise_on_one_rank_is_named_at_the_next_step
     assert run_ranks(loaded_otherwise_on_one_rank, 2, timeout=60) == [True, True]
 
 
+def a_float_count(rank, world_size):
+    import hsync
+
+    try:
+        hsync.Balancer(hsync.WeightedDDP(make_model()), 40.0, hsync.BalanceConfig(global_batch_size=8))
+    except ValueError as error:
+        return str(error)
+
+
+def test_a_count_of_examples_that_is_not_an_integer_is_named():
+    assert run_ranks(a_float_count, 1) == [
+        "hsync.Balancer: examples must be the number of examples (an int) or one cost per example (their lengths), "
+        "got float 40.0 (rank 0; refused on ranks [0])"]
+
+
 def refused_states(rank, world_size):
     import hsync
 
@@ -633,6 +648,11 @@ def test_a_state_that_is_no_position_of_this_run_is_refused():
     ({"global_batch_size": 8, "seed": 1.5}, "seed must be an integer, got 1.5"),
     ({"global_batch_size": 8, "seed": "0"}, "seed must be an integer, got '0'"),
     ({"global_batch_size": 8, "shuffle": "no"}, "shuffle must be True or False, got 'no'"),
+    # Each of these three was a TypeError naming no setting, from a comparison deep inside.
+    ({"global_batch_size": 8, "min_gain": "0.1"}, "min_gain must be a number, got '0.1'"),
+    ({"global_batch_size": 8, "micro_batch_limit": "16"}, "micro_batch_limit must be None, a positive number or "
+                                                         "one per rank, got '16'"),
+    ({"global_batch_size": 8, "micro_batch_limit": [4, -1]}, "micro_batch_limit must be None, a positive"),
 ])
 def test_nonsense_settings_are_refused(fields, message):
     import hsync
