@@ -20,6 +20,10 @@ from hsync.errors import describe
 WEIGHT, LOSS_SUM, LOSS_NONFINITE, BAD_RANKS, BAD_RANK_SUM, BAD_KIND_SUM = range(6)
 NUM_SLOTS = 6
 
+MAX_WEIGHT = 2.0**53
+"""The largest weight: float64 counts examples or tokens exactly up to it, and a weight far beyond it overflowed
+float32 gradients scaled by it (on the CPU a rank packs w_r g_r) while the step read as finite."""
+
 
 class BadInput(enum.IntEnum):
     """Why a rank's input to backward() was refused; summed over ranks in slot BAD_KIND_SUM."""
@@ -31,7 +35,7 @@ class BadInput(enum.IntEnum):
 
     def describe(self) -> str:
         return {
-            BadInput.WEIGHT_OUT_OF_RANGE: "a weight that is negative, NaN or infinite",
+            BadInput.WEIGHT_OUT_OF_RANGE: "a weight that is negative, NaN, infinite or above 2**53",
             BadInput.WEIGHT_NOT_A_NUMBER: "a weight that is not a real number",
             BadInput.BAD_LOSS: "a loss that is not a scalar floating-point tensor with a gradient",
             BadInput.BAD_METRIC: "a metric that is not a number or not declared in WeightedDDP(metric_names=...)",
@@ -113,7 +117,7 @@ class Window:
     """The weight local gradients are expressed in: the window's first non-zero weight, or 1 on every
     rank with a common unit (cross_rank_backward)."""
     out_of_range: torch.Tensor
-    """How many weights of the window were negative, NaN or infinite (checked on the device)."""
+    """How many weights of the window were negative, NaN, infinite or above MAX_WEIGHT (checked on the device)."""
     problem: str | None = None
     """This rank's first bad input found on the host, raised on every rank at the synced step."""
     problem_kind: BadInput | None = None
@@ -146,7 +150,7 @@ class Window:
             return None
 
         # A tensor weight is checked on its device: no synchronisation with the host.
-        out_of_range = ~torch.isfinite(w) | (w < 0)
+        out_of_range = ~torch.isfinite(w) | (w < 0) | (w > MAX_WEIGHT)
         w = torch.where(out_of_range, 0.0, w)
         self.out_of_range += out_of_range
         self.ref = torch.where(self.ref > 0, self.ref, w)
@@ -211,8 +215,8 @@ def as_weight(weight, device: torch.device) -> tuple[torch.Tensor, BadInput | No
     if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
         return zero, BadInput.WEIGHT_NOT_A_NUMBER, f"weight must be a real number, got {describe(weight)}"
     value = float(weight)
-    if not math.isfinite(value) or value < 0:
-        return zero, BadInput.WEIGHT_OUT_OF_RANGE, f"weight must be finite and non-negative, got {value}"
+    if not math.isfinite(value) or value < 0 or value > MAX_WEIGHT:
+        return zero, BadInput.WEIGHT_OUT_OF_RANGE, f"weight must be finite, non-negative and at most 2**53, got {value}"
     return torch.full((), value, dtype=torch.float64, device=device), None, None
 
 
@@ -222,7 +226,7 @@ def bad_input_message(host: torch.Tensor, own_problem: str | None, rank: int) ->
         kind = BadInput(round(float(host[BAD_KIND_SUM])))
         who = f"rank {int(host[BAD_RANK_SUM]) - 1} passed {kind.describe()}"
     else:
-        who = f"{count} ranks passed bad input (a negative, NaN, infinite or non-numeric weight, or a bad loss)"
+        who = f"{count} ranks passed bad input (a weight out of range or not a number, or a bad loss or metric)"
     mine = f"; on this rank ({rank}): {own_problem}" if own_problem else ""
     return (f"hsync: WeightedDDP.backward: {who}{mine}. The step was not applied; no rank took it, and its gradients "
             "are dropped (set to None), with those of its no_sync micro-batches")

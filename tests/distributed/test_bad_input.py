@@ -46,10 +46,13 @@ def bad_step_then_good_step(rank: int, world_size: int, bad: dict) -> tuple[str,
 @pytest.mark.parametrize(
     ("bad", "shared", "own"),
     [
-        ({"weight": -1.0}, "rank 1 passed a weight that is negative, NaN or infinite", "got -1.0"),
-        ({"weight": math.nan}, "rank 1 passed a weight that is negative, NaN or infinite", "got nan"),
-        ({"weight": math.inf}, "rank 1 passed a weight that is negative, NaN or infinite", "got inf"),
-        ({"weight": torch.tensor(-2.0)}, "rank 1 passed a weight that is negative, NaN or infinite", None),
+        ({"weight": -1.0}, "rank 1 passed a weight that is negative, NaN, infinite or above 2**53", "got -1.0"),
+        ({"weight": math.nan}, "rank 1 passed a weight that is negative, NaN, infinite or above 2**53", "got nan"),
+        ({"weight": math.inf}, "rank 1 passed a weight that is negative, NaN, infinite or above 2**53", "got inf"),
+        ({"weight": torch.tensor(-2.0)}, "rank 1 passed a weight that is negative, NaN, infinite or above 2**53", None),
+        # Its gradients, scaled by it on the CPU, overflowed float32 while the step read as finite.
+        ({"weight": 1e36}, "rank 1 passed a weight that is negative, NaN, infinite or above 2**53", "got 1e+36"),
+        ({"weight": torch.tensor(1e36)}, "rank 1 passed a weight that is negative, NaN, infinite or above 2**53", None),
         ({"weight": "three"}, "rank 1 passed a weight that is not a real number", "got str 'three'"),
         ({"weight": torch.ones(2)}, "rank 1 passed a weight that is not a real number", "shape (2,)"),
         ({"loss": torch.ones(3)}, "rank 1 passed a loss that is not a scalar", "shape (3,)"),
@@ -57,8 +60,8 @@ def bad_step_then_good_step(rank: int, world_size: int, bad: dict) -> tuple[str,
         ({"metrics": {"typo": 1.0}}, "rank 1 passed a metric that is not a number or not declared", "['typo']"),
         ({"metrics": {"ok": "x"}}, "rank 1 passed a metric that is not a number", "metric 'ok' must be a real"),
     ],
-    ids=["negative", "nan", "inf", "negative-tensor", "string", "vector", "vector-loss", "constant-loss",
-         "metric-name", "metric-value"],
+    ids=["negative", "nan", "inf", "negative-tensor", "huge", "huge-tensor", "string", "vector", "vector-loss",
+         "constant-loss", "metric-name", "metric-value"],
 )
 def test_bad_input_raises_on_every_rank(bad, shared, own):
     results = run_ranks(bad_step_then_good_step, 3, bad, timeout=60)

@@ -837,4 +837,4 @@ def bad_weight_while_a_rank_is_joined(rank, world_size):
 def test_bad_input_while_a_rank_is_joined_raises_there_too():
     texts = run_ranks_expecting_errors(bad_weight_while_a_rank_is_joined, 2)
     for text in texts:
-        assert "rank 1 passed a weight that is negative, NaN or infinite" in text, text
+        assert "rank 1 passed a weight that is negative, NaN, infinite or above 2**53" in text, text
