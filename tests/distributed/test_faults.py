@@ -104,8 +104,7 @@ def mismatched_calls(rank: int, world_size: int, case: str) -> None:
     import hsync
     from hsync.collectives import Channels
 
-    names = ("extra",) if case == "metrics" and rank == 1 else ()
-    model = hsync.WeightedDDP(make_net(seed=0), metric_names=names, timeout=datetime.timedelta(seconds=20))
+    model = hsync.WeightedDDP(make_net(seed=0), timeout=datetime.timedelta(seconds=20))
     loss = mse(model(torch.randn(4, 4, dtype=torch.float64)), torch.zeros(4, dtype=torch.float64))
     if case == "plain-vs-weighted" and rank == 1:
         loss.backward()
@@ -120,7 +119,6 @@ STEP_SCALARS = "all-reduce #1 of the step scalars (6 x Double)"
 
 @pytest.mark.parametrize(("case", "rank0_issues", "rank1_issues"), [
     ("plain-vs-weighted", [STEP_SCALARS] * 2, "all-reduce #1 of bucket 0"),
-    ("metrics", [STEP_SCALARS] * 2, "all-reduce #1 of the step scalars (7 x Double)"),
     # A collective's label is known on the rank that gave it.
     ("channel-vs-weighted", ["all-reduce #1 of a metric of the loop's (1 x Float)",
                              "all-reduce #1 of a collective of hsync's Python side, named on its rank (1 x Float)"],
