@@ -182,7 +182,11 @@ void Engine::allocate(Bucket& bucket) {
     const int64_t end = bucket.offsets[k] + param.numel();
     const int64_t next = k + 1 < bucket.params.size() ? bucket.offsets[k + 1] : bucket.values_numel;
     if (next > end) bucket.buffer.narrow(0, end, next - end).zero_();
-    bucket.slots.push_back(bucket.buffer.narrow(0, bucket.offsets[k], param.numel()).view(param.sizes()));
+    // Laid out as its parameter where that is dense (channels_last, a transposed weight), as DDP's bucket views
+    // are: a fused optimizer reads .grad with its parameter's strides.
+    const at::Tensor flat = bucket.buffer.narrow(0, bucket.offsets[k], param.numel());
+    bucket.slots.push_back(param.is_non_overlapping_and_dense() ? flat.as_strided(param.sizes(), param.strides())
+                                                                : flat.view(param.sizes()));
     bucket.used.push_back(bucket.buffer.narrow(0, bucket.values_numel + 1 + static_cast<int64_t>(k), 1));
   }
   bucket.nonfinite_flag = bucket.buffer.narrow(0, bucket.values_numel, 1);

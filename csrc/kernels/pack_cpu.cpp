@@ -178,7 +178,17 @@ void scale_and_pack(const at::Tensor& grad, const at::Tensor& out, const at::Ten
               ") does not fit its slot (", out.numel(), " ", out.scalar_type(), ")");
   HSYNC_CHECK(grad.device() == out.device(), "pack: gradient on ", grad.device(),
               " but its bucket is on ", out.device());
-  HSYNC_CHECK(out.is_contiguous(), "pack: the bucket slot must be contiguous");
+  if (!out.is_contiguous()) {
+    // A slot laid out as its channels_last or transposed parameter (Engine::allocate): dense, so the gradient,
+    // put in the same layout if it is not, is packed as the flat memory both occupy.
+    HSYNC_CHECK(out.is_non_overlapping_and_dense(), "pack: the bucket slot must be dense");
+    const at::Tensor in = grad.strides() == out.strides()
+                              ? grad
+                              : at::empty_strided(out.sizes(), out.strides(), grad.options()).copy_(grad);
+    const auto flat = [](const at::Tensor& t) { return t.as_strided({t.numel()}, {1}); };
+    scale_and_pack(flat(in), flat(out), scale, nonfinite_flag, used_flag);
+    return;
+  }
   for (const at::Tensor* flag : {&nonfinite_flag, &used_flag}) {
     HSYNC_CHECK(flag->numel() == 1 && flag->scalar_type() == out.scalar_type() && flag->device() == out.device(),
                 "pack: flags must be one-element tensors of the bucket's dtype and device");

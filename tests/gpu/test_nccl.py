@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.distributed import (
+    test_bucket_views,
     test_buffers,
     test_busy_time,
     test_cross_rank_backward,
@@ -51,6 +52,18 @@ def test_nccl_ranks_on_one_gpu_match_one_process(world_size, grads):
             torch.testing.assert_close(params[name], value, rtol=1e-10, atol=1e-12, msg=f"rank {rank}, {name}")
         assert grads["never_used.weight"] is None
         assert [s[0] for s in stats] == pytest.approx(ref_losses, rel=1e-10)
+
+
+@pytest.mark.parametrize("views", [True, False], ids=["views", "copied"])
+def test_nccl_channels_last_and_transposed_gradients_keep_their_parameters_layout(views):
+    # A fused AdamW (CUDA's) reads .grad with its parameter's strides: bucket views must have them.
+    results = run_ranks(test_bucket_views.strided_steps, 2, "hsync", views, False, "cuda", env=SOCKET_ENV,
+                        timeout=120)
+    reference = test_bucket_views.strided_reference()
+    for rank, (params, strides) in enumerate(results):
+        assert all(grad == param for grad, param in strides.values()), f"rank {rank}: (grad, param) strides {strides}"
+        for name, value in reference.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5, msg=f"rank {rank}, {name}")
 
 
 def comm_dtype_on_gpu(rank: int, world_size: int, low: torch.dtype, views: bool):
