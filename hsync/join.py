@@ -36,7 +36,7 @@ class JoinState:
         self.divide_by_initial_world_size = True  # the join() argument, for plain loss.backward() steps
         self.plain_steps: bool | None = None  # what the engine was told of plain steps under Join (None: outside)
         self.announced = False  # whether this rank's last forward under Join told the joined ranks it synchronises
-        self.root = 0  # the lowest rank not joined at the last forward under Join
+        self.root = 0  # the highest rank not joined at the last forward under Join (DDP's buffer root there)
         # With a ShardedOptimizer, what this rank owes Note [Sharded steps under Join]: "announce" or "step"
         # (active), "shadow" (joined), or nothing.
         self.sharded_step: str | None = None
@@ -96,8 +96,8 @@ class JoinState:
 
     def _exchange(self, synced: bool, buffers_due: bool, joined: bool) -> tuple[bool, bool, int]:
         """One all-reduce per forward under Join: whether a synced step and a buffer broadcast follow, and the
-        lowest rank not joined, whose buffers are broadcast. Also notes whether a sharded optimizer's step is
-        shadowed (Note [Sharded steps under Join])."""
+        highest rank not joined, whose buffers are broadcast (as DDP's are under Join, even while no rank has
+        joined). Also notes whether a sharded optimizer's step is shadowed (Note [Sharded steps under Join])."""
         model = self.model
         info = [0.0] * (2 + model.world_size)
         if not joined:
@@ -105,7 +105,7 @@ class JoinState:
         values = _sum_waiting_for_peers(model, torch.tensor(info, dtype=torch.float64),
                                         "the Join state of a forward").tolist()
         active = [r for r in range(model.world_size) if values[2 + r] > 0]
-        self.root = active[0] if active else 0
+        self.root = active[-1] if active else 0
         if values[0] > 0 and len(active) < model.world_size and model._attached.param_owners is not None:
             self.sharded_step = "shadow" if joined else "announce"
         return values[0] > 0, values[1] > 0, self.root

@@ -14,8 +14,8 @@ rank, after shadowing a synchronised step (WeightedDDP's Note [Join]), keeps the
 parameters it owns (DDP's joined rank keeps its own stale ones) and shadows the optimizer: clip_grad_norm_
 if the others clip, then step(), with the others' group settings (an LR scheduler runs on them only). What
 they do is not known to it in advance, so the first of clip_grad_norm_ and step after such a step tells it,
-in one broadcast from the lowest active rank: whether to clip and with what, and every group's settings. As
-ZeroRedundancyOptimizer's join hook assumes, each synchronised step whose loss and gradients are finite is
+in one broadcast from the highest active rank (Join's root): whether to clip and with what, and every group's
+settings. As ZeroRedundancyOptimizer's join hook assumes, each synchronised step whose loss and gradients are finite is
 followed by one step(); a non-finite one by none, on every rank alike (clip_grad_norm_ then returns the
 non-finite norm without a collective, as the joined ranks, which know the flags too, do nothing). A finite
 step left without step() is refused at the next forward.

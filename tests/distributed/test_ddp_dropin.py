@@ -807,6 +807,24 @@ def test_join_keeps_weighted_steps_exact(micro_steps):
             torch.testing.assert_close(params[name], value, rtol=1e-10, atol=1e-12, msg=f"rank {rank}, {name}")
 
 
+def batch_norm_under_join(rank, world_size, wrap):
+    model = wrap(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.join():
+        for step in range(2 + rank):  # uneven: rank 0 joins first
+            x = torch.randn(6, 3, dtype=torch.float64) + 10 * rank + step  # each rank's statistics its own
+            optimizer.zero_grad()
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+    return {name: t.detach().clone() for name, t in model.module.state_dict().items()}
+
+
+def test_buffers_under_join_come_from_the_rank_ddp_takes_them_from():
+    # DDP broadcasts them from the highest rank not joined, even before any rank has joined; hsync took the
+    # lowest, and running statistics differed from DDP's with even inputs too.
+    assert_same(run_ranks(side_by_side, 3, batch_norm_under_join))
+
+
 def join_with_mismatched_no_sync(rank, world_size):
     import hsync
 
