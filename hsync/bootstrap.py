@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parameter import is_lazy
 
 from hsync.collectives import Channels
 from hsync.compat import ignored_names, reduced_parameters
@@ -35,6 +36,10 @@ def wrapper_kind(module: nn.Module) -> str | None:
 def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
     """What must match across ranks, and this rank's problems that no rank could work with."""
     ignored = ignored_names(module)
+    lazy = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if is_lazy(t)]
+    if lazy:  # no shape to compare yet
+        return [], [f"'{lazy[0]}' is not initialized yet (a lazy module): run a dummy forward pass before wrapping, "
+                    "as for DDP"]
     signature = [("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad)
                  for name, p in reduced_parameters(module, named=True)]
     signature += [("buffer", name, tuple(b.shape), str(b.dtype), False)

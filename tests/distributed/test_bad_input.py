@@ -101,6 +101,8 @@ def wrap(rank: int, world_size: int, variant: str) -> None:
         net.extra = nn.Linear(2, 2, dtype=torch.float64)
     elif variant == "sparse":
         net.embed = nn.Embedding(10, 3, sparse=True)
+    elif variant == "lazy":
+        net.lazy = nn.LazyLinear(2)
     elif rank == 1 and variant == "devices":
         net.out.to("meta")
     elif variant == "in torch DDP":
@@ -129,6 +131,8 @@ def wrap(rank: int, world_size: int, variant: str) -> None:
         ("count", "rank 0 has 10 parameters and buffers, rank 1 has 12 (first extra on rank 1: parameter "
                   "'extra.weight'"),
         ("sparse", "on rank 0, 'embed' produces sparse gradients"),
+        # Was torch's "Can't access the shape of an uninitialized parameter", which names no parameter.
+        ("lazy", "on rank 0, 'lazy.weight' is not initialized yet (a lazy module): run a dummy forward pass"),
         ("devices", "on rank 1, parameters on several devices (cpu, meta)"),
         ("in torch DDP", "hsync: cannot wrap the model: on rank 0, it is already wrapped in a "
                          "DistributedDataParallel, whose own collectives would run beside hsync's; pass the module "
