@@ -49,10 +49,23 @@ def test_a_slot_of_the_wrong_size_is_refused():
                           torch.zeros(1), torch.zeros(1))
 
 
-def test_a_strided_slot_is_refused_rather_than_written_past():
+def test_a_slot_with_gaps_is_refused_rather_than_written_past():
     slot = torch.zeros(4, 2)[:, 0]  # 4 elements, every other one of 8
-    with pytest.raises(RuntimeError, match="slot must be contiguous"):
+    with pytest.raises(RuntimeError, match="slot must be dense"):
         _C.scale_and_pack(torch.ones(4), slot, torch.tensor(1.0, dtype=torch.float64), torch.zeros(1), torch.zeros(1))
+
+
+@pytest.mark.parametrize("grad_layout", ["the slot's", "contiguous"])
+def test_a_dense_slot_laid_out_as_its_parameter_takes_the_gradient_element_by_element(grad_layout):
+    # A channels_last parameter's slot (Engine::allocate lays it out so, as DDP's bucket views are).
+    memory = torch.full((2 * 3 * 2 * 2 + 1,), 7.0)
+    slot = memory[:-1].as_strided((2, 3, 2, 2), (12, 1, 6, 3))
+    grad = torch.randn(2, 3, 2, 2)
+    grad = grad.to(memory_format=torch.channels_last) if grad_layout == "the slot's" else grad.contiguous()
+    flags = torch.zeros(2)
+    _C.scale_and_pack(grad, slot, torch.tensor(2.0, dtype=torch.float64), flags[0:1], flags[1:2])
+    torch.testing.assert_close(slot, grad * 2, rtol=0, atol=0)
+    assert memory[-1].item() == 7.0 and flags.tolist() == [0.0, 1.0], "nothing written past the slot"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
