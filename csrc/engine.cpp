@@ -106,7 +106,10 @@ at::ScalarType Engine::bucket_dtype(size_t index) const {
 // parameter's .grad is then pointed at the slot, so the fresh tensor is freed at once. When the
 // buckets are rebuilt the gradients move to their new slots. A slot of another dtype than its
 // gradient (a comm_dtype) cannot be the .grad: that .grad stays a tensor of the parameter's dtype
-// and receives the reduced values by a cast, as without views.
+// and receives the reduced values by a cast, as without views. Each slot has its parameter's strides
+// where the parameter is dense (channels_last, a transposed weight), as DDP's views do, since
+// fused optimizers read .grad with the parameter's strides; the pack treats such a slot as the
+// flat memory it occupies.
 bool Engine::grad_is_slot(size_t index) const {
   return grads_as_views_ && bucket_dtype(index) == params_[index].scalar_type();
 }
