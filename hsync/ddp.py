@@ -598,11 +598,14 @@ class WeightedDDP(DistributedDataParallel):
         self.require_forward_param_sync = True
         host = engine.step_scalars()
         if host[BAD_RANKS] > 0:
-            # What the buckets wrote back is a partial sum; the window's earlier micro-batches are in it too.
-            for p in self.module.parameters():
-                p.grad = None
+            self._drop_gradients()  # a partial sum, with the window's earlier micro-batches in it
             raise ValueError(bad_input_message(host, window.problem, self.rank))
         return self._step_stats(host, None if busy is None else busy.seconds)
+
+    def _drop_gradients(self) -> None:
+        """Sets every parameter's .grad to None: after a step whose reduced gradients must not be used."""
+        for p in self.module.parameters():
+            p.grad = None
 
     def _complete_step(self, engine) -> _C.BusyInterval | None:
         """Runs the weighted step's remaining collectives; returns this rank's own work since the last

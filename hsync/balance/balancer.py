@@ -368,8 +368,7 @@ class Balancer:
     def _step_done(self, step: int, stats: StepStats) -> None:
         reports = self._codec.decode(stats.metrics)
         if any(r.step != step for r in reports):
-            for p in self.model.module.parameters():  # a sum over other global batches
-                p.grad = None
+            self.model._drop_gradients()  # a sum over other global batches
             raise ValueError(f"hsync.Balancer: the ranks ran different steps as one: "
                              f"{', '.join(f'rank {r} step {report.step}' for r, report in enumerate(reports))}; "
                              "their Balancers were not loaded from the same state (a checkpoint read on some ranks "
