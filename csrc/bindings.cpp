@@ -40,6 +40,7 @@ PYBIND11_MODULE(_C, m) {
 #endif
   m.attr("default_bucket_bytes_cap") = hsync::kDefaultBucketBytesCap;
   m.attr("default_first_bucket_bytes_cap") = hsync::kDefaultFirstBucketBytesCap;
+  m.attr("backend_grace_s") = std::chrono::duration<double>(hsync::kBackendGrace).count();
 
   m.def("compute_bucket_assignment", &bucket_assignment, py::arg("bytes"), py::arg("groups"),
         py::arg("order"), py::arg("bytes_cap"), py::arg("first_bytes_cap"),

@@ -236,6 +236,12 @@ class WeightedDDP(DistributedDataParallel):
         return self._attached.group() if self._attached.group is not None else None
 
     @property
+    def timeout(self) -> datetime.timedelta:
+        """The deadline each of this wrapper's collectives runs under (the timeout argument, else HSYNC_TIMEOUT,
+        else DEFAULT_TIMEOUT)."""
+        return datetime.timedelta(seconds=self._settings.timeout_s)
+
+    @property
     def parameters_to_ignore(self) -> set[str]:
         """The names of parameters and buffers neither reduced nor broadcast."""
         return ignored_names(self.module)

@@ -38,7 +38,8 @@ Communicator::Communicator(int rank, int world_size, std::string backend, const 
       world_size_(world_size),
       backend_(std::move(backend)),
       debug_(options.debug),
-      monitor_(std::make_unique<FaultMonitor>(options.store, options.key, rank, backend_, options.timeout)) {
+      monitor_(std::make_unique<FaultMonitor>(options.store, options.key, rank, world_size, backend_,
+                                              options.timeout)) {
   HSYNC_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " is outside world size ", world_size);
 }
 

@@ -52,7 +52,11 @@ struct FaultMonitor::State {
   c10::intrusive_ptr<c10d::Store> store;
   std::string key;
   std::string prefix;                // "hsync: rank R (backend): "
+  int rank = 0;
+  int world_size = 1;
+  std::chrono::milliseconds store_poll_after{0};
   std::atomic<Clock::rep> waiting_since{kNotWaiting};  // see set_waiting_since
+  std::atomic<uint64_t> waiting_seq{0};
 
   static constexpr Clock::rep kNotWaiting = 0;
 };
@@ -76,6 +80,19 @@ void post(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, 
       kPostLimit);
 }
 
+// Where `rank` posts the collective it waits for: Note [Naming the frozen rank].
+std::string waiting_key(const std::string& key, int rank) { return key + "/waiting/" + std::to_string(rank); }
+
+// "rank 1 has" or "ranks 1, 3 and 4 have".
+std::string ranks_have(const std::vector<int>& ranks) {
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (i > 0) text += i + 1 == ranks.size() ? " and " : ", ";
+    text += std::to_string(ranks[i]);
+  }
+  return text + (ranks.size() == 1 ? " has" : " have");
+}
+
 // Runs a communicator's hook; what it throws is what failed.
 std::optional<std::string> guarded(const std::function<std::optional<std::string>()>& hook, const char* which) {
   try {
@@ -94,6 +111,7 @@ std::optional<std::string> guarded(const std::function<std::optional<std::string
 // The monitor's thread. It holds its own reference to the state, so it may outlive the monitor.
 void FaultMonitor::watch(const std::shared_ptr<State>& s) {
   auto next_store_poll = Clock::now();
+  uint64_t posted_seq = 0;  // the collective this rank last posted it waits for
   std::unique_lock<std::mutex> lock(s->mutex);
   // Runs a hook without holding the lock (the destructor waits while one runs: in_hook) and
   // returns what failed, if anything; a hook that throws failed.
@@ -142,13 +160,19 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
     const Clock::rep since = s->waiting_since.load();
     if (!store || s->failure || since == State::kNotWaiting) continue;
     const Clock::time_point now = Clock::now();
-    if (now - Clock::time_point(Clock::duration(since)) < FaultMonitor::kStorePollAfter || now < next_store_poll) {
+    if (now - Clock::time_point(Clock::duration(since)) < s->store_poll_after || now < next_store_poll) {
       continue;
     }
     next_store_poll = now + FaultMonitor::kStorePollInterval;
+    const uint64_t seq = s->waiting_seq.load();
     lock.unlock();
     std::optional<std::string> peer;
     try {
+      if (seq != 0 && seq != posted_seq) {
+        const std::string value = std::to_string(seq);
+        store->set(waiting_key(s->key, s->rank), std::vector<uint8_t>(value.begin(), value.end()));
+        posted_seq = seq;
+      }
       if (store->check({s->key})) {
         const std::vector<uint8_t> value = store->get(s->key);
         peer = std::string(value.begin(), value.end());
@@ -208,7 +232,7 @@ bool run_bounded(std::function<void()> work, Clock::duration limit, const std::f
   return true;
 }
 
-FaultMonitor::FaultMonitor(c10::intrusive_ptr<c10d::Store> store, std::string key, int rank,
+FaultMonitor::FaultMonitor(c10::intrusive_ptr<c10d::Store> store, std::string key, int rank, int world_size,
                            std::string backend, std::chrono::milliseconds timeout)
     : state_(std::make_shared<State>()),
       timeout_(timeout),
@@ -217,6 +241,9 @@ FaultMonitor::FaultMonitor(c10::intrusive_ptr<c10d::Store> store, std::string ke
   state_->store = std::move(store);
   state_->key = std::move(key);
   state_->prefix = "hsync: rank " + std::to_string(rank) + " (" + backend + "): ";
+  state_->rank = rank;
+  state_->world_size = world_size;
+  state_->store_poll_after = store_poll_after();
   enroll(state_);
   thread_ = std::thread(watch, state_);
 }
@@ -316,8 +343,50 @@ void FaultMonitor::spread(const State* from, const std::string& failure) {
   }
 }
 
-void FaultMonitor::set_waiting_since(std::optional<Clock::time_point> since) {
+void FaultMonitor::set_waiting_since(std::optional<Clock::time_point> since, uint64_t seq) {
+  state_->waiting_seq.store(seq);  // before the time, which the thread reads first
   state_->waiting_since.store(since ? since->time_since_epoch().count() : State::kNotWaiting);
+}
+
+std::string FaultMonitor::peers_not_there(uint64_t seq) const {
+  c10::intrusive_ptr<c10d::Store> store;
+  {
+    const std::lock_guard<std::mutex> lock(state_->mutex);
+    store = state_->store;
+  }
+  if (!store || seq == 0 || state_->world_size <= 1) return {};
+  struct Found {
+    std::mutex mutex;
+    std::vector<int> absent;
+    bool complete = false;
+  };
+  auto found = std::make_shared<Found>();
+  const std::string key = state_->key;
+  const int rank = state_->rank;
+  const int world_size = state_->world_size;
+  // Bounded, and owning all it touches: a frozen store must not hold up the error.
+  run_bounded(
+      [found, store, key, rank, world_size, seq] {
+        const std::string expected = std::to_string(seq);
+        std::vector<int> absent;
+        for (int peer = 0; peer < world_size; ++peer) {
+          if (peer == rank) continue;
+          const std::string peer_key = waiting_key(key, peer);
+          bool there = false;
+          if (store->check({peer_key})) {
+            const std::vector<uint8_t> value = store->get(peer_key);
+            there = std::string(value.begin(), value.end()) == expected;
+          }
+          if (!there) absent.push_back(peer);
+        }
+        const std::lock_guard<std::mutex> lock(found->mutex);
+        found->absent = std::move(absent);
+        found->complete = true;
+      },
+      kPostLimit);
+  const std::lock_guard<std::mutex> lock(found->mutex);
+  if (!found->complete || found->absent.empty()) return {};
+  return "; " + ranks_have(found->absent) + " not reached it";
 }
 
 bool FaultMonitor::failed() const {

@@ -17,6 +17,15 @@
 // that saw the failure first. Communicators built afterwards start clean: a trainer that regroups
 // the survivors after a failure (DDP's _update_process_group, a new quorum) goes on over them.
 //
+// Note [Naming the frozen rank]
+// A frozen peer closes no socket, so a survivor learns only that a collective passed its deadline.
+// To name the peer, each rank that has waited for a collective long enough to poll the board posts
+// which collective it waits for (its number on this communicator) under a key of its own; at the
+// deadline the survivor reads its peers' keys and names those not waiting for the same one: they
+// are stopped, hung, or elsewhere. The polling starts at half the deadline (at most
+// kStorePollAfter), so the survivors have posted by then; a dead peer needs none of this (its
+// sockets close at once).
+//
 // Note [Forked children]
 // A process forked from a rank (a DataLoader worker) inherits the memory of every communicator but
 // none of its threads, and a mutex a thread held at the fork stays locked there forever. Its copy
@@ -29,6 +38,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -93,8 +103,8 @@ class FaultMonitor {
  public:
   // `store` may be null (no board: each rank relies on its own deadline). `key` must be unique to
   // one communicator of one run (the caller includes torchrun's restart count).
-  FaultMonitor(c10::intrusive_ptr<c10d::Store> store, std::string key, int rank, std::string backend,
-               std::chrono::milliseconds timeout);
+  FaultMonitor(c10::intrusive_ptr<c10d::Store> store, std::string key, int rank, int world_size,
+               std::string backend, std::chrono::milliseconds timeout);
   // Stops the thread; a thread stuck in a frozen store is left behind rather than waited for.
   // Note [Forked children].
   ~FaultMonitor();
@@ -112,10 +122,16 @@ class FaultMonitor {
   bool failed() const;
 
   // Since when this rank has waited for its oldest collective not yet complete (none: nothing is
-  // awaited). The store is polled only once that wait is kStorePollAfter old: a healthy step never
-  // waits that long, so hundreds of ranks do not hammer one store, and a rank that polls its
-  // peers' store while they exit can upset their teardown.
-  void set_waiting_since(std::optional<Clock::time_point> since);
+  // awaited), and that collective's number (0: a wait for no one collective). The store is polled
+  // only once that wait is store_poll_after() old: a healthy step never waits that long, so
+  // hundreds of ranks do not hammer one store, and a rank that polls its peers' store while they
+  // exit can upset their teardown. The first poll posts `seq`: Note [Naming the frozen rank].
+  void set_waiting_since(std::optional<Clock::time_point> since, uint64_t seq = 0);
+
+  // For a collective past its deadline, "; rank 1 has not reached it" (or "ranks 1 and 3 have"),
+  // naming the peers not seen waiting for the collective numbered `seq`; empty where all were, or
+  // the store does not answer within seconds. Note [Naming the frozen rank].
+  std::string peers_not_there(uint64_t seq) const;
 
   // Throws if this rank failed or a peer posted a failure; `waiting_for` names what was being waited on.
   void check(const Collective* waiting_for = nullptr) const;
@@ -131,6 +147,7 @@ class FaultMonitor {
   static constexpr std::chrono::milliseconds kPollInterval{50};
   static constexpr std::chrono::milliseconds kStorePollAfter{2000};
   static constexpr std::chrono::milliseconds kStorePollInterval{500};
+  std::chrono::milliseconds store_poll_after() const { return std::min(kStorePollAfter, timeout_ / 2); }
 
  private:
   struct State;  // shared with the thread, which may outlive the monitor (see the destructor)
@@ -152,12 +169,12 @@ class FaultMonitor {
 // throws is dropped); if no thread can be started, runs `work` here.
 bool run_bounded(std::function<void()> work, Clock::duration limit, const std::function<bool()>& give_up = {});
 
-// Marks the host waiting for a collective issued at `since` (FaultMonitor::set_waiting_since), for
-// as long as it lives.
+// Marks the host waiting for a collective issued at `since`, numbered `seq` (0: for no one
+// collective; FaultMonitor::set_waiting_since), for as long as it lives.
 class WaitingScope {
  public:
-  WaitingScope(FaultMonitor& monitor, Clock::time_point since) : monitor_(monitor) {
-    monitor_.set_waiting_since(since);
+  WaitingScope(FaultMonitor& monitor, Clock::time_point since, uint64_t seq = 0) : monitor_(monitor) {
+    monitor_.set_waiting_since(since, seq);
   }
   ~WaitingScope() { monitor_.set_waiting_since(std::nullopt); }
   WaitingScope(const WaitingScope&) = delete;

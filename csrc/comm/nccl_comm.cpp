@@ -307,7 +307,8 @@ std::optional<std::string> NcclComm::poll() {
       first_of_its_size = completed_sizes_.count({oldest->numel, static_cast<int>(oldest->dtype)}) == 0;
     }
   }
-  monitor().set_waiting_since(oldest ? std::optional<Clock::time_point>(oldest->issued) : std::nullopt);
+  monitor().set_waiting_since(oldest ? std::optional<Clock::time_point>(oldest->issued) : std::nullopt,
+                              oldest ? oldest->seq : 0);
   ncclResult_t state = ncclSuccess;
   const ncclResult_t queried = ncclCommGetAsyncError(comm_, &state);
   if (queried != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
@@ -324,8 +325,9 @@ std::optional<std::string> NcclComm::poll() {
   }
   if (!first_of_its_size && waited > timeout()) {
     return oldest->describe() + " did not complete within the " + seconds(timeout()) + " deadline (" +
-           seconds(waited) + " since it was issued): a peer is stopped, hung, or far slower than this rank. "
-           "If steps legitimately differ this much, raise WeightedDDP(timeout=...) or HSYNC_TIMEOUT";
+           seconds(waited) + " since it was issued): a peer is stopped, hung, or far slower than this rank" +
+           monitor().peers_not_there(oldest->seq) + ". If steps legitimately differ this much, raise "
+           "WeightedDDP(timeout=...) or HSYNC_TIMEOUT";
   }
   return std::nullopt;
 }

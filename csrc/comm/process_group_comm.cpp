@@ -1,15 +1,12 @@
 #include "comm/process_group_comm.h"
 
 #include <algorithm>
+#include <cctype>
 
 #include "checks.h"
 
 namespace hsync {
 namespace {
-
-// Gloo's own deadline comes a little after ours, so a stuck collective is reported as ours (with
-// the collective's name) and gloo's thread is still freed right after.
-constexpr std::chrono::milliseconds kBackendGrace{1000};
 
 const c10::intrusive_ptr<c10d::ProcessGroup>& checked(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
   HSYNC_CHECK(group, "process group is None (call torch.distributed.init_process_group first)");
@@ -22,6 +19,14 @@ std::string reason(const std::exception& error) {
   std::string text = c10_error ? c10_error->what_without_backtrace() : error.what();
   while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
   return text;
+}
+
+// Gloo closes the connections of a collective that timed out, and every later collective on them
+// fails at once with that reason: after one of hsync's past its deadline, or after a framework's
+// own on the same group (which the framework may have swallowed: Lightning's SIGTERM broadcast).
+bool timed_out(std::string why) {
+  std::transform(why.begin(), why.end(), why.begin(), [](unsigned char c) { return std::tolower(c); });
+  return why.find("timeout") != std::string::npos || why.find("timed out") != std::string::npos;
 }
 
 }  // namespace
@@ -92,7 +97,7 @@ void ProcessGroupComm::synchronize_through(uint64_t seq) {
 void ProcessGroupComm::wait(const Pending& p) {
   const Clock::time_point deadline = p.collective.issued + timeout();
   if (!p.future->completed()) {
-    const WaitingScope waiting(monitor(), p.collective.issued);
+    const WaitingScope waiting(monitor(), p.collective.issued, p.collective.seq);
     std::unique_lock<std::mutex> lock(completion_->mutex);
     // The future, not the work: gloo runs the future's callbacks before it marks the work completed.
     while (!p.future->completed()) {
@@ -101,8 +106,9 @@ void ProcessGroupComm::wait(const Pending& p) {
       if (now >= deadline) {
         lock.unlock();
         monitor().fail(p.collective.describe() + " did not complete within the " + seconds(timeout()) +
-                       " deadline: a peer is stopped, hung, or far slower than this rank. If steps "
-                       "legitimately differ this much, raise WeightedDDP(timeout=...) or HSYNC_TIMEOUT");
+                       " deadline: a peer is stopped, hung, or far slower than this rank" +
+                       monitor().peers_not_there(p.collective.seq) + ". If steps legitimately differ this "
+                       "much, raise WeightedDDP(timeout=...) or HSYNC_TIMEOUT");
       }
       completion_->done.wait_for(lock, std::min<Clock::duration>(FaultMonitor::kPollInterval, deadline - now));
     }
@@ -110,8 +116,11 @@ void ProcessGroupComm::wait(const Pending& p) {
   try {
     p.work->wait();
   } catch (const std::exception& error) {
+    const std::string why = reason(error);
     monitor().fail(p.collective.describe() + " failed after " + seconds(Clock::now() - p.collective.issued) +
-                   ": " + reason(error) + ". A peer probably exited (killed, crashed or out of memory)");
+                   ": " + why +
+                   (timed_out(why) ? ". A collective on this process group timed out: a peer is stopped or hung"
+                                   : ". A peer probably exited (killed, crashed or out of memory)"));
   }
 }
 

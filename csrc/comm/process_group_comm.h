@@ -12,6 +12,7 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -20,6 +21,11 @@
 #include "comm/communicator.h"
 
 namespace hsync {
+
+// Gloo's own deadline comes a little after ours, so a stuck collective is reported as ours (with
+// the collective's name) and gloo's thread is still freed right after. The integrations give a
+// framework's own collectives on the group the same (hsync/integrations/_world.py).
+constexpr std::chrono::milliseconds kBackendGrace{1000};
 
 class ProcessGroupComm final : public Communicator {
  public:

@@ -1,18 +1,23 @@
 """What every integration checks before wrapping: a framework release it was tested with, a model that is not
-wrapped already, and the process group hsync's wrapper syncs over, where a framework runs without one."""
+wrapped already, and the process group hsync's wrapper syncs over, where a framework runs without one; and what
+it does after: the framework's own collectives put under hsync's deadline."""
 
 from __future__ import annotations
 
 import atexit
+import datetime
 import os
 import sys
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from packaging.version import Version
 from torch import nn
 
+import hsync
+from hsync._extension import _C
 from hsync.bootstrap import wrapper_kind
 from hsync.collectives import Channels
 
@@ -34,6 +39,15 @@ def check_framework_version(framework: ModuleType) -> None:
     found = framework.__version__
     if not Version(lowest) <= Version(found) < Version(unsupported):
         raise RuntimeError(f"hsync.integrations.{name} supports {name} >= {lowest}, < {unsupported}; found {found}")
+
+
+def wrap(model: nn.Module, device: torch.device, **options: Any) -> hsync.WeightedDDP:
+    """hsync's wrapper around the framework's model, in a world of its own where the framework started none, with
+    the framework's own collectives put under its deadline."""
+    ensure_process_group(device)
+    weighted = hsync.WeightedDDP(model, **options)
+    put_the_frameworks_collectives_under_the_deadline(weighted)
+    return weighted
 
 
 def ensure_process_group(device: torch.device) -> None:
@@ -73,3 +87,26 @@ def refuse_a_wrapped_model(model: nn.Module | None, who: str) -> None:
     if wrapping:
         raise TypeError(f"{who}: the model is already wrapped in {wrapping}; pass the module inside it (its "
                         ".module): hsync wraps it itself")
+
+
+def put_the_frameworks_collectives_under_the_deadline(weighted: hsync.WeightedDDP) -> None:
+    """The framework's own collectives (Lightning's SIGTERM broadcast before every batch, Accelerate's
+    gather_for_metrics in the Trainer's evaluation, a barrier around a checkpoint) run on torch's process groups,
+    under their timeout: 30 minutes by default, so a frozen peer left the other ranks waiting there that long,
+    silent, although hsync's own collectives would have ended at its deadline. From the wrap on, each backend of
+    the default group and of the model's takes hsync's deadline where its own is longer (a shorter one, set by
+    the user, stays), plus the grace hsync's own collectives give gloo: on CPU they share the group's
+    connections, and a stuck collective of hsync's is then reported as hsync's, naming it. On NCCL it is the
+    watchdog's limit, past which it aborts the process."""
+    deadline = weighted.timeout + datetime.timedelta(seconds=_C.backend_grace_s)
+    for group in {dist.GroupMember.WORLD, weighted.process_group} - {None}:
+        for device in group._device_types:
+            backend = group._get_backend(device)
+            if _timeout_of(backend) > deadline:
+                backend.set_timeout(deadline)
+
+
+def _timeout_of(backend: dist.Backend) -> datetime.timedelta:
+    # A backend that does not say (a third party's) is taken for one with torch's default, 30 minutes or more.
+    timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+    return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta.max

@@ -48,7 +48,7 @@ import torch
 from accelerate.utils import DistributedType, send_to_device
 
 import hsync
-from hsync.integrations._world import check_framework_version, ensure_process_group, refuse_a_wrapped_model
+from hsync.integrations._world import check_framework_version, refuse_a_wrapped_model, wrap
 from hsync.sharding.shares import MemoryBudget
 from hsync.stats import StepStats
 
@@ -111,8 +111,7 @@ class Accelerator(accelerate.Accelerator):
         # Everything Accelerate does to a model but DDP, then hsync's wrapper in its place.
         prepared = super().prepare_model(model, device_placement, evaluation_mode=True)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        ensure_process_group(self.device)
-        weighted = hsync.WeightedDDP(prepared, device_ids=device_ids)
+        weighted = wrap(prepared, self.device, device_ids=device_ids)
         self._weighted_models.append(weighted)
         return weighted
 

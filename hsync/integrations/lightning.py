@@ -83,7 +83,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 import hsync
 from hsync.collectives import Channels
 from hsync.integrations._loaders import MicroBatches, StepLoader
-from hsync.integrations._world import check_framework_version
+from hsync.integrations._world import check_framework_version, put_the_frameworks_collectives_under_the_deadline
 from hsync.stats import StepStats
 
 _DDP_ONLY = ("model_averaging_period",)
@@ -127,6 +127,7 @@ class HsyncStrategy(DDPStrategy):
         # A later fit() of the same module keeps its wrapper, and with it the Balancer and what it measured.
         if self._weighted is None or self._weighted.module is not model:
             self._weighted = hsync.WeightedDDP(model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+            put_the_frameworks_collectives_under_the_deadline(self._weighted)
         return self._weighted
 
     def _register_ddp_hooks(self) -> None:

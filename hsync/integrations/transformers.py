@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import hsync
 from hsync.integrations._loaders import StepLoader
-from hsync.integrations._world import check_framework_version, ensure_process_group, refuse_a_wrapped_model
+from hsync.integrations._world import check_framework_version, refuse_a_wrapped_model, wrap
 
 
 @dataclass
@@ -128,8 +128,7 @@ class Trainer(transformers.Trainer):
             device = next(self.model.parameters()).device
             if device.type == "cuda":
                 options["device_ids"] = [device.index]
-            ensure_process_group(device)
-            weighted = self.weighted_ddp = hsync.WeightedDDP(self.model, **options)
+            weighted = self.weighted_ddp = wrap(self.model, device, **options)
             if args.torch_compile:  # what Accelerate's prepare would have done to the model it wrapped
                 weighted = torch.compile(weighted, backend=args.torch_compile_backend or "inductor",
                                          mode=args.torch_compile_mode)

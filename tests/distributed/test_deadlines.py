@@ -1,7 +1,7 @@
 """Every collective hsync issues has the deadline, not only a weighted step's: a plain step, the buffers, a step
 under Join, sum_over_ranks, a Balancer's check, the wrap-time check, the BERT application's decisions. A peer
 that freezes (SIGSTOP) or dies (SIGKILL) while the other rank is inside one ends it with an error naming the
-collective, within the deadline plus a few seconds."""
+collective, within the deadline plus a few seconds; a frozen one is named."""
 
 import datetime
 import os
@@ -108,9 +108,19 @@ def test_a_lost_peer_ends_every_collective_of_hsyncs_within_the_deadline(where, 
     assert "hsync: rank 0 (gloo): " in survivor.error, survivor.error
     if how == "stop":
         assert f"did not complete within the {DEADLINE_S:.2f} s deadline" in survivor.error, survivor.error
+        assert f"rank {VICTIM} has not reached it" in survivor.error, survivor.error  # the frozen rank, named
         assert noticed > DEADLINE_S - 0.5, survivor.error
     else:
         assert "A peer probably exited" in survivor.error or "did not complete" in survivor.error, survivor.error
+
+
+def test_the_survivors_name_the_frozen_rank_not_each_other():
+    """Three ranks, one frozen: the survivors wait for the same collective and post it, so each error (the one
+    past its deadline, and the one that learns of it from the board) names the frozen rank alone."""
+    survivors = run_ranks_with_victim(collective_without_its_peer, 3, VICTIM, "plain-step", "stop", timeout=40)
+    for rank, survivor in survivors.items():
+        assert survivor.error is not None, f"rank {rank} raised nothing: {survivor}"
+        assert f"; rank {VICTIM} has not reached it." in survivor.error, survivor.error
 
 
 def failure_seen_in_another_group(rank: int, world_size: int) -> None:
