@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 #include <system_error>
 #include <vector>
 
@@ -54,6 +55,7 @@ struct FaultMonitor::State {
   std::string prefix;                // "hsync: rank R (backend): "
   int rank = 0;
   int world_size = 1;
+  std::string process;               // "host pid-namespace pid": Note [Naming the lost rank]
   std::chrono::milliseconds store_poll_after{0};
   std::atomic<Clock::rep> waiting_since{kNotWaiting};  // see set_waiting_since
   std::atomic<uint64_t> waiting_seq{0};
@@ -80,17 +82,62 @@ void post(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, 
       kPostLimit);
 }
 
-// Where `rank` posts the collective it waits for: Note [Naming the frozen rank].
-std::string waiting_key(const std::string& key, int rank) { return key + "/waiting/" + std::to_string(rank); }
+// Where `rank` posts what `what` names ("waiting": the collective it waits for; "process": which
+// process it is): Note [Naming the lost rank].
+std::string peer_key(const std::string& key, const char* what, int rank) {
+  return key + "/" + what + "/" + std::to_string(rank);
+}
 
-// "rank 1 has" or "ranks 1, 3 and 4 have".
-std::string ranks_have(const std::vector<int>& ranks) {
-  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    if (i > 0) text += i + 1 == ranks.size() ? " and " : ", ";
-    text += std::to_string(ranks[i]);
-  }
-  return text + (ranks.size() == 1 ? " has" : " have");
+std::vector<uint8_t> bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
+
+// Each peer's value under peer_key(key, what, peer), "" where it posted none (and for `rank`
+// itself); nothing if the store did not answer within kPostLimit. Bounded, and owning all it
+// touches: a frozen store must not hold up the error being raised.
+std::optional<std::vector<std::string>> read_peers(const c10::intrusive_ptr<c10d::Store>& store,
+                                                   const std::string& key, const char* what, int rank,
+                                                   int world_size) {
+  struct Found {
+    std::mutex mutex;
+    std::optional<std::vector<std::string>> values;
+  };
+  auto found = std::make_shared<Found>();
+  run_bounded(
+      [found, store, key, what, rank, world_size] {
+        std::vector<std::string> values(world_size);
+        for (int peer = 0; peer < world_size; ++peer) {
+          const std::string at = peer_key(key, what, peer);
+          if (peer != rank && store->check({at})) {
+            const std::vector<uint8_t> value = store->get(at);
+            values[peer] = std::string(value.begin(), value.end());
+          }
+        }
+        const std::lock_guard<std::mutex> lock(found->mutex);
+        found->values = std::move(values);
+      },
+      kPostLimit);
+  const std::lock_guard<std::mutex> lock(found->mutex);
+  return found->values;
+}
+
+// "host pid-namespace pid"; "" where the PID namespace cannot be read (no /proc): PIDs then name
+// nothing that can be looked up.
+std::string this_process() {
+  char host[256] = {};
+  char pid_namespace[64] = {};
+  const ssize_t length = readlink("/proc/self/ns/pid", pid_namespace, sizeof(pid_namespace) - 1);
+  if (gethostname(host, sizeof(host) - 1) != 0 || length <= 0) return {};
+  return std::string(host) + " " + std::string(pid_namespace, length) + " " + std::to_string(getpid());
+}
+
+// The state letter of /proc/PID/stat ('R', 'S', 'T' stopped, 'Z' exited but not yet reaped...),
+// 'X' for a process that is gone.
+char process_state(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  std::getline(stat, text);
+  const size_t name_end = text.rfind(')');  // the name, in parentheses, may hold spaces
+  if (name_end == std::string::npos || name_end + 2 >= text.size()) return 'X';
+  return text[name_end + 2];
 }
 
 // Runs a communicator's hook; what it throws is what failed.
@@ -110,6 +157,13 @@ std::optional<std::string> guarded(const std::function<std::optional<std::string
 
 // The monitor's thread. It holds its own reference to the state, so it may outlive the monitor.
 void FaultMonitor::watch(const std::shared_ptr<State>& s) {
+  if (s->store && !s->process.empty()) {  // Note [Naming the lost rank]; the store is set before the thread
+    try {
+      s->store->set(peer_key(s->key, "process", s->rank), bytes(s->process));
+    } catch (const std::exception&) {
+      // No store, no name: the failure is still reported.
+    }
+  }
   auto next_store_poll = Clock::now();
   uint64_t posted_seq = 0;  // the collective this rank last posted it waits for
   std::unique_lock<std::mutex> lock(s->mutex);
@@ -169,8 +223,7 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
     std::optional<std::string> peer;
     try {
       if (seq != 0 && seq != posted_seq) {
-        const std::string value = std::to_string(seq);
-        store->set(waiting_key(s->key, s->rank), std::vector<uint8_t>(value.begin(), value.end()));
+        store->set(peer_key(s->key, "waiting", s->rank), bytes(std::to_string(seq)));
         posted_seq = seq;
       }
       if (store->check({s->key})) {
@@ -243,6 +296,7 @@ FaultMonitor::FaultMonitor(c10::intrusive_ptr<c10d::Store> store, std::string ke
   state_->prefix = "hsync: rank " + std::to_string(rank) + " (" + backend + "): ";
   state_->rank = rank;
   state_->world_size = world_size;
+  state_->process = this_process();
   state_->store_poll_after = store_poll_after();
   enroll(state_);
   thread_ = std::thread(watch, state_);
@@ -349,44 +403,56 @@ void FaultMonitor::set_waiting_since(std::optional<Clock::time_point> since, uin
 }
 
 std::string FaultMonitor::peers_not_there(uint64_t seq) const {
-  c10::intrusive_ptr<c10d::Store> store;
-  {
-    const std::lock_guard<std::mutex> lock(state_->mutex);
-    store = state_->store;
-  }
+  const c10::intrusive_ptr<c10d::Store> store = store_copy();
   if (!store || seq == 0 || state_->world_size <= 1) return {};
-  struct Found {
-    std::mutex mutex;
-    std::vector<int> absent;
-    bool complete = false;
+  const auto waiting = read_peers(store, state_->key, "waiting", state_->rank, state_->world_size);
+  if (!waiting) return {};
+  std::vector<int> absent;
+  for (int peer = 0; peer < state_->world_size; ++peer) {
+    if (peer != state_->rank && (*waiting)[peer] != std::to_string(seq)) absent.push_back(peer);
+  }
+  if (absent.empty()) return {};
+  std::string text = absent.size() == 1 ? "; rank " : "; ranks ";
+  for (size_t i = 0; i < absent.size(); ++i) {
+    if (i > 0) text += i + 1 == absent.size() ? " and " : ", ";
+    text += std::to_string(absent[i]);
+  }
+  return text + (absent.size() == 1 ? " has" : " have") + " not reached it";
+}
+
+std::string FaultMonitor::peers_gone() const {
+  const c10::intrusive_ptr<c10d::Store> store = store_copy();
+  const std::string& me = state_->process;
+  if (!store || me.empty() || state_->world_size <= 1) return {};
+  const auto processes = read_peers(store, state_->key, "process", state_->rank, state_->world_size);
+  if (!processes) return {};
+  const std::string place = me.substr(0, me.rfind(' ') + 1);  // "host pid-namespace "
+  const auto what_became_of = [](char state) -> const char* {
+    if (state == 'X' || state == 'Z') return "has exited";
+    if (state == 'T' || state == 't') return "is stopped";
+    return nullptr;
   };
-  auto found = std::make_shared<Found>();
-  const std::string key = state_->key;
-  const int rank = state_->rank;
-  const int world_size = state_->world_size;
-  // Bounded, and owning all it touches: a frozen store must not hold up the error.
-  run_bounded(
-      [found, store, key, rank, world_size, seq] {
-        const std::string expected = std::to_string(seq);
-        std::vector<int> absent;
-        for (int peer = 0; peer < world_size; ++peer) {
-          if (peer == rank) continue;
-          const std::string peer_key = waiting_key(key, peer);
-          bool there = false;
-          if (store->check({peer_key})) {
-            const std::vector<uint8_t> value = store->get(peer_key);
-            there = std::string(value.begin(), value.end()) == expected;
-          }
-          if (!there) absent.push_back(peer);
-        }
-        const std::lock_guard<std::mutex> lock(found->mutex);
-        found->absent = std::move(absent);
-        found->complete = true;
-      },
-      kPostLimit);
-  const std::lock_guard<std::mutex> lock(found->mutex);
-  if (!found->complete || found->absent.empty()) return {};
-  return "; " + ranks_have(found->absent) + " not reached it";
+  // A killed process closes its sockets on its way out, an instant before it shows as exited: a
+  // peer that still runs is looked at again, for a moment.
+  const Clock::time_point until = Clock::now() + kExitShowsWithin;
+  std::string text;
+  for (int peer = 0; peer < state_->world_size; ++peer) {
+    const std::string& process = (*processes)[peer];
+    if (process.size() <= place.size() || process.compare(0, place.size(), place) != 0) continue;
+    const std::string pid = process.substr(place.size());
+    const char* what = what_became_of(process_state(static_cast<pid_t>(std::stoll(pid))));
+    while (!what && Clock::now() < until) {
+      std::this_thread::sleep_for(kPollInterval / 5);
+      what = what_became_of(process_state(static_cast<pid_t>(std::stoll(pid))));
+    }
+    if (what) text += "; rank " + std::to_string(peer) + " (process " + pid + ", on this host) " + what;
+  }
+  return text;
+}
+
+c10::intrusive_ptr<c10d::Store> FaultMonitor::store_copy() const {
+  const std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->store;
 }
 
 bool FaultMonitor::failed() const {

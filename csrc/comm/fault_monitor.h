@@ -17,14 +17,18 @@
 // that saw the failure first. Communicators built afterwards start clean: a trainer that regroups
 // the survivors after a failure (DDP's _update_process_group, a new quorum) goes on over them.
 //
-// Note [Naming the frozen rank]
-// A frozen peer closes no socket, so a survivor learns only that a collective passed its deadline.
-// To name the peer, each rank that has waited for a collective long enough to poll the board posts
-// which collective it waits for (its number on this communicator) under a key of its own; at the
-// deadline the survivor reads its peers' keys and names those not waiting for the same one: they
-// are stopped, hung, or elsewhere. The polling starts at half the deadline (at most
-// kStorePollAfter), so the survivors have posted by then; a dead peer needs none of this (its
-// sockets close at once).
+// Note [Naming the lost rank]
+// A collective that fails says only that a connection closed or that time ran out; the rank it
+// waited for is named from the store.
+// - A frozen peer closes no socket. Each rank that has waited for a collective long enough to poll
+//   the board posts which collective it waits for (its number on this communicator) under a key of
+//   its own; at the deadline the survivor reads its peers' keys and names those not waiting for the
+//   same one: they are stopped, hung, or elsewhere. The polling starts at half the deadline (at
+//   most kStorePollAfter), so the survivors have posted by then.
+// - A dead peer's sockets close at once, before anyone has waited. Each monitor's thread posts its
+//   process (host, PID namespace, PID) when it starts; a survivor whose collective failed looks up
+//   the peers that share its host and PID namespace and names those whose process has exited (or
+//   is stopped). A dead peer on another host stays unnamed: gloo's message gives its address.
 //
 // Note [Forked children]
 // A process forked from a rank (a DataLoader worker) inherits the memory of every communicator but
@@ -125,13 +129,18 @@ class FaultMonitor {
   // awaited), and that collective's number (0: a wait for no one collective). The store is polled
   // only once that wait is store_poll_after() old: a healthy step never waits that long, so
   // hundreds of ranks do not hammer one store, and a rank that polls its peers' store while they
-  // exit can upset their teardown. The first poll posts `seq`: Note [Naming the frozen rank].
+  // exit can upset their teardown. The first poll posts `seq`: Note [Naming the lost rank].
   void set_waiting_since(std::optional<Clock::time_point> since, uint64_t seq = 0);
 
   // For a collective past its deadline, "; rank 1 has not reached it" (or "ranks 1 and 3 have"),
   // naming the peers not seen waiting for the collective numbered `seq`; empty where all were, or
-  // the store does not answer within seconds. Note [Naming the frozen rank].
+  // the store does not answer within seconds. Note [Naming the lost rank].
   std::string peers_not_there(uint64_t seq) const;
+
+  // For a collective that failed, "; rank 1 (process 4242, on this host) has exited" (or "is
+  // stopped"), naming the peers on this host whose process has; empty where none has, or the store
+  // does not answer within seconds. Note [Naming the lost rank].
+  std::string peers_gone() const;
 
   // Throws if this rank failed or a peer posted a failure; `waiting_for` names what was being waited on.
   void check(const Collective* waiting_for = nullptr) const;
@@ -147,6 +156,7 @@ class FaultMonitor {
   static constexpr std::chrono::milliseconds kPollInterval{50};
   static constexpr std::chrono::milliseconds kStorePollAfter{2000};
   static constexpr std::chrono::milliseconds kStorePollInterval{500};
+  static constexpr std::chrono::milliseconds kExitShowsWithin{500};  // peers_gone's look at a killed peer
   std::chrono::milliseconds store_poll_after() const { return std::min(kStorePollAfter, timeout_ / 2); }
 
  private:
@@ -156,6 +166,8 @@ class FaultMonitor {
   static void enroll(const std::shared_ptr<State>& state);
   // Fails every other monitor of the process that has not failed yet with `failure` (seen by `from`).
   static void spread(const State* from, const std::string& failure);
+  // The board's store, or null (none, or its host is gone).
+  c10::intrusive_ptr<c10d::Store> store_copy() const;
 
   std::shared_ptr<State> state_;
   std::chrono::milliseconds timeout_;

@@ -314,7 +314,8 @@ std::optional<std::string> NcclComm::poll() {
   if (queried != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
     const std::string during = oldest ? " during " + oldest->describe() : "";
     return "NCCL reported " + std::string(ncclGetErrorString(queried != ncclSuccess ? queried : state)) + " (" +
-           ncclGetLastError(comm_) + ")" + during + ". A peer probably exited (killed, crashed or out of memory)";
+           ncclGetLastError(comm_) + ")" + during + ". A peer probably exited (killed, crashed or out of memory)" +
+           monitor().peers_gone();
   }
   if (!oldest) return std::nullopt;
   const auto waited = Clock::now() - oldest->issued;

@@ -120,7 +120,8 @@ void ProcessGroupComm::wait(const Pending& p) {
     monitor().fail(p.collective.describe() + " failed after " + seconds(Clock::now() - p.collective.issued) +
                    ": " + why +
                    (timed_out(why) ? ". A collective on this process group timed out: a peer is stopped or hung"
-                                   : ". A peer probably exited (killed, crashed or out of memory)"));
+                                   : ". A peer probably exited (killed, crashed or out of memory)") +
+                   monitor().peers_gone());
   }
 }
 

@@ -98,12 +98,19 @@ def collective_without_its_peer(rank: int, world_size: int, where: str, how: str
     raise AssertionError(f"rank {rank} went on although rank {VICTIM} was gone")
 
 
+def seconds_to_notice(error: str) -> float:
+    """The seconds a survivor's "noticed after ... s" error says it took."""
+    found = re.search(r"noticed after ([0-9.]+) s", error)
+    assert found, f"the survivor raised something else:\n{error}"
+    return float(found.group(1))
+
+
 @pytest.mark.parametrize("how", ["stop", "kill"])
 @pytest.mark.parametrize("where", list(COLLECTIVES))
 def test_a_lost_peer_ends_every_collective_of_hsyncs_within_the_deadline(where, how):
     survivor = run_ranks_with_victim(collective_without_its_peer, 2, VICTIM, where, how, timeout=40)[0]
     assert survivor.error is not None, f"the survivor raised nothing: {survivor}"
-    noticed = float(re.search(r"noticed after ([0-9.]+) s", survivor.error).group(1))
+    noticed = seconds_to_notice(survivor.error)
     assert noticed < DEADLINE_S + 2.0, survivor.error
     assert "hsync: rank 0 (gloo): " in survivor.error, survivor.error
     if how == "stop":
@@ -112,15 +119,23 @@ def test_a_lost_peer_ends_every_collective_of_hsyncs_within_the_deadline(where, 
         assert noticed > DEADLINE_S - 0.5, survivor.error
     else:
         assert "A peer probably exited" in survivor.error or "did not complete" in survivor.error, survivor.error
+        if "A peer probably exited" in survivor.error:  # the dead rank, named from its process
+            assert re.search(f"rank {VICTIM} \\(process [0-9]+, on this host\\) has exited", survivor.error), \
+                survivor.error
 
 
-def test_the_survivors_name_the_frozen_rank_not_each_other():
-    """Three ranks, one frozen: the survivors wait for the same collective and post it, so each error (the one
-    past its deadline, and the one that learns of it from the board) names the frozen rank alone."""
-    survivors = run_ranks_with_victim(collective_without_its_peer, 3, VICTIM, "plain-step", "stop", timeout=40)
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_the_survivors_name_the_lost_rank_not_each_other(how):
+    """Three ranks, one frozen or dead. The frozen: the survivors wait for the same collective and post it, so
+    each error (the one past its deadline, and the one that learns of it from the board) names the frozen rank
+    alone. The dead: its process, posted when the communicator started, has exited."""
+    survivors = run_ranks_with_victim(collective_without_its_peer, 3, VICTIM, "plain-step", how, timeout=40)
+    named = {"stop": f"; rank {VICTIM} has not reached it\\.",
+             "kill": f"A peer probably exited .*; rank {VICTIM} \\(process [0-9]+, on this host\\) has exited"}[how]
     for rank, survivor in survivors.items():
         assert survivor.error is not None, f"rank {rank} raised nothing: {survivor}"
-        assert f"; rank {VICTIM} has not reached it." in survivor.error, survivor.error
+        assert re.search(named, survivor.error.strip(), re.DOTALL), survivor.error
+        assert "rank 0 (process" not in survivor.error and "rank 2 (process" not in survivor.error, survivor.error
 
 
 def failure_seen_in_another_group(rank: int, world_size: int) -> None:
@@ -153,7 +168,7 @@ def failure_seen_in_another_group(rank: int, world_size: int) -> None:
 def test_a_rank_that_failed_in_one_group_ends_its_peers_waits_in_every_other():
     survivor = run_ranks_with_victim(failure_seen_in_another_group, 3, 2, timeout=40, until_exit=False)[1]
     assert survivor.error is not None, f"rank 1 raised nothing: {survivor}"
-    noticed = float(re.search(r"noticed after ([0-9.]+) s", survivor.error).group(1))
+    noticed = seconds_to_notice(survivor.error)
     # Rank 0's deadline, then rank 1's first look at its board (FaultMonitor::kStorePollAfter) and a poll.
     assert noticed < DEADLINE_S + 2.0 + 2.0, survivor.error
     # In debug mode (HSYNC_DEBUG_COLLECTIVES) the wait is for the fingerprints of the same collective.

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from tests.distributed.test_deadlines import seconds_to_notice
 from tests.integrations import LAUNCH_ENV
 from tests.spawn import run_ranks_with_victim
 
@@ -64,6 +65,7 @@ def lightning_sigterm_broadcast(rank: int, world_size: int, output_dir: str) -> 
     import lightning as L
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
+    import hsync.integrations.lightning  # noqa: F401 (registers strategy="hsync")
     from tests.integrations.test_lightning import module_class
 
     if rank == VICTIM:
@@ -102,11 +104,13 @@ def test_a_frozen_peer_ends_the_frameworks_own_collectives_within_the_deadline(f
     pytest.importorskip(module)
     survivor = run_ranks_with_victim(program, 2, VICTIM, str(tmp_path), env=ENV, timeout=90)[0]
     assert survivor.error is not None, f"the survivor raised nothing: {survivor}"
-    noticed = float(re.search(r"noticed after ([0-9.]+) s", survivor.error).group(1))
+    noticed = seconds_to_notice(survivor.error)
     assert DEADLINE_S - 0.5 < noticed < DEADLINE_S + GRACE_S + 2.0, survivor.error
     if framework == "lightning":  # Lightning swallows its broadcast's error; hsync's next collective names it
         assert "hsync: rank 0 (gloo): " in survivor.error, survivor.error
         assert re.search("timed out: a peer is stopped or hung|did not complete within", survivor.error), \
             survivor.error
+        assert re.search(f"rank {VICTIM} (\\(process [0-9]+, on this host\\) is stopped|has not reached it)",
+                         survivor.error), survivor.error
     else:  # gloo's, raised in the framework's own call
         assert f"Timed out waiting {int((DEADLINE_S + GRACE_S) * 1000)}ms" in survivor.error, survivor.error
