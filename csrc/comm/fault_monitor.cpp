@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <system_error>
 #include <vector>
@@ -440,10 +441,12 @@ std::string FaultMonitor::peers_gone() const {
     const std::string& process = (*processes)[peer];
     if (process.size() <= place.size() || process.compare(0, place.size(), place) != 0) continue;
     const std::string pid = process.substr(place.size());
-    const char* what = what_became_of(process_state(static_cast<pid_t>(std::stoll(pid))));
+    if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;  // never throws here
+    const auto id = static_cast<pid_t>(std::strtol(pid.c_str(), nullptr, 10));
+    const char* what = what_became_of(process_state(id));
     while (!what && Clock::now() < until) {
       std::this_thread::sleep_for(kPollInterval / 5);
-      what = what_became_of(process_state(static_cast<pid_t>(std::stoll(pid))));
+      what = what_became_of(process_state(id));
     }
     if (what) text += "; rank " + std::to_string(peer) + " (process " + pid + ", on this host) " + what;
   }
