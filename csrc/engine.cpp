@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 
 #include "checks.h"
@@ -307,8 +308,11 @@ void Engine::set_join_plain_step(const std::optional<at::Tensor>& scalars, bool 
 // not needed sooner, the scalars' all-reduce is issued right before the first bucket's rather
 // than at the start of backward, so that gloo's threads wake once for both. The result depends
 // only on this step's inputs, as before, so resumed runs stay bit-identical. Values in the
-// bucket grow by ref_r rather than staying near g: harmless in float32, float64 and bfloat16,
-// so only float16 buckets keep scaling before the sum (whatever the gradients' own dtype: a
+// bucket grow by ref_r rather than staying near g: harmless in float32, float64 and bfloat16
+// (a sum that overflows where every term was finite, gradients within a factor of the world's
+// weight of the largest float, is seen by the write-back's pass, which flags the step as not
+// finite, as the all-reduce of a normalised sum never overflows), so only float16 buckets keep
+// scaling before the sum (whatever the gradients' own dtype: a
 // comm_dtype, Note [Communication dtype] in kernels/pack.h). With gradients as bucket views the
 // division would be a second pass over every gradient after the last all-reduce, while the
 // wait for N hides behind the first gradient's computation: views scale before the sum too. On
@@ -623,22 +627,26 @@ void Engine::finalize() {
   if (hook_chain_) hook_chain_->wait();  // the communicator is the chain's until then: Note [Hook order]
   resolve_pack_scale();  // when normalising at write-back: N's all-reduce went before every bucket's
   step_.tails_on_host = at::Tensor();
+  std::vector<bool> sum_not_finite(buckets_.size(), false);  // seen by the write-back's normalisation
   for (size_t b = 0; b < buckets_.size(); ++b) {
     comm_->synchronize_through(hook_chain_ ? hook_chain_->seq(b) : buckets_[b].seq);
     if (hook_chain_) take_hook_result(b);
-    write_back(buckets_[b]);
+    sum_not_finite[b] = write_back(buckets_[b]);
   }
   in_flight_buffers_.clear();  // every reduce is done (on a GPU the stream is ordered after them)
 
   if (owners_.empty()) {
     std::vector<at::Tensor> flags;
-    for (const Bucket& bucket : buckets_) {
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      const Bucket& bucket = buckets_[b];
       if (bucket.buffer.scalar_type() == at::kHalf) flags.push_back(sum_overflowed(bucket));
+      if (sum_not_finite[b]) flags.push_back(at::ones({1}, bucket.nonfinite_flag.options().dtype(at::kDouble)));
       flags.push_back(bucket.nonfinite_flag.to(at::kDouble));
     }
     last_grad_nonfinite_ = at::cat(flags).sum();
   } else {
-    last_grad_nonfinite_ = share_owned_flags();
+    last_grad_nonfinite_ = share_owned_flags(sum_not_finite);
+    spread_nonfinite_to_owned_gradients();
   }
 
   if (!rebuilt_) {
@@ -717,16 +725,17 @@ void Engine::set_owners(const std::vector<int64_t>& owners) {
   if (grads_as_views_) move_grads_into_slots();
 }
 
-at::Tensor Engine::share_owned_flags() {
+at::Tensor Engine::share_owned_flags(const std::vector<bool>& sum_not_finite) {
   const int rank = comm_->rank();
   const auto options = at::TensorOptions().dtype(at::kDouble).device(device_);
   std::vector<at::Tensor> tails;      // each bucket's, its owner's reduced one, in bucket order
   std::vector<at::Tensor> overflows;  // each float16 bucket's sum, seen by its owner
-  for (const Bucket& bucket : buckets_) {
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const Bucket& bucket = buckets_[b];
     const bool owned = bucket.owner == rank || (bucket.owner < 0 && rank == 0);  // all-reduced: alike everywhere
     tails.push_back(owned ? bucket.tail.to(at::kDouble) : at::zeros({bucket.tail_numel()}, options));
     overflows.push_back(owned && bucket.buffer.scalar_type() == at::kHalf ? sum_overflowed(bucket)
-                                                                          : at::zeros({1}, options));
+                        : at::full({1}, owned && sum_not_finite[b] ? 1.0 : 0.0, options));
   }
   const int64_t tails_numel = buckets_.back().tail_offset + buckets_.back().tail_numel();
   tails.insert(tails.end(), overflows.begin(), overflows.end());
@@ -738,21 +747,48 @@ at::Tensor Engine::share_owned_flags() {
   return at::cat(counted).sum();
 }
 
-void Engine::write_back(const Bucket& bucket) {
+// Note [A non-finite step on every rank]
+// All-reduced, a non-finite gradient of any rank is in every rank's reduced gradients, so what checks
+// them locally (a GradScaler's unscale_, a user's isfinite) decides alike everywhere. Reduced to its
+// owner, it is on the owner only: another rank's own gradients are finite, and a GradScaler there
+// would step and grow its scale while the owner skips and backs off; the ranks would then issue
+// different collectives (the step's broadcasts on some, the next step's scalars on others) until the
+// deadline, and their scales would part. So on a step whose flags say non-finite, every rank writes
+// a NaN into the first element of the first gradient it owns: a GradScaler (or any local check)
+// over a ShardedOptimizer's parameters then sees what it sees without sharding. One masked fill on
+// the stream, ordered after the flags' all-reduce; no host wait.
+void Engine::spread_nonfinite_to_owned_gradients() {
+  for (const Bucket& bucket : buckets_) {
+    if (bucket.owner != comm_->rank()) continue;
+    for (int64_t index : bucket.params) {
+      const at::Tensor& grad = params_[index].grad();
+      if (!grad.defined() || grad.numel() == 0) continue;
+      at::Tensor first = grad;
+      while (first.dim() > 0) first = first.select(0, 0);
+      first.masked_fill_(last_grad_nonfinite_.gt(0), std::numeric_limits<double>::quiet_NaN());
+      return;
+    }
+  }
+}
+
+bool Engine::write_back(const Bucket& bucket) {
   if (bucket.owner >= 0 && bucket.owner != comm_->rank()) {  // Note [Owned buckets]
     for (int64_t index : bucket.params) params_[index].mutable_grad() = at::Tensor();
-    return;
+    return false;
   }
   // Cast back to the gradient's dtype (Note [Communication dtype]) and normalised on the way out
-  // when deferred (Note [Deferred normalisation]).
-  const auto unpack = [this](const at::Tensor& reduced, const at::Tensor& grad) {
+  // when deferred (Note [Deferred normalisation]), which sees whether the sum is finite.
+  bool not_finite = false;
+  const auto unpack = [this, &not_finite](const at::Tensor& reduced, const at::Tensor& grad) {
     if (!step_.normalise_at_write_back) {
       grad.copy_(reduced);
     } else if (grad.is_contiguous()) {
-      scale_cpu(reduced, grad, step_.write_back_scale);
+      not_finite = scale_cpu(reduced, grad, step_.write_back_scale) || not_finite;
     } else {  // scaled before the cast: an unnormalised sum may not fit a float16 gradient
       const auto wide = at::promote_types(reduced.scalar_type(), at::kFloat);
-      grad.copy_(reduced.to(wide, /*non_blocking=*/false, /*copy=*/true).mul_(step_.write_back_scale));
+      const at::Tensor normalised = reduced.to(wide, /*non_blocking=*/false, /*copy=*/true).mul_(step_.write_back_scale);
+      grad.copy_(normalised);
+      not_finite = not_finite || !at::isfinite(normalised).all().item<bool>();
     }
   };
   for (size_t k = 0; k < bucket.params.size(); ++k) {
@@ -767,6 +803,7 @@ void Engine::write_back(const Bucket& bucket) {
       if (!grad.is_same(reduced)) unpack(reduced, grad);
     }
   }
+  return not_finite;
 }
 
 void Engine::move_grads_into_slots() {

@@ -194,10 +194,15 @@ class Engine {
   void finalize();
   // 1 if a float16 bucket's all-reduce overflowed; a one-element float64 tensor on the device.
   static at::Tensor sum_overflowed(const Bucket& bucket);
-  void write_back(const Bucket& bucket);
-  // With owners: every bucket's reduced flags (and a float16 bucket's overflow) to every rank, in one
-  // all-reduce after the buckets' reduces; returns the flags that count as non-finite. Note [Owned buckets].
-  at::Tensor share_owned_flags();
+  // The reduced values into the gradients; returns whether a sum normalised there is not finite
+  // (Note [Deferred normalisation]).
+  bool write_back(const Bucket& bucket);
+  // With owners: every bucket's reduced flags (and a float16 bucket's overflow, or a sum the write-back
+  // found not finite: `sum_not_finite`, by bucket) to every rank, in one all-reduce after the buckets'
+  // reduces; returns the flags that count as non-finite. Note [Owned buckets].
+  at::Tensor share_owned_flags(const std::vector<bool>& sum_not_finite);
+  // With owners, after share_owned_flags: Note [A non-finite step on every rank].
+  void spread_nonfinite_to_owned_gradients();
   // Whether a parameter with no gradient on this rank got one elsewhere (its reduced used flag),
   // which decides whether it gets a .grad here.
   bool used_on_some_rank(const Bucket& bucket, size_t k);

@@ -33,8 +33,8 @@ void scale_and_pack_cpu(const at::Tensor& grad, const at::Tensor& out, double sc
                         const at::Tensor& nonfinite_flag, const at::Tensor& used_flag);
 
 // out = in * scale on the CPU, cast to out's dtype (out contiguous): the write-back of
-// Note [Deferred normalisation].
-void scale_cpu(const at::Tensor& in, const at::Tensor& out, double scale);
+// Note [Deferred normalisation]. Returns whether a value of out is an inf or NaN.
+bool scale_cpu(const at::Tensor& in, const at::Tensor& out, double scale);
 
 #ifdef HSYNC_WITH_CUDA
 void scale_and_pack_cuda(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& scale,

@@ -150,13 +150,16 @@ void dispatch_pair(const at::Tensor& in, const at::Tensor& out, const Body& body
 
 }  // namespace
 
-void scale_cpu(const at::Tensor& in, const at::Tensor& out, double scale) {
+bool scale_cpu(const at::Tensor& in, const at::Tensor& out, double scale) {
   HSYNC_CHECK(out.is_contiguous() && in.numel() == out.numel(),
               "scale_cpu: the output must be contiguous and of the input's size");
   const at::Tensor contiguous_in = in.contiguous();
+  bool nonfinite = false;
   dispatch_pair(contiguous_in, out, [&](auto in_type, auto out_type) {
-    scale_contiguous<typename decltype(in_type)::type, typename decltype(out_type)::type>(contiguous_in, out, scale);
+    nonfinite = scale_contiguous<typename decltype(in_type)::type, typename decltype(out_type)::type>(contiguous_in,
+                                                                                                      out, scale);
   });
+  return nonfinite;
 }
 
 void scale_and_pack_cpu(const at::Tensor& grad, const at::Tensor& out, double scale,

@@ -89,8 +89,9 @@ class Accelerator(accelerate.Accelerator):
                              "runs a rank's share in micro-batches (BalanceConfig.micro_batch_limit) and says when "
                              "a step ends")
         if shard_optimizer and self.mixed_precision == "fp16":
-            # GradScaler skips a step on the ranks whose own gradients overflowed, but a sharded step is one
-            # collective step: the ranks would part ways.
+            # A plain loop's GradScaler steps a ShardedOptimizer alike on every rank
+            # (Note [A non-finite step on every rank]); Accelerate's unscaling and clipping
+            # of one has yet to be tested on a GPU.
             raise ValueError("hsync.integrations.accelerate: shard_optimizer=True does not take fp16's GradScaler; "
                              "use bf16, or no sharding")
         self.shard_optimizer, self.memory_budget = shard_optimizer, memory_budget

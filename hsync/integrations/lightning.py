@@ -161,8 +161,11 @@ class HsyncStrategy(DDPStrategy):
     def _clip_sharded_optimizers(self) -> None:
         """gradient_clip_val over every rank's shard (Note [Lightning])."""
         if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError("HsyncStrategy: an hsync.ShardedOptimizer does not take 16-mixed's GradScaler (it skips "
-                             "a step on the ranks whose own gradients overflowed); use bf16-mixed, or no sharding")
+            # A plain loop's GradScaler steps a ShardedOptimizer alike on every rank
+            # (Note [A non-finite step on every rank]); 16-mixed's unscaling and clipping
+            # of one has yet to be tested on a GPU.
+            raise ValueError("HsyncStrategy: an hsync.ShardedOptimizer does not take 16-mixed's GradScaler yet; use "
+                             "bf16-mixed, or no sharding")
         plugin = self.precision_plugin
         by_norm = plugin.clip_grad_by_norm
         if getattr(by_norm, "_over_shards", False):

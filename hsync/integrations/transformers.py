@@ -90,8 +90,9 @@ class Trainer(transformers.Trainer):
                                "hsync.integrations.transformers.Trainer")
         self.balancing = balancing or BalancingArguments()
         if self.balancing.shard_optimizer and training_args.fp16:
-            # GradScaler skips a step on the ranks that saw an overflow in their own gradients, but a sharded
-            # step is collective: every rank must step, or none.
+            # A plain loop's GradScaler steps a ShardedOptimizer alike on every rank
+            # (Note [A non-finite step on every rank]); the Trainer's unscaling and clipping
+            # of one has yet to be tested on a GPU.
             raise ValueError("hsync.integrations.transformers.Trainer: BalancingArguments(shard_optimizer=True) "
                              "does not take fp16's GradScaler; use bf16, or no sharding")
         # Trainer counts one dataloader item as one step (Note [Trainer]); the accumulation steps become

@@ -106,6 +106,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._sync_hyperparameters(self.param_groups, self._local.param_groups)
         self.state = self._local.state  # the owned parameters' state, as the local optimizer keeps it
         self._consolidated: dict | None = None
+        self._consolidated_went_stale = False
         Joinable.__init__(self)
         self._built = True
         self._give_owners()
@@ -181,6 +182,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._sync_hyperparameters(self.param_groups, self._local.param_groups)
         self._local.step()
         self._share_parameters()
+        self._forget_consolidated()
         return loss
 
     def _share_parameters(self) -> None:
@@ -285,10 +287,19 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """Gathers the whole state on rank `to`, for its state_dict() (collective, as ZeroRedundancyOptimizer's)."""
         shards = self._channel.gather_objects(self.state_dict_shard(), "the optimizer state")
         self._consolidated = merge_shards(shards) if self._model.rank == to else None
+        self._consolidated_went_stale = False
+
+    def _forget_consolidated(self) -> None:
+        """A step or a load changed the state: a consolidated copy is outdated (and a whole state's memory)."""
+        self._consolidated_went_stale = self._consolidated_went_stale or self._consolidated is not None
+        self._consolidated = None
 
     def state_dict(self) -> dict:
         """The whole state, in the format of `optimizer_class` over the same parameter groups (loadable by it),
         on the rank consolidate_state_dict gathered it to."""
+        if self._consolidated_went_stale:  # ZeroRedundancyOptimizer returns the older state: a checkpoint behind
+            raise RuntimeError("hsync.ShardedOptimizer.state_dict: the state was consolidated before the last step() "
+                               "or load_state_dict(); call consolidate_state_dict(to=rank) on every rank again")
         if self._consolidated is None:
             raise RuntimeError("hsync.ShardedOptimizer.state_dict: call consolidate_state_dict(to=rank) on every "
                                "rank first; the state is then on that rank, as with ZeroRedundancyOptimizer")
@@ -314,6 +325,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._local.load_state_dict({"state": local_state, "param_groups": local_groups})
         for saved, ours in zip(groups, self.param_groups, strict=True):
             ours.update({k: v for k, v in saved.items() if k != "params"})
+        self._forget_consolidated()
 
     def load_state_dict_shards(self, shards: Iterable[Mapping]) -> None:
         """Loads the shards that state_dict_shard() wrote on each rank of a run (any number of ranks)."""

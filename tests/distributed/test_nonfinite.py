@@ -12,11 +12,12 @@ pytestmark = [pytest.mark.distributed, pytest.mark.quick]
 POISONED_STEP, POISONED_RANK = 1, 1
 
 
-def scaled_training(rank: int, world_size: int, poisoned_weight: int) -> list[dict]:
+def scaled_training(rank: int, world_size: int, poisoned_weight: int, sharded: bool = False) -> list[dict]:
     import hsync
 
     model = hsync.WeightedDDP(make_net(seed=0))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = (hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1) if sharded
+                 else torch.optim.SGD(model.parameters(), lr=0.1))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     poison = {"on": False}
     model.module.out.weight.register_hook(lambda g: g * float("nan") if poison["on"] else g)
@@ -36,9 +37,12 @@ def scaled_training(rank: int, world_size: int, poisoned_weight: int) -> list[di
     return history
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])
 @pytest.mark.parametrize("poisoned_weight", [4, 0], ids=["weighted-rank", "weight-0-rank"])
-def test_nonfinite_gradient_skips_the_step_on_every_rank(poisoned_weight):
-    histories = run_ranks(scaled_training, 3, poisoned_weight, timeout=60)
+def test_nonfinite_gradient_skips_the_step_on_every_rank(poisoned_weight, sharded):
+    # Sharded, the NaN reaches out.weight's owner only, and every other rank's own gradients are finite: the
+    # GradScaler of each must still skip and back off (Note [A non-finite step on every rank]).
+    histories = run_ranks(scaled_training, 3, poisoned_weight, sharded, timeout=60)
     for rank, history in enumerate(histories):
         for step, (mine, rank0) in enumerate(zip(history, histories[0], strict=True)):
             assert mine["finite"] == rank0["finite"] and mine["scale"] == rank0["scale"], (rank, step)
@@ -51,6 +55,29 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank(poisoned_weight):
     assert history[POISONED_STEP]["scale"] == history[POISONED_STEP - 1]["scale"] / 2
     assert not torch.equal(history[POISONED_STEP + 1]["params"], history[POISONED_STEP]["params"])
     assert history[-1]["scale"] == history[POISONED_STEP]["scale"] * 2
+
+
+def a_sum_past_the_largest_float(rank: int, world_size: int, sharded: bool) -> tuple[bool, bool]:
+    """One step whose every rank's gradient, and weighted term, is a finite float32 near its largest value, while
+    their sum is not: whether the step reads as finite, and whether this rank's gradients are."""
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32))
+    if sharded:
+        hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    model.module.out.weight.register_hook(lambda g: torch.full_like(g, 2e38))
+    x, y = global_batch(0, [2] * world_size, dtype=torch.float32)[2][rank]
+    stats = model.backward(mse(model(x), y), weight=1)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return stats.finite, all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])
+def test_a_sum_that_overflows_where_every_term_is_finite_is_not_a_finite_step(sharded):
+    # On the CPU the ranks' terms are summed before they are divided by the total weight (Note [Deferred
+    # normalisation]): 2e38 + 2e38 is inf in float32. It read as a finite step, with inf in the gradients.
+    for rank, (finite, grads_finite) in enumerate(run_ranks(a_sum_past_the_largest_float, 2, sharded)):
+        assert not finite and not grads_finite, rank
 
 
 # Each rank's weight at each step; 0 is a dummy batch of 2 examples that counts for nothing. Step 1 has no example

@@ -512,6 +512,34 @@ def test_bad_arguments_are_refused_naming_the_problem():
     assert errors["owners after a refusal"] is None  # a refused optimizer leaves the model's reduction alone
 
 
+def state_dict_after(rank: int, world_size: int, change: str) -> str:
+    """state_dict() on rank 0 after consolidate_state_dict(to=0) and then two steps, or a load."""
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32))
+    optimizer = hsync.ShardedOptimizer(model, torch.optim.AdamW, lr=0.1)
+    optimizer.consolidate_state_dict(to=0)
+    for step in range(2 if change == "steps" else 0):
+        x, y = global_batch(step, [2] * world_size, dtype=torch.float32)[2][rank]
+        model.backward(mse(model(x), y), weight=2)
+        optimizer.step()
+    if change == "load":
+        optimizer.load_state_dict_shards([optimizer.state_dict_shard()])  # this rank's part alone: one is enough
+    try:
+        optimizer.state_dict()
+    except RuntimeError as error:
+        return str(error)
+    return "handed out"
+
+
+@pytest.mark.parametrize("change", ["steps", "load"])
+def test_a_state_consolidated_before_a_step_or_a_load_is_not_handed_out(change):
+    # ZeroRedundancyOptimizer's state_dict() hands out the state of its last consolidation, however many steps
+    # ago: a checkpoint silently behind its model.
+    message = run_ranks(state_dict_after, 2, change)[0]
+    assert "the state was consolidated before the last step() or load_state_dict()" in message, message
+
+
 PLAIN_JOIN_STEPS = (2, 4)  # rank r's plain steps under Join: rank 0 joins after two
 
 
