@@ -12,19 +12,22 @@ pytestmark = [pytest.mark.distributed, pytest.mark.quick]
 POISONED_STEP, POISONED_RANK = 1, 1
 
 
-def scaled_training(rank: int, world_size: int, poisoned_weight: int, sharded: bool = False) -> list[dict]:
+def scaled_training(rank: int, world_size: int, poisoned_weight: int, sharded: bool = False,
+                    device: str = "cpu") -> list[dict]:
     import hsync
 
-    model = hsync.WeightedDDP(make_net(seed=0))
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    model = hsync.WeightedDDP(make_net(seed=0).to(device))
     optimizer = (hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1) if sharded
                  else torch.optim.SGD(model.parameters(), lr=0.1))
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=2)
     poison = {"on": False}
     model.module.out.weight.register_hook(lambda g: g * float("nan") if poison["on"] else g)
     history = []
     for step in range(5):
         _, _, slices = global_batch(step, [4] * world_size)
-        x, y = slices[rank]
+        x, y = (t.to(device) for t in slices[rank])
         poison["on"] = step == POISONED_STEP and rank == POISONED_RANK
         weight = poisoned_weight if poison["on"] else 4
         stats = model.backward(scaler.scale(mse(model(x), y)), weight=weight)
@@ -33,7 +36,7 @@ def scaled_training(rank: int, world_size: int, poisoned_weight: int, sharded: b
         optimizer.zero_grad(set_to_none=True)
         history.append({"finite": stats.finite, "scale": scaler.get_scale(),
                         "growth": int(scaler._growth_tracker.item()),
-                        "params": torch.cat([p.detach().flatten() for p in model.parameters()])})
+                        "params": torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()})
     return history
 
 
@@ -42,7 +45,11 @@ def scaled_training(rank: int, world_size: int, poisoned_weight: int, sharded: b
 def test_nonfinite_gradient_skips_the_step_on_every_rank(poisoned_weight, sharded):
     # Sharded, the NaN reaches out.weight's owner only, and every other rank's own gradients are finite: the
     # GradScaler of each must still skip and back off (Note [A non-finite step on every rank]).
-    histories = run_ranks(scaled_training, 3, poisoned_weight, sharded, timeout=60)
+    assert_skipped_alike(run_ranks(scaled_training, 3, poisoned_weight, sharded, timeout=60))
+
+
+def assert_skipped_alike(histories: list[list[dict]]) -> None:
+    """The poisoned step skipped on every rank, with the same scale, growth tracker and parameters everywhere."""
     for rank, history in enumerate(histories):
         for step, (mine, rank0) in enumerate(zip(history, histories[0], strict=True)):
             assert mine["finite"] == rank0["finite"] and mine["scale"] == rank0["scale"], (rank, step)

@@ -20,6 +20,7 @@ from tests.distributed import (
     test_cross_rank_backward,
     test_ddp_dropin,
     test_deadlines,
+    test_nonfinite,
     test_sharded_optimizer,
 )
 from tests.distributed.test_comm_dtype import check_within_rounding, weighted_steps
@@ -193,6 +194,13 @@ def test_nccl_sharded_optimizer_steps_as_the_unsharded_one(optimizer):
                         env=SOCKET_ENV, timeout=120)
     test_sharded_optimizer.assert_same_training(results, exact=False)
     assert sorted(i for r in results for i in r["owned"]) == list(range(10))
+
+
+def test_nccl_a_grad_scaler_around_a_sharded_optimizer_skips_alike_on_every_rank():
+    """Note [A non-finite step on every rank] on the device: each rank's NaN is a masked fill on its stream, after
+    the owners' flags are shared, and every rank's GradScaler reads it."""
+    histories = run_ranks(test_nonfinite.scaled_training, 2, 4, True, "cuda", env=SOCKET_ENV, timeout=120)
+    test_nonfinite.assert_skipped_alike(histories)
 
 
 MEMORY_CAPS = (0.03, 0.01)  # each rank's fraction of the card: 3:1
