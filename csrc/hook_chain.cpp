@@ -45,6 +45,8 @@ void HookChain::run() {
     }
     try {
       launch(index);
+      const std::lock_guard<std::mutex> lock(mutex_);
+      in_progress_seq_ = launched_[index].seq;
     } catch (...) {  // a failed collective: nothing after it can line up across ranks
       const std::lock_guard<std::mutex> lock(mutex_);
       error_ = std::current_exception();
@@ -91,16 +93,19 @@ void HookChain::launch(size_t index) {
 
 void HookChain::wait() {
   std::unique_lock<std::mutex> lock(mutex_);
-  if (running_) {
-    const auto waiting = comm_->waiting_since(progress_);
-    while (running_) {
-      const Clock::time_point deadline = progress_ + comm_->timeout();
-      const size_t index = in_progress_;
+  while (running_) {
+    // Waiting beyond the flags of the hook in progress, as posted for the peers: those stuck there with this
+    // rank post the same, a frozen one does not (Note [Naming the lost rank]).
+    const size_t index = in_progress_;
+    const uint64_t seq = in_progress_seq_;
+    const Clock::time_point deadline = progress_ + comm_->timeout();
+    const auto waiting = comm_->waiting_since(progress_, seq);
+    while (running_ && in_progress_ == index && in_progress_seq_ == seq) {
       if (Clock::now() >= deadline) {
         lock.unlock();
         comm_->fail("the communication hook of bucket " + std::to_string(index) + " did not complete within the " +
                     seconds(comm_->timeout()) + " deadline: a peer is stopped, hung, or far slower than this "
-                    "rank, or the hook's collectives differ across ranks");
+                    "rank, or the hook's collectives differ across ranks" + comm_->peers_not_there(seq));
       }
       lock.unlock();
       comm_->check();

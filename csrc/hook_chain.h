@@ -98,6 +98,7 @@ class HookChain : public std::enable_shared_from_this<HookChain> {
   bool abandoned_ = false;
   Clock::time_point progress_;     // when the hook in progress was called
   size_t in_progress_ = 0;         // its bucket
+  uint64_t in_progress_seq_ = 0;   // its flags' all-reduce, once issued
   std::exception_ptr error_;       // what stopped the chain
   std::shared_ptr<Holders> holders_ = std::make_shared<Holders>();
 };

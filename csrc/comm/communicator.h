@@ -76,8 +76,15 @@ class Communicator {
   [[noreturn]] void fail(const std::string& why) { monitor_->fail(why); }
 
   // Marks this rank waiting for its peers since `since`, for the scope's life, so that a failure a
-  // peer posts ends the wait (check() throws it) as it ends a wait for a collective.
-  WaitingScope waiting_since(Clock::time_point since) { return WaitingScope(*monitor_, since); }
+  // peer posts ends the wait (check() throws it) as it ends a wait for a collective; `seq` is the
+  // collective it waits beyond, posted for peers_not_there (Note [Naming the lost rank]).
+  WaitingScope waiting_since(Clock::time_point since, uint64_t seq = 0) {
+    return WaitingScope(*monitor_, since, seq);
+  }
+
+  // "; rank 1 has not reached it", naming the peers not seen waiting beyond collective `seq`: for a
+  // wait of the caller's own that ran out. Note [Naming the lost rank].
+  std::string peers_not_there(uint64_t seq) const { return monitor_->peers_not_there(seq); }
 
   // Brackets the host's waits inside this communicator (debug mode's fingerprint exchanges) as waits
   // for peers on `clock` (Note [Busy time]); nullptr detaches it. `clock` must stay alive until detached.

@@ -24,7 +24,9 @@
 //   the board posts which collective it waits for (its number on this communicator) under a key of
 //   its own; at the deadline the survivor reads its peers' keys and names those not waiting for the
 //   same one: they are stopped, hung, or elsewhere. The polling starts at half the deadline (at
-//   most kStorePollAfter), so the survivors have posted by then.
+//   most kStorePollAfter), so the survivors have posted by then. A wait outside the communicator's
+//   collectives (a user's communication hook, Note [Hook order]) posts the last collective it waits
+//   beyond, which its peers stuck with it have completed too.
 // - A dead peer's sockets close at once, before anyone has waited. Each monitor's thread posts its
 //   process (host, PID namespace, PID) when it starts; a survivor whose collective failed looks up
 //   the peers that share its host and PID namespace and names those whose process has exited (or
