@@ -196,13 +196,6 @@ def test_nccl_sharded_optimizer_steps_as_the_unsharded_one(optimizer):
     assert sorted(i for r in results for i in r["owned"]) == list(range(10))
 
 
-def test_nccl_a_grad_scaler_around_a_sharded_optimizer_skips_alike_on_every_rank():
-    """Note [A non-finite step on every rank] on the device: each rank's NaN is a masked fill on its stream, after
-    the owners' flags are shared, and every rank's GradScaler reads it."""
-    histories = run_ranks(test_nonfinite.scaled_training, 2, 4, True, "cuda", env=SOCKET_ENV, timeout=120)
-    test_nonfinite.assert_skipped_alike(histories)
-
-
 MEMORY_CAPS = (0.03, 0.01)  # each rank's fraction of the card: 3:1
 
 
@@ -264,3 +257,10 @@ def test_nccl_plain_steps_under_join_through_a_sharded_optimizer():
     for rank, params in enumerate(results):
         for name, value in expected.items():
             torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5, msg=f"rank {rank}, {name}")
+
+
+def test_nccl_a_grad_scaler_around_a_sharded_optimizer_skips_alike_on_every_rank():
+    """Note [A non-finite step on every rank] on the device: each rank's NaN is a masked fill on its stream, after
+    the owners' flags are shared, and every rank's GradScaler reads it."""
+    histories = run_ranks(test_nonfinite.scaled_training, 2, 4, True, "cuda", env=SOCKET_ENV, timeout=120)
+    test_nonfinite.assert_skipped_alike(histories)
