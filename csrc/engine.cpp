@@ -786,7 +786,8 @@ bool Engine::write_back(const Bucket& bucket) {
       not_finite = scale_cpu(reduced, grad, step_.write_back_scale) || not_finite;
     } else {  // scaled before the cast: an unnormalised sum may not fit a float16 gradient
       const auto wide = at::promote_types(reduced.scalar_type(), at::kFloat);
-      const at::Tensor normalised = reduced.to(wide, /*non_blocking=*/false, /*copy=*/true).mul_(step_.write_back_scale);
+      const at::Tensor normalised =
+          reduced.to(wide, /*non_blocking=*/false, /*copy=*/true).mul_(step_.write_back_scale);
       grad.copy_(normalised);
       not_finite = not_finite || !at::isfinite(normalised).all().item<bool>();
     }

@@ -64,26 +64,37 @@ def assert_skipped_alike(histories: list[list[dict]]) -> None:
     assert history[-1]["scale"] == history[POISONED_STEP]["scale"] * 2
 
 
-def a_sum_past_the_largest_float(rank: int, world_size: int, sharded: bool) -> tuple[bool, bool]:
+def a_sum_past_the_largest_float(rank: int, world_size: int, sharded: bool, layout: str) -> tuple[bool, bool]:
     """One step whose every rank's gradient, and weighted term, is a finite float32 near its largest value, while
-    their sum is not: whether the step reads as finite, and whether this rank's gradients are."""
+    their sum is not: whether the step reads as finite, and whether this rank's gradients are. A channels_last
+    weight's gradient is written back through a copy of its own layout."""
     import hsync
 
-    model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32))
+    if layout == "channels_last":
+        net = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 2), torch.nn.Flatten(), torch.nn.Linear(12, 1))
+        net = net.to(memory_format=torch.channels_last)
+        overflowing = net[0].weight
+        x = torch.randn(2, 2, 3, 3).to(memory_format=torch.channels_last)
+    else:
+        net = make_net(seed=0, dtype=torch.float32)
+        overflowing = net.out.weight
+        x = global_batch(0, [2] * world_size, dtype=torch.float32)[2][rank][0]
+    model = hsync.WeightedDDP(net)
     if sharded:
         hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
-    model.module.out.weight.register_hook(lambda g: torch.full_like(g, 2e38))
-    x, y = global_batch(0, [2] * world_size, dtype=torch.float32)[2][rank]
-    stats = model.backward(mse(model(x), y), weight=1)
+    overflowing.register_hook(lambda g: torch.full_like(g, 2e38))
+    stats = model.backward(model(x).square().mean(), weight=1)
+    assert overflowing.grad is None or overflowing.grad.is_contiguous() == (layout == "contiguous")
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return stats.finite, all(bool(torch.isfinite(g).all()) for g in grads)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])
-def test_a_sum_that_overflows_where_every_term_is_finite_is_not_a_finite_step(sharded):
+def test_a_sum_that_overflows_where_every_term_is_finite_is_not_a_finite_step(sharded, layout):
     # On the CPU the ranks' terms are summed before they are divided by the total weight (Note [Deferred
     # normalisation]): 2e38 + 2e38 is inf in float32. It read as a finite step, with inf in the gradients.
-    for rank, (finite, grads_finite) in enumerate(run_ranks(a_sum_past_the_largest_float, 2, sharded)):
+    for rank, (finite, grads_finite) in enumerate(run_ranks(a_sum_past_the_largest_float, 2, sharded, layout)):
         assert not finite and not grads_finite, rank
 
 
