@@ -291,8 +291,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _forget_consolidated(self) -> None:
         """A step or a load changed the state: a consolidated copy is outdated (and a whole state's memory)."""
-        self._consolidated_went_stale = self._consolidated_went_stale or self._consolidated is not None
-        self._consolidated = None
+        if self._consolidated is not None:
+            self._consolidated, self._consolidated_went_stale = None, True
 
     def state_dict(self) -> dict:
         """The whole state, in the format of `optimizer_class` over the same parameter groups (loadable by it),
