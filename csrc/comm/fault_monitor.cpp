@@ -91,6 +91,19 @@ std::string peer_key(const std::string& key, const char* what, int rank) {
 
 std::vector<uint8_t> bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
 
+// Sets `key` to `value`, within kPostLimit: a store whose host froze must not hold this rank up.
+void post_value(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, const std::string& value) {
+  run_bounded(
+      [store, key, value] {
+        try {
+          store->set(key, bytes(value));
+        } catch (const std::exception&) {
+          // No store, no name: a failure is still reported, without it.
+        }
+      },
+      kPostLimit);
+}
+
 // Each peer's value under peer_key(key, what, peer), "" where it posted none (and for `rank`
 // itself); nothing if the store did not answer within kPostLimit. Bounded, and owning all it
 // touches: a frozen store must not hold up the error being raised.
@@ -158,13 +171,6 @@ std::optional<std::string> guarded(const std::function<std::optional<std::string
 
 // The monitor's thread. It holds its own reference to the state, so it may outlive the monitor.
 void FaultMonitor::watch(const std::shared_ptr<State>& s) {
-  if (s->store && !s->process.empty()) {  // Note [Naming the lost rank]; the store is set before the thread
-    try {
-      s->store->set(peer_key(s->key, "process", s->rank), bytes(s->process));
-    } catch (const std::exception&) {
-      // No store, no name: the failure is still reported.
-    }
-  }
   auto next_store_poll = Clock::now();
   uint64_t posted_seq = 0;  // the collective this rank last posted it waits for
   std::unique_lock<std::mutex> lock(s->mutex);
@@ -299,6 +305,11 @@ FaultMonitor::FaultMonitor(c10::intrusive_ptr<c10d::Store> store, std::string ke
   state_->world_size = world_size;
   state_->process = this_process();
   state_->store_poll_after = store_poll_after();
+  // Posted before the constructor returns, not by the thread: a rank may die right after its first
+  // collective, before a thread of its own is scheduled on a busy machine. Note [Naming the lost rank].
+  if (state_->store && !state_->process.empty()) {
+    post_value(state_->store, peer_key(state_->key, "process", rank), state_->process);
+  }
   enroll(state_);
   thread_ = std::thread(watch, state_);
 }

@@ -27,10 +27,11 @@
 //   most kStorePollAfter), so the survivors have posted by then. A wait outside the communicator's
 //   collectives (a user's communication hook, Note [Hook order]) posts the last collective it waits
 //   beyond, which its peers stuck with it have completed too.
-// - A dead peer's sockets close at once, before anyone has waited. Each monitor's thread posts its
-//   process (host, PID namespace, PID) when it starts; a survivor whose collective failed looks up
-//   the peers that share its host and PID namespace and names those whose process has exited (or
-//   is stopped). A dead peer on another host stays unnamed: gloo's message gives its address.
+// - A dead peer's sockets close at once, before anyone has waited. Each monitor posts its process
+//   (host, PID namespace, PID) before its constructor returns, so before the communicator's first
+//   collective (a peer may die right after it); a survivor whose collective failed looks up the
+//   peers that share its host and PID namespace and names those whose process has exited (or is
+//   stopped). A dead peer on another host stays unnamed: gloo's message gives its address.
 //
 // Note [Forked children]
 // A process forked from a rank (a DataLoader worker) inherits the memory of every communicator but
