@@ -444,22 +444,30 @@ std::string FaultMonitor::peers_gone() const {
     if (state == 'T' || state == 't') return "is stopped";
     return nullptr;
   };
-  // A killed process closes its sockets on its way out, an instant before it shows as exited: a
-  // peer that still runs is looked at again, for a moment.
-  const Clock::time_point until = Clock::now() + kExitShowsWithin;
-  std::string text;
+  std::vector<std::pair<int, std::string>> same_place;  // (rank, PID) of the peers on this host and namespace
   for (int peer = 0; peer < state_->world_size; ++peer) {
     const std::string& process = (*processes)[peer];
     if (process.size() <= place.size() || process.compare(0, place.size(), place) != 0) continue;
     const std::string pid = process.substr(place.size());
     if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;  // never throws here
-    const auto id = static_cast<pid_t>(std::strtol(pid.c_str(), nullptr, 10));
-    const char* what = what_became_of(process_state(id));
-    while (!what && Clock::now() < until) {
-      std::this_thread::sleep_for(kPollInterval / 5);
-      what = what_became_of(process_state(id));
+    same_place.emplace_back(peer, pid);
+  }
+  const auto look = [&same_place, &what_became_of] {
+    std::string text;
+    for (const auto& [peer, pid] : same_place) {
+      const char* what = what_became_of(process_state(static_cast<pid_t>(std::strtol(pid.c_str(), nullptr, 10))));
+      if (what) text += "; rank " + std::to_string(peer) + " (process " + pid + ", on this host) " + what;
     }
-    if (what) text += "; rank " + std::to_string(peer) + " (process " + pid + ", on this host) " + what;
+    return text;
+  };
+  // A killed process closes its sockets on its way out, an instant before it shows as exited: where
+  // none shows yet, look again for a moment. Only until one does: a survivor that raises and exits
+  // meanwhile is no cause of this failure.
+  const Clock::time_point until = Clock::now() + kExitShowsWithin;
+  std::string text = look();
+  while (text.empty() && !same_place.empty() && Clock::now() < until) {
+    std::this_thread::sleep_for(kPollInterval / 5);
+    text = look();
   }
   return text;
 }
