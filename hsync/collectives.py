@@ -16,6 +16,7 @@ import math
 import os
 import pickle
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,28 @@ def end_process_group() -> None:
     if group is not None:
         _ended_groups.append(group)
     dist.destroy_process_group()
+
+
+def put_torch_groups_under_the_deadline(groups: Iterable[dist.ProcessGroup | None],
+                                        timeout: datetime.timedelta | None = None) -> None:
+    """Bounds torch's own collectives on `groups` (a framework's, torch DDP's beside hsync in the benchmark): each
+    backend whose timeout is longer (torch's default: 30 minutes) takes hsync's deadline (`timeout`, else
+    HSYNC_TIMEOUT, else DEFAULT_TIMEOUT) plus the grace hsync's own collectives give gloo. On CPU they share the
+    group's connections, so a stuck collective of hsync's is still reported as hsync's, naming it; a frozen peer
+    in one of torch's ends in gloo's timeout error. On NCCL it is the watchdog's limit, past which it aborts the
+    process. A shorter timeout, set by the user, stays."""
+    deadline = datetime.timedelta(seconds=resolve_timeout(timeout) + _C.backend_grace_s)
+    for group in set(groups) - {None}:
+        for device in group._device_types:
+            backend = group._get_backend(device)
+            if _timeout_of(backend) > deadline:
+                backend.set_timeout(deadline)
+
+
+def _timeout_of(backend: dist.Backend) -> datetime.timedelta:
+    # A backend that does not say (a third party's) is taken for one with torch's default, 30 minutes or more.
+    timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+    return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta.max
 
 
 def resolve_timeout(timeout: datetime.timedelta | None) -> float:

@@ -26,7 +26,7 @@ from hsync.bench.result import Result
 from hsync.bench.sharding import shard_capacity, shard_throughput
 from hsync.bench.training import time_variants
 from hsync.bench.workloads import GPU_BERT_BASE, bert_workload, dtype_suffix, mover_workload
-from hsync.collectives import end_process_group
+from hsync.collectives import end_process_group, put_torch_groups_under_the_deadline
 
 _MAX_RANKS_PER_CORE = 4
 
@@ -140,6 +140,13 @@ def run_jobs(args: argparse.Namespace) -> dict:
             "results": [json_safe(asdict(r)) | {"world_size": world} for r in results]}
 
 
+def init_process_group(device: str) -> None:
+    """The benchmark's group. torch DDP's collectives and the reference all-reduces run on it beside hsync's, so
+    they go under hsync's deadline too: a frozen peer ends the run within it, not after torch's 30 minutes."""
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    put_torch_groups_under_the_deadline([dist.GroupMember.WORLD])
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
     # torchrun's environment for one node (Lightning reads GROUP_RANK and LOCAL_WORLD_SIZE too), its agent's
     # store served by the launcher.
@@ -150,7 +157,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     # Forked from the fork server, a rank inherits its start method; a launched rank has the platform's, which
     # starts a DataLoader's workers in milliseconds (fork on Linux).
     multiprocessing.set_start_method(None, force=True)
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    init_process_group(args.device)
     try:
         output = run_jobs(args)
     except BaseException:
@@ -240,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     if not planned:
         parser.error(f"--only {' '.join(args.only)} matches no workload")
     if "RANK" in os.environ:
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        init_process_group(args.device)
         args.world_size = dist.get_world_size()
         try:
             output = run_jobs(args)

@@ -5,7 +5,6 @@ it does after: the framework's own collectives put under hsync's deadline."""
 from __future__ import annotations
 
 import atexit
-import datetime
 import os
 import sys
 from types import ModuleType
@@ -17,9 +16,8 @@ from packaging.version import Version
 from torch import nn
 
 import hsync
-from hsync._extension import _C
 from hsync.bootstrap import wrapper_kind
-from hsync.collectives import Channels
+from hsync.collectives import Channels, put_torch_groups_under_the_deadline
 
 # Each framework's supported releases, [lowest, first unsupported): the integrations reach into hooks and
 # attributes that a framework may change in a release (their Notes say which). The tests ran on transformers
@@ -93,20 +91,6 @@ def put_the_frameworks_collectives_under_the_deadline(weighted: hsync.WeightedDD
     """The framework's own collectives (Lightning's SIGTERM broadcast before every batch, Accelerate's
     gather_for_metrics in the Trainer's evaluation, a barrier around a checkpoint) run on torch's process groups,
     under their timeout: 30 minutes by default, so a frozen peer left the other ranks waiting there that long,
-    silent, although hsync's own collectives would have ended at its deadline. From the wrap on, each backend of
-    the default group and of the model's takes hsync's deadline where its own is longer (a shorter one, set by
-    the user, stays), plus the grace hsync's own collectives give gloo: on CPU they share the group's
-    connections, and a stuck collective of hsync's is then reported as hsync's, naming it. On NCCL it is the
-    watchdog's limit, past which it aborts the process."""
-    deadline = weighted.timeout + datetime.timedelta(seconds=_C.backend_grace_s)
-    for group in {dist.GroupMember.WORLD, weighted.process_group} - {None}:
-        for device in group._device_types:
-            backend = group._get_backend(device)
-            if _timeout_of(backend) > deadline:
-                backend.set_timeout(deadline)
-
-
-def _timeout_of(backend: dist.Backend) -> datetime.timedelta:
-    # A backend that does not say (a third party's) is taken for one with torch's default, 30 minutes or more.
-    timeout = getattr(getattr(backend, "options", None), "_timeout", None)
-    return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta.max
+    silent, although hsync's own collectives would have ended at its deadline. From the wrap on, the default
+    group and the model's take hsync's deadline (hsync.collectives.put_torch_groups_under_the_deadline)."""
+    put_torch_groups_under_the_deadline([dist.GroupMember.WORLD, weighted.process_group], weighted.timeout)

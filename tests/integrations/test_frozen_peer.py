@@ -94,8 +94,24 @@ def lightning_sigterm_broadcast(rank: int, world_size: int, output_dir: str) -> 
     raise AssertionError(f"rank {rank} went on although rank {VICTIM} was stopped")
 
 
+def torch_ddp_in_the_benchmark(rank: int, world_size: int, output_dir: str) -> None:
+    """torch DDP's step, which the benchmark times beside hsync's on the same group: the benchmark puts that group
+    under hsync's deadline as it starts (hsync.bench.run.init_process_group), as here."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hsync.collectives import put_torch_groups_under_the_deadline
+    from tests.integrations.test_accelerate import net
+
+    put_torch_groups_under_the_deadline([torch.distributed.group.WORLD])
+    model = DistributedDataParallel(net())
+    x = torch.randn(4, 6)
+    model(x).square().mean().backward()  # every rank there: the connections are made
+    frozen_inside(rank, lambda: model(x).square().mean().backward())
+
+
 FRAMEWORKS = {"accelerate": ("accelerate", accelerate_gather), "transformers": ("transformers", trainer_evaluation),
-              "lightning": ("lightning", lightning_sigterm_broadcast)}
+              "lightning": ("lightning", lightning_sigterm_broadcast),
+              "torch-ddp": ("torch", torch_ddp_in_the_benchmark)}
 
 
 @pytest.mark.parametrize("framework", list(FRAMEWORKS))
