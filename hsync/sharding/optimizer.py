@@ -24,6 +24,7 @@ step left without step() is refused at the next forward.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -110,6 +111,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         Joinable.__init__(self)
         self._built = True
         self._give_owners()
+        if not any(p in self._owned for p in self._stepped()):
+            # Legitimate (a budget too small for any tensor, fewer tensors than ranks), but torch's GradScaler then
+            # fails on this rank alone with an assertion that names nothing of this.
+            warnings.warn(f"hsync.ShardedOptimizer: rank {model.rank} owns none of the optimizer's parameters (see "
+                          "layout.ranges): it keeps no optimizer state and no gradient, so a GradScaler over this "
+                          "optimizer fails here (\"No inf checks were recorded for this optimizer\")", stacklevel=2)
 
     def _give_owners(self) -> None:
         """Once set, the gradients of the groups' parameters go to their owners only, which only this optimizer
