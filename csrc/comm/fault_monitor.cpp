@@ -70,14 +70,25 @@ namespace {
 // follows a post must not wait for it.
 constexpr std::chrono::seconds kPostLimit{2};
 
-void post(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, const std::string& message) {
+// Whether a post replaces a value already there.
+enum class Posting { kFirstWins, kReplace };
+
+// Sets `key` to `value` within kPostLimit: a store whose host froze must not hold this rank up. A store
+// that is gone (its host died) takes nothing: peers rely on their own deadline, and a failure is
+// reported without the name the post would have given.
+void post(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, const std::string& value,
+          Posting posting) {
   run_bounded(
-      [store, key, message] {
+      [store, key, value, posting] {
+        const std::vector<uint8_t> data(value.begin(), value.end());
         try {
-          // First failure wins: an empty expected value sets the key only if it is absent.
-          store->compareSet(key, {}, std::vector<uint8_t>(message.begin(), message.end()));
+          if (posting == Posting::kFirstWins) {
+            store->compareSet(key, {}, data);  // an empty expected value sets the key only if it is absent
+          } else {
+            store->set(key, data);
+          }
         } catch (const std::exception&) {
-          // The store is gone (its host died): peers rely on their own deadline.
+          // The store is gone: nothing posted, as said above.
         }
       },
       kPostLimit);
@@ -90,19 +101,6 @@ std::string peer_key(const std::string& key, const char* what, int rank) {
 }
 
 std::vector<uint8_t> bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
-
-// Sets `key` to `value`, within kPostLimit: a store whose host froze must not hold this rank up.
-void post_value(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, const std::string& value) {
-  run_bounded(
-      [store, key, value] {
-        try {
-          store->set(key, bytes(value));
-        } catch (const std::exception&) {
-          // No store, no name: a failure is still reported, without it.
-        }
-      },
-      kPostLimit);
-}
 
 // Each peer's value under peer_key(key, what, peer), "" where it posted none (and for `rank`
 // itself); nothing if the store did not answer within kPostLimit. Bounded, and owning all it
@@ -191,7 +189,7 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
     s->posted = true;
     const std::string message = *s->failure;
     lock.unlock();
-    post(store, s->key, message);
+    post(store, s->key, message, Posting::kFirstWins);  // the first failure wins
     lock.lock();
   };
   while (!s->stop) {
@@ -308,7 +306,7 @@ FaultMonitor::FaultMonitor(c10::intrusive_ptr<c10d::Store> store, std::string ke
   // Posted before the constructor returns, not by the thread: a rank may die right after its first
   // collective, before a thread of its own is scheduled on a busy machine. Note [Naming the lost rank].
   if (state_->store && !state_->process.empty()) {
-    post_value(state_->store, peer_key(state_->key, "process", rank), state_->process);
+    post(state_->store, peer_key(state_->key, "process", rank), state_->process, Posting::kReplace);
   }
   enroll(state_);
   thread_ = std::thread(watch, state_);
@@ -444,19 +442,23 @@ std::string FaultMonitor::peers_gone() const {
     if (state == 'T' || state == 't') return "is stopped";
     return nullptr;
   };
-  std::vector<std::pair<int, std::string>> same_place;  // (rank, PID) of the peers on this host and namespace
+  struct Peer {
+    int rank;
+    std::string pid;
+  };
+  std::vector<Peer> same_place;  // the peers on this host and in this PID namespace
   for (int peer = 0; peer < state_->world_size; ++peer) {
     const std::string& process = (*processes)[peer];
     if (process.size() <= place.size() || process.compare(0, place.size(), place) != 0) continue;
     const std::string pid = process.substr(place.size());
     if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;  // never throws here
-    same_place.emplace_back(peer, pid);
+    same_place.push_back({peer, pid});
   }
   const auto look = [&same_place, &what_became_of] {
     std::string text;
-    for (const auto& [peer, pid] : same_place) {
-      const char* what = what_became_of(process_state(static_cast<pid_t>(std::strtol(pid.c_str(), nullptr, 10))));
-      if (what) text += "; rank " + std::to_string(peer) + " (process " + pid + ", on this host) " + what;
+    for (const Peer& peer : same_place) {
+      const char* what = what_became_of(process_state(static_cast<pid_t>(std::strtol(peer.pid.c_str(), nullptr, 10))));
+      if (what) text += "; rank " + std::to_string(peer.rank) + " (process " + peer.pid + ", on this host) " + what;
     }
     return text;
   };
