@@ -370,10 +370,13 @@ class WeightedDDP(DistributedDataParallel):
         """The inputs on the module's device, and whether the next backward synchronises, after this
         forward's share of the step: the engine told, joined ranks answered, rank 0's buffers received."""
         self._refuse_an_outer_ddp()
-        if self._join_config.enable and self.cross_rank_backward:
-            # Refused before any collective, on every rank alike: under Join every rank runs forwards.
+        config = self._join_config
+        if config.enable and not config.throw_on_early_termination and self.cross_rank_backward:
+            # Refused before any collective, on every rank alike: under Join every rank runs forwards. With
+            # throw_on_early_termination no rank shadows: all stop at the first forward after one ran out.
             raise RuntimeError("hsync.WeightedDDP under Join: a joined rank cannot shadow forwards and backwards "
-                               "that are collectives themselves (cross_rank_backward, a SyncBatchNorm)")
+                               "that are collectives themselves (cross_rank_backward, a SyncBatchNorm); use "
+                               "join(throw_on_early_termination=True), which stops every rank when one runs out")
         # Only a forward with gradients outside no_sync makes the next backward synchronise
         # (Note [Which backward synchronises] in csrc/engine.h).
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync

@@ -853,6 +853,298 @@ def comm_hook_allreduce(rank, world_size, wrap):
     return local_step_matches(model, local, rank, world_size, *batch(world_size))
 
 
+# --- torch/testing/_internal/distributed/distributed_test.py, more scenarios ----------------------
+
+
+def forward_backward_hook(rank, world_size, wrap):
+    """test_ddp_forward_backward_hook: forward pre-hooks, forward hooks and module backward hooks on the
+    wrapped module's layers act as on a local copy."""
+
+    class DummyTestModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    def relu_hook(module, inputs):
+        return F.relu(inputs[0])
+
+    def gelu_hook(module, _inputs, output):
+        return F.gelu(output)
+
+    def celu_hook(module, _inputs, output):
+        return (F.celu(output[0]),)
+
+    local, wrapped = DummyTestModel(), DummyTestModel()
+    for m in (local, wrapped):
+        m.fc.register_forward_pre_hook(relu_hook)
+        m.fc.register_forward_hook(gelu_hook)
+        m.fc.register_backward_hook(celu_hook)
+    model = wrap(wrapped)
+    torch.manual_seed(1)  # the same input on every rank, so the averaged gradient is the local one
+    x = torch.rand(5, 2)
+    out_local, out_wrapped = local(x), model(x)
+    torch.testing.assert_close(out_local, out_wrapped)
+    out_local.sum().backward()
+    out_wrapped.sum().backward()
+    torch.testing.assert_close(model.module.fc.weight.grad, local.fc.weight.grad)
+    torch.testing.assert_close(model.module.fc.bias.grad, local.fc.bias.grad)
+    return [p.grad for p in model.parameters()]
+
+
+class NetWithRankLocalBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(10, 10, bias=False)
+        self.register_buffer("rank_local", torch.randn(10))
+
+    def forward(self, x):
+        return self.fc(x) + self.rank_local
+
+
+def join_respects_forward_sync_buffers_false(rank, world_size, wrap):
+    """test_ddp_join_respects_forward_sync_buffers_false: with forward_sync_buffers=False, the end of a join
+    with uneven inputs leaves each rank's buffers its own."""
+    torch.manual_seed(rank + 42)
+    model = wrap(NetWithRankLocalBuffer(), forward_sync_buffers=False, init_sync=False)
+    before = model.module.rank_local.detach().clone()
+    with model.join():
+        for _ in range(rank + 1):
+            model(torch.randn(2, 10)).sum().backward()
+    torch.testing.assert_close(model.module.rank_local, before)
+    return 0
+
+
+def init_sync_buffers_with_forward_sync_buffers_false(rank, world_size, wrap):
+    """test_ddp_init_sync_buffers_with_forward_sync_buffers_false: the wrap still makes every rank's buffers
+    rank 0's; later changes on one rank stay there."""
+    torch.manual_seed(rank)
+    model = wrap(NetWithRankLocalBuffer(), forward_sync_buffers=False)
+    assert not model.forward_sync_buffers
+    gathered = [torch.empty(10) for _ in range(world_size)]
+    dist.all_gather(gathered, model.module.rank_local)
+    for other in gathered[1:]:
+        torch.testing.assert_close(other, gathered[0])
+    if rank == 0:
+        model.module.rank_local += 1
+    model(torch.randn(2, 10)).sum().backward()
+    dist.all_gather(gathered, model.module.rank_local)
+    assert not torch.equal(gathered[0], gathered[1])
+    return gathered[1]
+
+
+def sink_noclone(rank, world_size, wrap):
+    """test_ddp_sink_noclone: after _set_ddp_sink_clone(False), a forward and backward clone nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpPatcher(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._overloadpacket == torch.ops.aten.clone:
+                raise RuntimeError("clone encountered!")
+            return func(*args, **(kwargs or {}))
+
+    model = wrap(nn.Linear(10, 10), find_unused_parameters=True)
+    model._set_ddp_sink_clone(False)
+    x = torch.rand(10, 10)
+    with OpPatcher():
+        model(x).sum().backward()
+    return [p.grad for p in model.parameters()]
+
+
+class NestedOutputModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(100, 1, bias=False)
+
+    def forward(self, inp, output_type):
+        if output_type == "tuple":
+            return (self.lin(inp), (self.lin(inp), self.lin(inp)))
+        if output_type == "list":
+            return [self.lin(inp), [self.lin(inp), self.lin(inp)]]
+        return {"a": self.lin(inp), "b": {"c": self.lin(inp)}}
+
+
+def nested_loss(output) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output.sum()
+    values = output.values() if isinstance(output, dict) else output
+    return sum(nested_loss(v) for v in values)
+
+
+def static_graph_nested_types(rank, world_size, wrap):
+    """test_ddp_static_graph_nested_types: nested tuple, list and dict outputs keep their type, and a
+    static_graph wrapper trains as a plain one."""
+    module = NestedOutputModule()
+    plain = wrap(copy.deepcopy(module))
+    static = wrap(copy.deepcopy(module), static_graph=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (plain, static)]
+    inp = torch.randn(10, 100)
+    for output_type, kind in (("list", list), ("tuple", tuple), ("dict", dict)):
+        for _ in range(6):
+            for m, opt in zip((plain, static), opts, strict=True):
+                opt.zero_grad()
+                out = m(inp, output_type=output_type)
+                assert isinstance(out, kind)
+                nested_loss(out).backward()
+                opt.step()
+            for p, q in zip(plain.parameters(), static.parameters(), strict=True):
+                torch.testing.assert_close(p, q)
+    return [p.detach().clone() for p in static.parameters()]
+
+
+def hook_pickling_powersgd(rank, world_size, wrap, path: str):
+    """test_ddp_hook_pickling_powerSGD (_test_hook_pickling): a PowerSGD hook and its state, saved with the
+    model's state_dict after 10 steps and loaded into a fresh wrapper, train on in step with the original:
+    the same gradients after 10 more steps."""
+    import numpy as np
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+
+    torch.manual_seed(0)
+    hook = powerSGD.powerSGD_hook
+    state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=4)
+    inp, target = torch.randn(7, 1), torch.randn(7, 5)
+    net = nn.Linear(1, 5)
+    model, fresh = wrap(copy.deepcopy(net)), wrap(copy.deepcopy(net))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model.register_comm_hook(state, hook)
+    for _ in range(10):
+        opt.zero_grad()
+        F.mse_loss(model(inp), target).backward()
+        opt.step()
+    if rank == 0:
+        torch.save({"state_dict": model.state_dict(), "comm_hook": hook, "comm_hook_state": state}, path)
+    dist.barrier()
+    checkpoint = torch.load(path, weights_only=False)
+    fresh.load_state_dict(checkpoint["state_dict"])
+    loaded_hook, loaded_state = checkpoint["comm_hook"], checkpoint["comm_hook_state"]
+    assert loaded_hook.__qualname__ == hook.__qualname__
+    assert loaded_state.__slots__ == state.__slots__
+    for name in loaded_state.__slots__:
+        if name not in ("process_group", "rng"):
+            torch.testing.assert_close(getattr(loaded_state, name), getattr(state, name), rtol=0, atol=0)
+    assert loaded_state.process_group == dist.group.WORLD
+    for ours, theirs in zip(state.rng.get_state(), loaded_state.rng.get_state(), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+    fresh.register_comm_hook(loaded_state, loaded_hook)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.01)
+    for _ in range(10):
+        for m, o in ((model, opt), (fresh, fresh_opt)):
+            o.zero_grad()
+            F.mse_loss(m(inp), target).backward()
+            o.step()
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad)
+    return [p.grad for p in fresh.parameters()]
+
+
+def hook_parity_post_local_sgd(rank, world_size, wrap):
+    """test_ddp_hook_parity_post_localSGD (_test_ddp_hook_parity): the post-local-SGD hook averages as a plain
+    all-reduce through its warm-up, and after it where its subgroup is the world; with
+    post_local_gradient_allreduce=False each rank then keeps its own gradient."""
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_localSGD
+
+    states = [
+        (post_localSGD.PostLocalSGDState(process_group=None, subgroup=dist.group.WORLD, start_localSGD_iter=10), 100),
+        (post_localSGD.PostLocalSGDState(process_group=None, subgroup=dist.group.WORLD, start_localSGD_iter=10,
+                                         post_local_gradient_allreduce=False), 10),
+        # Upstream's subgroup=None (each node's group) asks for CUDA; on one node it is the world's.
+        (post_localSGD.PostLocalSGDState(process_group=None, subgroup=dist.new_subgroups(world_size)[0],
+                                         start_localSGD_iter=10), 100),
+        (post_localSGD.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=1000), 100),
+    ]
+    local_after_warmup = []
+    for state, validated in states:
+        m = nn.Linear(1, 5)
+        hooked, plain = wrap(copy.deepcopy(m)), wrap(copy.deepcopy(m))
+        hooked.register_comm_hook(state=state, hook=post_localSGD.post_localSGD_hook)
+        expected = sum(range(world_size)) / world_size
+        for i in range(100):
+            for g in (plain.module.weight.grad, hooked.module.weight.grad):
+                if g is not None:
+                    g.zero_()
+            x = torch.tensor([rank]).float()
+            plain(x).sum().backward()
+            hooked(x).sum().backward()
+            if i < validated:
+                assert hooked.module.weight.grad[0, 0].item() == expected
+                torch.testing.assert_close(hooked.module.weight.grad[0, 0], plain.module.weight.grad[0, 0])
+            elif not state.post_local_gradient_allreduce:
+                local_after_warmup.append(hooked.module.weight.grad[0, 0].item())
+    assert set(local_after_warmup) == {float(rank)}, local_after_warmup
+    return 0
+
+
+def cpu_module_grad_is_view(rank, world_size, wrap, grad_is_view: bool):
+    """test_DistributedDataParallelCPU / _grad_is_view (_test_DistributedDataParallelCPU): on the CPU, the
+    wrapped model trains as a local one on the whole batch, with gradients as bucket views or copied."""
+    local = Net()
+    model = wrap(copy.deepcopy(local), gradient_as_bucket_view=grad_is_view)
+    return local_step_matches(model, local, rank, world_size, *batch(world_size), steps=4)
+
+
+class CrossRankNormNet(nn.Module):
+    """distributed_test.BatchNormNet, its batch norm synchronised as SyncBatchNorm's (torch's needs a GPU): over
+    every rank's batch, through a differentiable all-reduce, so that backward is a collective too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(2, 40, bias=False)
+        self.fc2 = nn.Linear(40, 4, bias=False)
+
+    def forward(self, x):
+        from torch.distributed.nn.functional import all_reduce
+
+        x = self.fc1(x)
+        sums = all_reduce(torch.cat([x.sum(0), (x * x).sum(0), x.new_full((1,), x.shape[0])]))
+        mean = sums[:40] / sums[-1]
+        x = (x - mean) * torch.rsqrt(sums[40:80] / sums[-1] - mean ** 2 + 1e-5)
+        return F.softmax(self.fc2(x), dim=1)
+
+
+class ModelWithComm(nn.Module):
+    """A forward that is a collective of the user's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 40, bias=False)
+
+    def forward(self, x):
+        x = self.lin(x)
+        dist.all_reduce(x)
+        return x
+
+
+def uneven_inputs_stop_iteration_sync_bn(rank, world_size, wrap):
+    """test_ddp_uneven_inputs_stop_iteration_sync_bn: with throw_on_early_termination, a model whose forward is
+    a collective (a synchronised batch norm, the user's all_reduce) runs under join with uneven inputs: every
+    rank raises at the first forward after one ran out, and the ranks' models are alike."""
+    for module in (CrossRankNormNet(), ModelWithComm()):
+        # hsync cannot see a collective in a layer of one's own: it is told (as a SyncBatchNorm needs not be).
+        told = wrap is not DistributedDataParallel and isinstance(module, CrossRankNormNet)
+        model = wrap(module, **({"cross_rank_backward": True} if told else {}))
+        steps, expected = (10, "Detected at least one rank that exhausted inputs.") if rank == 0 else \
+            (5, f"Rank {rank} exhausted all inputs")
+        done = 0
+        with pytest.raises(RuntimeError, match=expected), model.join(throw_on_early_termination=True):
+            for _ in range(steps):
+                model(torch.randn(10, 2)).sum().backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p += p.grad
+                        p.grad = None
+                done += 1
+        assert done == 5
+        for t in model.module.state_dict().values():
+            gathered = [torch.zeros_like(t) for _ in range(world_size)]
+            dist.all_gather(gathered, t)
+            for other in gathered:
+                torch.testing.assert_close(other, t)
+    return 0
+
+
 # --- the tests ---------------------------------------------------------------------------------------
 
 
@@ -1011,3 +1303,40 @@ def test_ddp_uneven_inputs_with_powersgd():
 
 def test_ddp_comm_hook_allreduce_hook():
     run_both(comm_hook_allreduce)
+
+
+def test_ddp_forward_backward_hook():
+    run_both(forward_backward_hook)
+
+
+def test_ddp_join_respects_forward_sync_buffers_false():
+    run_both(join_respects_forward_sync_buffers_false)
+
+
+def test_ddp_init_sync_buffers_with_forward_sync_buffers_false():
+    run_both(init_sync_buffers_with_forward_sync_buffers_false)
+
+
+def test_ddp_sink_noclone():
+    run_both(sink_noclone)
+
+
+def test_ddp_static_graph_nested_types():
+    run_both(static_graph_nested_types)
+
+
+def test_ddp_hook_pickling_powersgd(tmp_path):
+    run_both(hook_pickling_powersgd, str(tmp_path / "checkpoint.pt"))
+
+
+def test_ddp_hook_parity_post_local_sgd():
+    run_both(hook_parity_post_local_sgd)
+
+
+@pytest.mark.parametrize("grad_is_view", [False, True], ids=["copied", "grad_is_view"])
+def test_distributed_data_parallel_cpu(grad_is_view):
+    run_both(cpu_module_grad_is_view, grad_is_view)
+
+
+def test_ddp_uneven_inputs_stop_iteration_sync_bn():
+    run_both(uneven_inputs_stop_iteration_sync_bn)
