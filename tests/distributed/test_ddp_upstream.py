@@ -189,27 +189,70 @@ class CheckpointOnce(nn.Module):
         return checkpoint(self.l2, x, use_reentrant=True).relu() if self.reentrant else self.l2(x).relu()
 
 
+def checkpointed_steps_match_local(rank, world_size, wrap, local: nn.Module, forward: Callable | None = None,
+                                   **kwargs) -> list[torch.Tensor]:
+    """upstream's _test_ddp_checkpointing: 5 steps of the wrapped model on this rank's 16 rows and of a local
+    copy on all rows give the same gradients (None where the local one has none)."""
+    model = wrap(copy.deepcopy(local), bucket_cap_mb=1, **kwargs)
+    forward = forward or (lambda m, inp: m(inp))
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(world_size * 16, 20, generator=g, requires_grad=True)
+    y = torch.randn(world_size * 16, 20, generator=g)
+    rows = slice(rank * 16, (rank + 1) * 16)
+    for _ in range(5):
+        for m in (model, local):
+            m.zero_grad(set_to_none=False)
+        F.mse_loss(forward(local, x), y).backward()
+        F.mse_loss(forward(model, x[rows]), y[rows]).backward()
+        for a, b in zip(model.module.parameters(), local.parameters(), strict=True):
+            if b.grad is None:
+                assert a.grad is None
+            else:
+                torch.testing.assert_close(a.grad, b.grad, rtol=1.3e-6, atol=5e-5)
+    return [p.grad.clone() for p in model.module.parameters() if p.grad is not None]
+
+
 def checkpointing(rank, world_size, wrap, twice: bool, unused: bool, reentrant: bool):
     """test_ddp_checkpointing_once / _twice / _unused_params: activation checkpointing inside the model
     gives the gradients of local training (use_reentrant=True too where DDP supports it without
     static_graph: once, every parameter used)."""
     torch.manual_seed(0)
-    local = CheckpointOnce(twice, unused, reentrant)
-    model = wrap(copy.deepcopy(local), find_unused_parameters=unused)
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(world_size * 4, 20, generator=g, requires_grad=True)
-    y = torch.randn(world_size * 4, 20, generator=g)
-    for _ in range(3):
-        for m in (model, local):
-            m.zero_grad()
-        F.mse_loss(model(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
-        F.mse_loss(local(x), y).backward()
-        for a, b in zip(model.module.parameters(), local.parameters(), strict=True):
-            if b.grad is None:
-                assert a.grad is None
-            else:
-                torch.testing.assert_close(a.grad, b.grad)
-    return [p.grad.clone() for p in model.module.parameters() if p.grad is not None]
+    return checkpointed_steps_match_local(rank, world_size, wrap, CheckpointOnce(twice, unused, reentrant),
+                                          find_unused_parameters=unused)
+
+
+class DynamicCheckpointTwice(nn.Module):
+    """test_c10d_common's DynamicCheckpointTwiceModule(WeightSharing): each forward checkpoints another layer."""
+
+    def __init__(self, sharing: bool) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(20, 20), nn.Linear(20, 20)
+        if sharing:
+            self.l1.weight = self.l2.weight
+        self.count = 0
+
+    def forward(self, x):
+        layer = self.l1 if self.count % 2 else self.l2
+        self.count += 1
+        return checkpoint(layer, x, use_reentrant=False)
+
+
+def checkpointing_dynamic(rank, world_size, wrap, sharing: bool):
+    """test_ddp_checkpointing_dynamic_module / _dynamic_weight_sharing: a module that checkpoints another layer at
+    each forward (non-reentrant), its layers' weights shared or not, trains as locally."""
+    torch.manual_seed(31415)
+    return checkpointed_steps_match_local(rank, world_size, wrap, DynamicCheckpointTwice(sharing),
+                                          find_unused_parameters=True)
+
+
+def checkpointing_weight_sharing(rank, world_size, wrap, reentrant: bool):
+    """test_ddp_checkpointing_weight_sharing: two layers sharing a weight, the whole wrapped model run under
+    activation checkpointing, train as locally."""
+    torch.manual_seed(31415)
+    l1, l2 = nn.Linear(20, 20), nn.Linear(20, 20)
+    l1.weight = l2.weight
+    return checkpointed_steps_match_local(rank, world_size, wrap, nn.Sequential(l1, l2),
+                                          lambda m, inp: checkpoint(m, inp, use_reentrant=reentrant))
 
 
 @dataclass
@@ -1145,6 +1188,60 @@ def uneven_inputs_stop_iteration_sync_bn(rank, world_size, wrap):
     return 0
 
 
+class Task(nn.Module):
+    """test_c10d_common.Task."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.ones(2, 2))
+
+    def forward(self, x):
+        return self.p + x
+
+
+class GlobalLocalUnusedParamModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.t0, self.t1, self.task_unused = Task(), Task(), Task()
+
+    def forward(self, x, rank):
+        return self.t0(x) if rank == 0 else self.t1(x)
+
+
+class FindUnusedParamModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.t0, self.t1 = Task(), Task()
+
+    def forward(self, x, rank):
+        return self.t1(self.t0(x)) if rank == 0 else self.t1(x)
+
+
+def global_local_unused_params_grad(rank, world_size, wrap, gradient_as_bucket_view: bool, static_graph: bool):
+    """test_global_local_unused_params_grad (with_grad_is_view, with_static_graph): a parameter no rank used keeps
+    no gradient; one used on some ranks only gets the averaged gradient on every rank."""
+    model = wrap(GlobalLocalUnusedParamModule(), find_unused_parameters=True,
+                 gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
+    tasks = (model.module.t0.p, model.module.t1.p, model.module.task_unused.p)
+    output = model(8, rank)
+    assert all(p.grad is None for p in tasks)
+    output.mean().backward()
+    assert tasks[0].grad is not None and tasks[1].grad is not None
+    assert tasks[2].grad is None
+    return [tasks[0].grad, tasks[1].grad]
+
+
+def find_unused_parameters_when_unused_parameters_empty(rank, world_size, wrap):
+    """test_find_unused_parameters_when_unused_parameters_empty: rank 0 uses every parameter, rank 1 not; the
+    parameter rank 1 left unused still gets its averaged gradient on both."""
+    model = wrap(FindUnusedParamModule(), find_unused_parameters=True)
+    output = model(8, rank)
+    assert all(p.grad is None for p in model.parameters())
+    output.mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    return [p.grad for p in model.parameters()]
+
+
 # --- the tests ---------------------------------------------------------------------------------------
 
 
@@ -1340,3 +1437,23 @@ def test_distributed_data_parallel_cpu(grad_is_view):
 
 def test_ddp_uneven_inputs_stop_iteration_sync_bn():
     run_both(uneven_inputs_stop_iteration_sync_bn)
+
+
+@pytest.mark.parametrize(("view", "static"), [(False, False), (True, False), (False, True)],
+                         ids=["copied", "with_grad_is_view", "with_static_graph"])
+def test_global_local_unused_params_grad(view, static):
+    run_both(global_local_unused_params_grad, view, static)
+
+
+def test_find_unused_parameters_when_unused_parameters_empty():
+    run_both(find_unused_parameters_when_unused_parameters_empty)
+
+
+@pytest.mark.parametrize("sharing", [False, True], ids=["dynamic_module", "dynamic_weight_sharing"])
+def test_ddp_checkpointing_dynamic(sharing):
+    run_both(checkpointing_dynamic, sharing)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_ddp_checkpointing_weight_sharing(reentrant):
+    run_both(checkpointing_weight_sharing, reentrant)
