@@ -856,3 +856,101 @@ def test_bad_input_while_a_rank_is_joined_raises_there_too():
     texts = run_ranks_expecting_errors(bad_weight_while_a_rank_is_joined, 2)
     for text in texts:
         assert "rank 1 passed a weight that is negative, NaN, infinite or above 2**53" in text, text
+
+
+def gan_steps(rank, world_size, wrap):
+    """DCGAN's loop: two wrapped models on one group; the discriminator runs three forwards a step, two
+    backwards in its own step and one inside the generator's backward; both hold batch norms."""
+    generator = wrap(nn.Sequential(nn.Linear(2, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).double())
+    discriminator = wrap(nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.LeakyReLU(0.2),
+                                       nn.Linear(8, 1)).double())
+    opt_g = torch.optim.Adam(generator.parameters(), lr=1e-2)
+    opt_d = torch.optim.Adam(discriminator.parameters(), lr=1e-2)
+    bce = nn.BCEWithLogitsLoss()
+    g = torch.Generator().manual_seed(7 + rank)
+    for _ in range(4):
+        real = torch.randn(5, 3, generator=g, dtype=torch.float64) + 1.0
+        noise = torch.randn(5, 2, generator=g, dtype=torch.float64)
+        discriminator.zero_grad()
+        out = discriminator(real)
+        bce(out, torch.ones_like(out)).backward()
+        fake = generator(noise)
+        out = discriminator(fake.detach())
+        bce(out, torch.zeros_like(out)).backward()
+        opt_d.step()
+        generator.zero_grad()
+        out = discriminator(fake)
+        bce(out, torch.ones_like(out)).backward()
+        opt_g.step()
+    return {"generator": grads_of(generator.module), "discriminator": grads_of(discriminator.module),
+            "parameters": [p.detach().clone() for m in (generator, discriminator) for p in m.parameters()],
+            "buffers": [b.clone() for m in (generator, discriminator) for b in m.buffers()]}
+
+
+def test_a_gan_loop_with_two_wrapped_models_trains_as_with_ddp():
+    assert_same(run_ranks(side_by_side, 2, gan_steps))
+
+
+def gan_nets() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    return (nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 3)).double(),
+            nn.Sequential(nn.Linear(3, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1)).double())
+
+
+def gan_batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each step's real examples and noise on `rank`, which holds 3 + 4 * rank of each."""
+    g = torch.Generator().manual_seed(7 + rank)
+    return [(torch.randn(3 + 4 * rank, 3, generator=g, dtype=torch.float64) + 1.0,
+             torch.randn(3 + 4 * rank, 2, generator=g, dtype=torch.float64)) for _ in range(steps)]
+
+
+def weighted_gan_steps(rank, world_size):
+    """Uneven batches through both of DCGAN's steps: the discriminator's two losses in one window, then the
+    generator's loss, whose backward runs through both wrapped models."""
+    import hsync
+
+    generator, discriminator = (hsync.WeightedDDP(net) for net in gan_nets())
+    bce = nn.BCEWithLogitsLoss(reduction="sum")
+    grads = []
+    for real, noise in gan_batches(rank, 3):
+        n = len(real)
+        discriminator.zero_grad()
+        with discriminator.no_sync():
+            out = discriminator(real)
+            discriminator.backward(bce(out, torch.ones_like(out)) / n, weight=n)
+        fake = generator(noise)
+        out = discriminator(fake.detach())
+        discriminator.backward(bce(out, torch.zeros_like(out)) / n, weight=n)
+        grads.append(grads_of(discriminator.module))
+        generator.zero_grad()
+        out = discriminator(fake)
+        generator.backward(bce(out, torch.ones_like(out)) / n, weight=n)
+        grads.append(grads_of(generator.module))
+    return grads
+
+
+def gan_steps_in_one_process(world_size: int) -> list[dict]:
+    """weighted_gan_steps' gradients from one process holding every rank's examples."""
+    generator, discriminator = gan_nets()
+    bce = nn.BCEWithLogitsLoss(reduction="sum")
+    grads = []
+    for step_batches in zip(*(gan_batches(r, 3) for r in range(world_size)), strict=True):
+        real = torch.cat([b[0] for b in step_batches])
+        fake = generator(torch.cat([b[1] for b in step_batches]))
+        discriminator.zero_grad()
+        out_real, out_fake = discriminator(real), discriminator(fake.detach())
+        # The window's two weighted losses: the mean over every example it saw, real and fake.
+        both = bce(out_real, torch.ones_like(out_real)) + bce(out_fake, torch.zeros_like(out_fake))
+        (both / (2 * len(real))).backward()
+        grads.append(grads_of(discriminator))
+        generator.zero_grad()
+        out = discriminator(fake)
+        (bce(out, torch.ones_like(out)) / len(real)).backward()
+        grads.append(grads_of(generator))
+    return grads
+
+
+def test_a_weighted_gan_step_through_two_wrapped_models_is_exact():
+    expected = gan_steps_in_one_process(2)
+    for rank, grads in enumerate(run_ranks(weighted_gan_steps, 2)):
+        torch.testing.assert_close(grads, expected, rtol=1e-12, atol=1e-12, msg=lambda m, r=rank: f"rank {r}: {m}")
