@@ -13,7 +13,7 @@ import datetime
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hsync._extension import _C
 from hsync.bootstrap import engine_key
-from hsync.collectives import make_comm
+from hsync.collectives import Channels, make_comm
 from hsync.compat import (
     BUILTIN_HOOKS,
     MIB,
@@ -178,7 +178,8 @@ class WeightedDDP(DistributedDataParallel):
         """Checks the model across ranks and builds the engine: at wrap time, lazily for a copy, and for a
         new group. `refusal`: this rank's reason not to build it, raised on every rank after the check.
         Nothing changes unless every check passes."""
-        named = [(name, p) for name, p in reduced_parameters(self.module, named=True) if p.requires_grad]
+        everything = reduced_parameters(self.module, named=True)
+        named = [(name, p) for name, p in everything if p.requires_grad]
         device = named[0][1].device
         settings = self._settings
         must_agree = settings.that_must_agree("the user's" if self._comm_hook else "hsync's")
@@ -196,6 +197,7 @@ class WeightedDDP(DistributedDataParallel):
             self._attached.engine.set_comm_hook(*self._comm_hook)
         if self._attached.param_owners is not None:
             self._attached.engine.set_owners(self._attached.param_owners)
+        self._attached.frozen = [(name, p) for name, p in everything if not p.requires_grad]
         # Weakly, like the engine: destroy_process_group() must be able to free the group (and join
         # its threads) while the model lives on; a group freed at interpreter exit aborts it.
         self._attached.group = weakref.ref(group)
@@ -304,12 +306,21 @@ class WeightedDDP(DistributedDataParallel):
         if self._balanced:
             raise RuntimeError("hsync.WeightedDDP._update_process_group: an hsync.Balancer plans this wrapper's "
                                "steps for its ranks; wrap the model anew, with a new Balancer, for the new group")
+        self._rebuild_engine(new_process_group)
+        self._uses_default_group = new_process_group == dist.group.WORLD
+
+    def _rebuild_engine(self, group: dist.ProcessGroup) -> None:
+        """A new engine over `group` and the parameters that train now (a collective: every rank of the group
+        calls it, between steps)."""
         previous = self._attached.engine
-        self._build_engine(new_process_group)
+        self._build_engine(group)
         if previous is not None:
             previous.expect_gradients(False)  # a forward before this call no longer feeds a step
-        self._uses_default_group = new_process_group == dist.group.WORLD
         self._join.engine_rebuilt()
+
+    def _parameters_unfrozen_since_the_engine_was_built(self) -> list[str]:
+        # A look at the frozen parameters only: none in most models.
+        return [name for name, p in self._attached.frozen if p.requires_grad]
 
     def _retire(self) -> None:
         """Hands the module over to a new wrapper (hsync.fault_tolerance wraps it anew in each quorum): this one's
@@ -347,6 +358,44 @@ class WeightedDDP(DistributedDataParallel):
         buffers = self._synced_buffers()
         if buffers:
             self._ensure_engine().broadcast_coalesced(buffers, 0)
+
+    def refresh_trainable_parameters(self) -> bool:
+        """After unfreezing parameters (requires_grad=True on some that did not train when the model was wrapped):
+        the buckets are built anew over every parameter that trains. A collective (one small all-reduce, and the
+        model check when something changed): call it on every rank, between steps. Without it, the next
+        synchronised forward refuses the unfrozen parameters: their gradients would not be averaged (torch's DDP
+        leaves them so, silently). Lightning's strategy calls it at each epoch's start (BackboneFinetuning
+        unfreezes a backbone there). Returns whether it built new buckets; freezing needs no call (a frozen
+        parameter is an unused one)."""
+        unfrozen = self._parameters_unfrozen_since_the_engine_was_built()
+        keep_trainable = "leave every parameter trainable at wrap time (and out of the optimizer while frozen)"
+        refusal = None if not unfrozen else (
+            f"a ShardedOptimizer's shares were laid out without it; {keep_trainable}"
+            if self._attached.param_owners is not None else
+            f"a communication hook's state was laid out for the buckets without it; {keep_trainable}"
+            if self._comm_hook is not None else
+            "a step is in progress, whose micro-steps were weighed without it; unfreeze between steps"
+            if self._window is not None else None)
+        # Every rank decides alike: a rank alone building new buckets would meet its peers' collectives.
+        flags = torch.zeros(2 * self.world_size, dtype=torch.float64)
+        flags[self.rank], flags[self.world_size + self.rank] = bool(unfrozen), refusal is not None
+        with self.waiting_for_peers():
+            flags = Channels.of_model(self).all_reduce_sum(flags, "the trainable parameters' refresh").tolist()
+        changed = [r for r in range(self.world_size) if flags[r] > 0]
+        refused = [r for r in range(self.world_size) if flags[self.world_size + r] > 0]
+        if refusal is not None:
+            raise RuntimeError(f"hsync.WeightedDDP: parameter '{unfrozen[0]}' trains now but did not when the model "
+                               f"was wrapped, and {refusal}")
+        if refused:
+            raise RuntimeError(f"hsync.WeightedDDP.refresh_trainable_parameters: refused on rank {refused[0]}")
+        if changed and len(changed) < self.world_size:
+            unchanged = next(r for r in range(self.world_size) if r not in changed)
+            raise RuntimeError(f"hsync.WeightedDDP.refresh_trainable_parameters: rank {changed[0]} unfroze "
+                               f"parameters and rank {unchanged} did not; unfreeze the same on every rank")
+        if not changed:
+            return False
+        self._rebuild_engine(self.process_group)
+        return True
 
     def _synced_buffers(self) -> list[torch.Tensor]:
         # Looked up each time: a buffer reassigned since wrap time is the one to send.
@@ -388,6 +437,7 @@ class WeightedDDP(DistributedDataParallel):
             return inputs, kwargs, False  # a copy not trained yet: nothing to synchronise
         engine = self._ensure_engine()
         if synced:
+            self._refuse_parameters_unfrozen_since_the_engine_was_built()
             engine.expect_gradients(True)
             self._steps_begun = True
         buffers_due = self.require_forward_param_sync and self.forward_sync_buffers
@@ -398,6 +448,19 @@ class WeightedDDP(DistributedDataParallel):
                 engine.broadcast_coalesced(buffers, root)
         self.require_forward_param_sync = synced
         return inputs, kwargs, synced
+
+    def _refuse_parameters_unfrozen_since_the_engine_was_built(self) -> None:
+        """A parameter frozen at wrap time that requires a gradient now would train on its rank's gradient alone,
+        and the ranks' models would drift apart (torch's DDP lets them, silently): refused before any collective,
+        on every rank that unfroze it. (A rank cannot build a new engine here alone: its peers might not have
+        unfrozen it, and would meet the new engine's collectives with their step's.)"""
+        unfrozen = self._parameters_unfrozen_since_the_engine_was_built()
+        if unfrozen:
+            more = f" and {len(unfrozen) - 1} more" if len(unfrozen) > 1 else ""
+            raise RuntimeError(
+                f"hsync.WeightedDDP: parameter '{unfrozen[0]}'{more} did not require a gradient when the model "
+                "was wrapped and does now, so its gradient would not be averaged over the ranks; after unfreezing, "
+                "call model.refresh_trainable_parameters() on every rank, between steps")
 
     def _refuse_an_outer_ddp(self) -> None:
         """A torch DDP around this wrapper (what Trainer, Accelerate's prepare and Lightning do to any model)
@@ -667,6 +730,8 @@ class _Attachments:
     param_owners: list[int] | None = None  # a ShardedOptimizer's: Note [Owned buckets] in csrc/engine.cpp
     sharded_optimizer: weakref.ref | None = None  # that ShardedOptimizer, weakly
     before_sync: Callable[[], None] | None = None  # a Balancer's: runs when a weighted step's own work is done
+    # The parameters that did not require a gradient when the engine was built: no bucket holds them.
+    frozen: list[tuple[str, nn.Parameter]] = field(default_factory=list)
 
 
 class BalancedSteps:

@@ -36,6 +36,10 @@ changes the seams where that happens:
   (WeightedDDP.waiting_for_peers): counted as work, a fast rank's wait there would make it look as slow
   as the slowest, and the Balancer would keep an equal split;
 - a ddp_comm_hook (PowerSGD, the user's own) is registered on the WeightedDDP, on the CPU too;
+- parameters a callback unfreezes at an epoch's start (BackboneFinetuning, after the model was wrapped) are
+  reduced from that epoch on: setup() appends a callback of hsync's to trainer.callbacks, after the user's, that
+  calls WeightedDDP.refresh_trainable_parameters() there (DDPStrategy's DDP would leave their gradients each
+  rank's own). An unfreezing at another point is refused at the next step, naming the parameter;
 - the train loader is stateful (state_dict / load_state_dict: the Balancer's), which Lightning saves in
   every checkpoint and restores with ckpt_path= inside an epoch; the strategy restores it from a checkpoint
   written at an epoch's end too, where Lightning does not. So a resumed run goes on with the same global
@@ -52,15 +56,15 @@ changes the seams where that happens:
   Lightning builds the schedulers in the same call, bound to the optimizer built there.
 
 Of hsync, the strategy uses the public API only (WeightedDDP, its balance(), waiting_for_peers(),
-sync_buffers() and has_comm_hook, the Balancer, ShardedOptimizer): the seam every integration uses
-(docs/internals.md). Of Lightning it reaches past the public API in three places, which its releases may
-change: DDPStrategy's hooks named above (_setup_model, _register_ddp_hooks and the _ddp_comm_* arguments
-it keeps, handed to lightning's _register_ddp_comm_hook as DDPStrategy hands them), the precision plugin's
-clip_grad_by_norm, and the fit loop's _broadcast_sigterm_tensor, which it replaces by the same broadcast
-bracketed as a wait for peers: Lightning offers no way to bracket its own collectives. So the releases it
-accepts are pinned (SUPPORTED in _world.py: >= 2.4, < 3; tests/integrations/test_lightning.py runs on 2.6),
-and a release where the loop has no _broadcast_sigterm_tensor leaves the broadcast unbracketed (counted as
-work) rather than failing.
+sync_buffers(), refresh_trainable_parameters() and has_comm_hook, the Balancer, ShardedOptimizer): the seam
+every integration uses (docs/internals.md). Of Lightning it reaches past the public API in three places,
+which its releases may change: DDPStrategy's hooks named above (_setup_model, _register_ddp_hooks and the
+_ddp_comm_* arguments it keeps, handed to lightning's _register_ddp_comm_hook as DDPStrategy hands them), the
+precision plugin's clip_grad_by_norm, and the fit loop's _broadcast_sigterm_tensor, which it replaces by the
+same broadcast bracketed as a wait for peers: Lightning offers no way to bracket its own collectives. So the
+releases it accepts are pinned (SUPPORTED in _world.py: >= 2.4, < 3; tests/integrations/test_lightning.py runs
+on 2.6), and a release where the loop has no _broadcast_sigterm_tensor leaves the broadcast unbracketed
+(counted as work) rather than failing.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ from typing import Any
 
 import lightning
 import torch
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler, _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
@@ -87,6 +91,14 @@ from hsync.integrations._world import check_framework_version, put_the_framework
 from hsync.stats import StepStats
 
 _DDP_ONLY = ("model_averaging_period",)
+
+
+class _RefreshTrainableParameters(Callback):
+    """Takes what the user's callbacks unfroze at an epoch's start (BackboneFinetuning's backbone) into the
+    buckets, on every rank alike, before the epoch's first step."""
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        trainer.strategy.model.refresh_trainable_parameters()
 
 
 class HsyncStrategy(DDPStrategy):
@@ -146,6 +158,8 @@ class HsyncStrategy(DDPStrategy):
                              "of a step through the module's training_step and steps the optimizer once; a module "
                              "that steps it itself (automatic_optimization = False) would step once a micro-batch")
         self._bracket_the_sigterm_broadcast(trainer)
+        if not any(isinstance(callback, _RefreshTrainableParameters) for callback in trainer.callbacks):
+            trainer.callbacks.append(_RefreshTrainableParameters())  # after the user's: Note [Lightning]
         # Lightning warns, at trainer.validate() and test(), that the DistributedSampler it puts in the loader
         # repeats examples; process_dataloader replaces that sampler with an unrepeated one, so here it is false.
         warnings.filterwarnings("ignore", message=r"Using `DistributedSampler` with the dataloaders\. During "

@@ -954,3 +954,77 @@ def test_a_weighted_gan_step_through_two_wrapped_models_is_exact():
     expected = gan_steps_in_one_process(2)
     for rank, grads in enumerate(run_ranks(weighted_gan_steps, 2)):
         torch.testing.assert_close(grads, expected, rtol=1e-12, atol=1e-12, msg=lambda m, r=rank: f"rank {r}: {m}")
+
+
+def unfrozen_after_wrapping(rank, world_size, wrap):
+    """A backbone frozen at wrap time and unfrozen later (gradual unfreezing), then the module wrapped again."""
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    net[0].requires_grad_(False)
+    model = wrap(net)
+    x = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()
+    net[0].requires_grad_(True)
+    model.zero_grad()
+    result = {}
+    try:
+        model(x).sum().backward()
+        gathered = [torch.zeros(4, 3, dtype=torch.float64) for _ in range(world_size)]
+        dist.all_gather(gathered, net[0].weight.grad)
+        result["unfrozen"] = "ranks differ" if not torch.equal(gathered[0], gathered[1]) else "averaged"
+    except RuntimeError as error:
+        result["unfrozen"] = str(error)
+    model = wrap(model.module)  # the remedy: wrap again
+    model.zero_grad()
+    model(x).sum().backward()
+    result["wrapped again"] = grads_of(net)
+    return result
+
+
+def test_a_parameter_unfrozen_after_wrapping_is_refused_on_every_rank_where_ddp_leaves_it_unaveraged():
+    results = run_ranks(side_by_side, 2, unfrozen_after_wrapping)
+    for result in results:
+        assert result["ddp"]["unfrozen"] == "ranks differ", result["ddp"]["unfrozen"]
+        assert result["hsync"]["unfrozen"].startswith("hsync.WeightedDDP: parameter '0.weight' and 1 more did not "
+                                                      "require a gradient when the model was wrapped"), result
+    assert_same([{name: r[name]["wrapped again"] for name in r} for r in results])
+
+
+def refreshed_after_unfreezing(rank, world_size) -> list[str]:
+    """refresh_trainable_parameters() after unfreezing: new buckets, or a refusal where something was laid out
+    for the old ones."""
+    import hsync
+    from tests.distributed.test_comm_hooks import mean_allreduce_hook
+
+    def unfrozen_model(hooked: bool = False) -> hsync.WeightedDDP:
+        net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)).double()
+        net[0].requires_grad_(False)
+        model = hsync.WeightedDDP(net)
+        if hooked:
+            model.register_comm_hook(None, mean_allreduce_hook)
+        net[0].requires_grad_(True)
+        return model
+
+    x = torch.randn(5, 3, dtype=torch.float64)
+    outcomes = []
+    model = unfrozen_model()
+    outcomes.append(str(model.refresh_trainable_parameters()))
+    outcomes.append(str(model.refresh_trainable_parameters()))  # once
+    outcomes.append(outcome(unfrozen_model(hooked=True).refresh_trainable_parameters))
+    model = unfrozen_model()
+    with model.no_sync():
+        model.backward(model(x).sum(), weight=5)
+    outcomes.append(outcome(model.refresh_trainable_parameters))
+    model = unfrozen_model()
+    if rank == 1:
+        model.module[0].requires_grad_(False)  # unfrozen on rank 0 only
+    outcomes.append(outcome(model.refresh_trainable_parameters))
+    return outcomes
+
+
+def test_refreshing_the_trainable_parameters_takes_unfrozen_ones_or_refuses_where_the_old_buckets_are_laid_out():
+    for taken, again, hooked, mid_step, one_rank in run_ranks(refreshed_after_unfreezing, 2):
+        assert (taken, again) == ("True", "False")
+        assert "'0.weight' trains now but did not when the model was wrapped, and a communication hook" in hooked
+        assert "a step is in progress, whose micro-steps were weighed without it; unfreeze between steps" in mid_step
+        assert one_rank == ("RuntimeError: hsync.WeightedDDP.refresh_trainable_parameters: rank 0 unfroze "
+                            "parameters and rank 1 did not; unfreeze the same on every rank")

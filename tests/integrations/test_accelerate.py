@@ -85,13 +85,19 @@ def train(rank: int, world_size: int, shares: list[int] | None, state_dir: str, 
 
 def one_process(global_batches: list[list[int]], clip: float | None = None,
                 weights: Callable[[torch.Tensor], torch.Tensor] | None = None, momentum: float = 0.0,
+                first_layer_from_step: int = 0, first_layer_lr: float = LR,
                 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """SGD over these global batches in one process, each in one forward; with `clip`, gradients clipped to that
-    norm; with `weights` (of the examples' indices), a weighted mean of the examples' squared errors."""
+    norm; with `weights` (of the examples' indices), a weighted mean of the examples' squared errors. The first
+    layer trains from step `first_layer_from_step` on, at `first_layer_lr`."""
     model, (x, y, index) = net(), data().tensors
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
+    first = list(model[0].parameters())
+    optimizer = torch.optim.SGD([{"params": first, "lr": first_layer_lr}, {"params": list(model[1:].parameters())}],
+                                lr=LR, momentum=momentum)
     losses = []
-    for indices in global_batches:
+    for step, indices in enumerate(global_batches):
+        for p in first:
+            p.requires_grad_(step >= first_layer_from_step)
         if weights is None:
             loss = nn.functional.mse_loss(model(x[indices]), y[indices])
         else:

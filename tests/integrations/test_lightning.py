@@ -80,10 +80,14 @@ def module_class(weighted: bool = False, sharded: bool = False):
             # 33 examples: torch's DistributedSampler would repeat one to give both ranks 17.
             return torch.utils.data.DataLoader(torch.utils.data.Subset(data(), range(VALIDATION)), batch_size=BATCH)
 
+        @property
+        def backbone(self) -> nn.Module:  # what Lightning's BackboneFinetuning freezes and unfreezes
+            return self.net[0]
+
         def configure_optimizers(self):
             if sharded:  # the state of its momentum split across the ranks
                 return hsync.ShardedOptimizer(self.trainer.model, torch.optim.SGD, lr=LR, momentum=MOMENTUM)
-            return torch.optim.SGD(self.parameters(), lr=LR)
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR)
 
         def train_dataloader(self):
             return torch.utils.data.DataLoader(data(), batch_size=BATCH, shuffle=True)
@@ -106,6 +110,10 @@ def fit(rank: int, world_size: int, strategy_options: dict | None, accumulate: i
     strategy = "hsync" if strategy_options is None else HsyncStrategy(**strategy_options)
     savers = [ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}"),
               ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1, filename="{epoch}")]  # at its end
+    if variant == "backbone-finetuning":  # the first layer frozen in the first epoch, at a tenth of the lr after
+        from lightning.pytorch.callbacks import BackboneFinetuning
+
+        savers.append(BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.1))
     precision = {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(variant, "32-true")
     hardware = dict(accelerator="gpu", devices=1, num_nodes=world_size) if variant == "fp16" else dict(
         accelerator="cpu", devices=world_size)
@@ -185,12 +193,15 @@ def test_lightning_steps_equal_one_process_over_the_same_global_batches(options,
         assert result["warned"] == []
 
 
-@pytest.mark.parametrize("variant", ["clip-compiled", "weighted", "comm-hook", "sharded-clipped"])
+@pytest.mark.parametrize("variant", ["clip-compiled", "weighted", "comm-hook", "sharded-clipped",
+                                     "backbone-finetuning"])
 def test_lightnings_options_keep_the_steps_exact(variant, tmp_path):
     # Fixed shares, rank 0's 24 in three micro-batches: clipping acts on the step's whole gradient, after the
     # last, and a compiled module runs the same steps (both in one run); a loss that gives its weight is
     # weighted by it; a ddp_comm_hook of the user's (an all-reduce divided by the world size) runs on the CPU;
-    # an hsync.ShardedOptimizer (SGD with momentum) is clipped over both ranks' shards.
+    # an hsync.ShardedOptimizer (SGD with momentum) is clipped over both ranks' shards; Lightning's
+    # BackboneFinetuning unfreezes the first layer after the model was wrapped, and it trains on averaged gradients
+    # (under torch's DDP each rank's copy of it would train on its own).
     import hsync
     from tests.distributed.test_comm_hooks import mean_allreduce_hook
 
@@ -202,7 +213,9 @@ def test_lightnings_options_keep_the_steps_exact(variant, tmp_path):
     clipped = variant in ("clip-compiled", "sharded-clipped")
     expected, losses = one_process(global_batches(ranks), clip=CLIP if clipped else None,
                                    weights=example_weights if variant == "weighted" else None,
-                                   momentum=MOMENTUM if variant == "sharded-clipped" else 0.0)
+                                   momentum=MOMENTUM if variant == "sharded-clipped" else 0.0,
+                                   **(dict(first_layer_from_step=EXAMPLES // GLOBAL_BATCH, first_layer_lr=LR / 10)
+                                      if variant == "backbone-finetuning" else {}))
     for result in ranks:
         assert result["dtypes"] == ["torch.float32"] and result["comm_hook"] == (variant == "comm-hook")
         assert result["loss"] == pytest.approx(losses[-1], rel=1e-5)
