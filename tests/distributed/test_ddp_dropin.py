@@ -1028,3 +1028,55 @@ def test_refreshing_the_trainable_parameters_takes_unfrozen_ones_or_refuses_wher
         assert "a step is in progress, whose micro-steps were weighed without it; unfreeze between steps" in mid_step
         assert one_rank == ("RuntimeError: hsync.WeightedDDP.refresh_trainable_parameters: rank 0 unfroze "
                             "parameters and rank 1 did not; unfreeze the same on every rank")
+
+
+UNFREEZING_SIZES = [[3, 5], [6, 1], [2, 4], [5, 5]]  # each step's examples on ranks 0 and 1
+
+
+def unfreezing_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1), nn.Flatten(0)).double()
+
+
+def unfreezing_steps(rank, world_size, device: str = "cpu", views: bool = False) -> dict[str, torch.Tensor]:
+    """Weighted steps of uneven batches; the first layer, frozen at wrap time, unfrozen after two steps and taken
+    into the buckets by refresh_trainable_parameters()."""
+    import hsync
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    net = unfreezing_net().to(device)
+    net[0].requires_grad_(False)
+    model = hsync.WeightedDDP(net, gradient_as_bucket_view=views)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for step, sizes in enumerate(UNFREEZING_SIZES):
+        if step == 2:
+            net[0].requires_grad_(True)
+            assert model.refresh_trainable_parameters()
+        x, y = (t.to(device) for t in global_batch(step, sizes)[2][rank])
+        opt.zero_grad()
+        model.backward(mse(model(x), y), weight=len(x))
+        opt.step()
+    return {name: p.detach().cpu() for name, p in net.named_parameters()}
+
+
+def unfreezing_in_one_process() -> dict[str, torch.Tensor]:
+    """unfreezing_steps in one process over each step's whole global batch."""
+    net = unfreezing_net()
+    net[0].requires_grad_(False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for step, sizes in enumerate(UNFREEZING_SIZES):
+        if step == 2:
+            net[0].requires_grad_(True)
+        x, y, _ = global_batch(step, sizes)
+        opt.zero_grad()
+        mse(net(x), y).backward()
+        opt.step()
+    return dict(net.named_parameters())
+
+
+@pytest.mark.parametrize("views", [False, True], ids=["copied", "views"])
+def test_weighted_steps_after_refreshing_the_trainable_parameters_match_one_process(views):
+    expected = unfreezing_in_one_process()
+    for rank, params in enumerate(run_ranks(unfreezing_steps, 2, "cpu", views)):
+        torch.testing.assert_close(params, expected, rtol=1e-10, atol=1e-12, msg=lambda m, r=rank: f"rank {r}: {m}")

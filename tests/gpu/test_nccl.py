@@ -264,3 +264,12 @@ def test_nccl_a_grad_scaler_around_a_sharded_optimizer_skips_alike_on_every_rank
     the owners' flags are shared, and every rank's GradScaler reads it."""
     histories = run_ranks(test_nonfinite.scaled_training, 2, 4, True, "cuda", env=SOCKET_ENV, timeout=120)
     test_nonfinite.assert_skipped_alike(histories)
+
+
+@pytest.mark.parametrize("views", [False, True], ids=["copied", "views"])
+def test_nccl_weighted_steps_after_refreshing_the_trainable_parameters_match_one_process(views):
+    """A second NCCL communicator built mid-run, after the first was used, and new buckets (views too)."""
+    expected = test_ddp_dropin.unfreezing_in_one_process()
+    results = run_ranks(test_ddp_dropin.unfreezing_steps, 2, "cuda", views, env=SOCKET_ENV, timeout=120)
+    for rank, params in enumerate(results):
+        torch.testing.assert_close(params, expected, rtol=1e-10, atol=1e-12, msg=lambda m, r=rank: f"rank {r}: {m}")
