@@ -62,6 +62,10 @@ def buffers(model, rank: int) -> None:
     model.sync_buffers()
 
 
+def refresh(model, rank: int) -> None:
+    model.refresh_trainable_parameters()  # nothing unfrozen: its one all-reduce
+
+
 def balancer(model, rank: int) -> None:
     import hsync
 
@@ -81,7 +85,8 @@ def bert_decision(model, rank: int) -> None:
 
 
 COLLECTIVES = {"plain-step": step, "hooked-step": hooked_step, "sum-over-ranks": sum_over_ranks, "join": join,
-               "joined": joined, "buffers": buffers, "balancer": balancer, "wrap": wrap, "bert-decision": bert_decision}
+               "joined": joined, "buffers": buffers, "refresh": refresh, "balancer": balancer, "wrap": wrap,
+               "bert-decision": bert_decision}
 
 
 def collective_without_its_peer(rank: int, world_size: int, where: str, how: str, device: str = "cpu") -> None:
