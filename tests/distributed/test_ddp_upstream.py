@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+from tests.distributed.workloads import COMPILE_BACKEND
 from tests.spawn import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -429,8 +430,8 @@ def shared_grad_acc_unused_params(rank, world_size, wrap):
     return model.module.net1.weight.grad
 
 
-def new_tensor_in_fwd(rank, world_size, wrap):
-    """test_ddp_new_tensor_in_fwd: forward creates a fresh tensor that requires grad."""
+def new_tensor_in_fwd(rank, world_size, wrap, static_graph: bool = False):
+    """test_ddp_new_tensor_in_fwd / _static_graph: forward creates a fresh tensor that requires grad."""
 
     class MyModel(nn.Module):
         def __init__(self) -> None:
@@ -442,7 +443,7 @@ def new_tensor_in_fwd(rank, world_size, wrap):
             fresh = torch.ones(10, 10, requires_grad=True)
             return self.fc2(self.fc1(x) @ fresh), fresh
 
-    model = wrap(MyModel(), find_unused_parameters=True)
+    model = wrap(MyModel(), find_unused_parameters=True, static_graph=static_graph)
     for _ in range(3):
         out, fresh = model(torch.ones(2, 10))
         (out.sum() + fresh.sum()).backward()
@@ -1242,6 +1243,22 @@ def find_unused_parameters_when_unused_parameters_empty(rank, world_size, wrap):
     return [p.grad for p in model.parameters()]
 
 
+def compile_static_graph(rank, world_size, wrap):
+    """test_ddp_compile_static_graph: compiled, a static_graph wrapper gives a plain one's outputs and gradients."""
+    model = nn.Linear(10, 10)
+    plain = torch.compile(wrap(copy.deepcopy(model)), backend=COMPILE_BACKEND)
+    static = torch.compile(wrap(copy.deepcopy(model), static_graph=True), backend=COMPILE_BACKEND)
+    x = torch.rand(10, 10, generator=torch.Generator().manual_seed(rank))
+    for _ in range(6):
+        out, out_static = plain(x).sum(), static(x).sum()
+        torch.testing.assert_close(out, out_static)
+        out.backward()
+        out_static.backward()
+        for p, q in zip(plain.parameters(), static.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+    return [p.grad for p in static.parameters()]
+
+
 # --- the tests ---------------------------------------------------------------------------------------
 
 
@@ -1297,8 +1314,9 @@ def test_ddp_shared_grad_acc_unused_params():
     run_both(shared_grad_acc_unused_params)
 
 
-def test_ddp_new_tensor_in_fwd():
-    run_both(new_tensor_in_fwd)
+@pytest.mark.parametrize("static_graph", [False, True], ids=["dynamic", "static_graph"])
+def test_ddp_new_tensor_in_fwd(static_graph):
+    run_both(new_tensor_in_fwd, static_graph)
 
 
 def test_ddp_zero_output_features():
@@ -1457,3 +1475,7 @@ def test_ddp_checkpointing_dynamic(sharing):
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_ddp_checkpointing_weight_sharing(reentrant):
     run_both(checkpointing_weight_sharing, reentrant)
+
+
+def test_ddp_compile_static_graph():
+    run_both(compile_static_graph)
