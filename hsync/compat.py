@@ -231,6 +231,26 @@ def hook_comm_dtype(hook: Callable) -> tuple[bool, torch.dtype | None]:
     return False, None
 
 
+def comm_hook_signature_refusal(hook: object) -> Exception | None:
+    """DDP's checks of a communication hook at registration (its _check_comm_hook), with its messages: callable,
+    its `bucket` annotated as a GradBucket and its return as a Future of a tensor where annotated. Annotations
+    postponed as strings (`from __future__ import annotations`) are evaluated first (DDP would compare the
+    strings); where they cannot be, they are not checked."""
+    if not callable(hook):
+        return TypeError(f"Communication hook must be callable. register_comm_hook takes hook(state, bucket), got "
+                         f"{describe(hook)}")
+    try:
+        signature = inspect.signature(hook, eval_str=True)
+    except Exception:  # noqa: BLE001 - no signature, or annotations that do not evaluate: nothing to check
+        return None
+    bucket = signature.parameters.get("bucket")
+    if bucket is not None and bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket):
+        return ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
+    if signature.return_annotation not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
+        return ValueError("Communication hook: return annotation should be torch.futures.Future[torch.Tensor].")
+    return None
+
+
 def tensors_in(value) -> Iterator[torch.Tensor]:
     """The tensors of a forward's output, where DDP's _find_tensors looks for them."""
     if isinstance(value, torch.Tensor):

@@ -32,6 +32,7 @@ from hsync.compat import (
     WrapSettings,
     check_device_ids,
     check_flag,
+    comm_hook_signature_refusal,
     hook_comm_dtype,
     ignored_names,
     leave_out_machinery,
@@ -533,13 +534,14 @@ class WeightedDDP(DistributedDataParallel):
         self._hook_registered = True
 
     def _comm_hook_refusal(self, state: object, hook: Callable, known: bool) -> Exception | None:
-        if not callable(hook):
-            return TypeError(f"register_comm_hook takes a callable hook(state, bucket), got {describe(hook)}")
+        refusal = comm_hook_signature_refusal(hook)
+        if refusal is not None:
+            return refusal
         if known and state is not None and state is not self.process_group:
             return ValueError("hsync.WeightedDDP.register_comm_hook: the state of torch's allreduce and compress "
                               "hooks must be None or the wrapper's own process group")
         if self._hook_registered:
-            return RuntimeError("register_comm_hook can only be called once, as with DDP")
+            return RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         if self._attached.param_owners is not None and not known:
             return RuntimeError("hsync.WeightedDDP.register_comm_hook: an hsync.ShardedOptimizer reduces each "
                                 "bucket to the rank that owns its parameters, and a communication hook hands every "

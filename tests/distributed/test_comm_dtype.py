@@ -196,7 +196,7 @@ def test_register_comm_hook_refuses_a_second_call_a_late_call_and_a_name():
         assert "can only be called once" in errors[0]
         assert "before the first backward" in errors[1]
         assert "before the first backward" in errors[2]  # a hook of the user's (PowerSGD) alike
-        assert "takes a callable hook(state, bucket), got str 'ALLREDUCE'" in errors[3]  # a name, not the enum
+        assert "register_comm_hook takes hook(state, bucket), got str 'ALLREDUCE'" in errors[3]  # a name, not the enum
 
 
 def sum_beyond_float16(rank: int, world_size: int, low: torch.dtype) -> tuple[bool, float]:

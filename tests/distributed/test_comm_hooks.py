@@ -181,7 +181,7 @@ def register_a_string(rank: int, world_size: int) -> None:
 
 def test_a_hook_that_is_not_callable_is_refused_on_every_rank():
     for error in run_ranks_expecting_errors(register_a_string, 2, timeout=60):
-        assert "takes a callable hook(state, bucket), got" in error, error
+        assert "Communication hook must be callable. register_comm_hook takes hook(state, bucket), got" in error, error
 
 
 def hooks_that_differ(rank: int, world_size: int) -> None:
@@ -261,3 +261,36 @@ def test_hooked_buckets_keep_one_order_of_collectives_whatever_the_timing(which,
     for params, _ in results[1:]:
         for ours, theirs in zip(params, results[0][0], strict=True):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def annotated_mean_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """mean_allreduce_hook, annotated as DDP asks, in a module whose annotations are postponed (strings)."""
+    return mean_allreduce_hook(state, bucket)
+
+
+def annotated_wrongly(state: object, bucket: dist.ProcessGroup) -> torch.futures.Future[torch.Tensor]:
+    return mean_allreduce_hook(state, bucket)
+
+
+def postponed_annotations(rank: int, world_size: int) -> dict[str, str]:
+    import hsync
+
+    outcomes = {}
+    for name, wrap in (("ddp", DistributedDataParallel), ("hsync", hsync.WeightedDDP)):
+        for hook in (annotated_mean_hook, annotated_wrongly):
+            try:
+                wrap(net()).register_comm_hook(None, hook)
+                outcomes[f"{name}, {hook.__name__}"] = "registered"
+            except ValueError as error:
+                outcomes[f"{name}, {hook.__name__}"] = str(error)
+    return outcomes
+
+
+def test_a_hooks_postponed_annotations_are_checked_as_what_they_name():
+    # DDP compares the strings themselves with the types, and refuses a right annotation; hsync evaluates them.
+    for outcomes in run_ranks(postponed_annotations, 2):
+        assert outcomes["hsync, annotated_mean_hook"] == "registered"
+        assert outcomes["hsync, annotated_wrongly"].startswith("Communication hook: bucket annotation should be "
+                                                               "dist.GradBucket. (on rank 0)")
+        assert outcomes["ddp, annotated_mean_hook"] == "Communication hook: bucket annotation should be " \
+                                                      "dist.GradBucket."

@@ -1259,6 +1259,47 @@ def compile_static_graph(rank, world_size, wrap):
     return [p.grad for p in static.parameters()]
 
 
+def invalid_comm_hooks(rank, world_size, wrap):
+    """test_ddp_invalid_comm_hook_init, test_ddp_invalid_comm_hook_return_type, test_ddp_comm_hook_register_just_once:
+    a hook that is not callable, or whose annotations name another bucket or return type, is refused at
+    registration; one that returns no Future fails the backward; a second registration is refused."""
+    model = wrap(ModuleForDdpCommHook())
+    with pytest.raises(TypeError, match="Communication hook must be callable."):
+        model.register_comm_hook(state=None, hook=1)
+
+    def bucket_annotated_int(state, bucket):
+        return torch.futures.Future()
+
+    def returns_annotated_int(state, bucket):
+        return torch.futures.Future()
+
+    # Annotations as objects, as upstream's are (this file postpones its own as strings).
+    bucket_annotated_int.__annotations__ = {"bucket": int, "return": torch.futures.Future[torch.Tensor]}
+    returns_annotated_int.__annotations__ = {"bucket": dist.GradBucket, "return": int}
+    with pytest.raises(ValueError, match="bucket annotation should be dist.GradBucket."):
+        model.register_comm_hook(state=None, hook=bucket_annotated_int)
+    with pytest.raises(ValueError, match="Communication hook: return annotation should be torch.futures.Future"):
+        model.register_comm_hook(state=None, hook=returns_annotated_int)
+
+    def returns_one(state, bucket):
+        return 1
+
+    model.register_comm_hook(state=None, hook=returns_one)
+    with pytest.raises(RuntimeError):  # upstream's message is torch's of the day: not compared
+        model(8, rank).mean().backward()
+
+    def dummy_hook(state, bucket):
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    model = wrap(ModuleForDdpCommHook())
+    model.register_comm_hook(None, dummy_hook)
+    with pytest.raises(RuntimeError, match="register_comm_hook or register_builtin_comm_hook can only be called once."):
+        model.register_comm_hook(None, dummy_hook)
+    return 0
+
+
 # --- the tests ---------------------------------------------------------------------------------------
 
 
@@ -1479,3 +1520,7 @@ def test_ddp_checkpointing_weight_sharing(reentrant):
 
 def test_ddp_compile_static_graph():
     run_both(compile_static_graph)
+
+
+def test_ddp_invalid_comm_hooks():
+    run_both(invalid_comm_hooks)
