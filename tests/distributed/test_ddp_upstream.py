@@ -13,6 +13,7 @@ refuses them clearly.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import datetime
 import io
@@ -1300,6 +1301,106 @@ def invalid_comm_hooks(rank, world_size, wrap):
     return 0
 
 
+class BatchNormNet(nn.Module):
+    """distributed_test.BatchNormNet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(2, 40, bias=False)
+        self.bn = nn.BatchNorm1d(4)
+        self.fc2 = nn.Linear(40, 4, bias=False)
+
+    def forward(self, x):
+        x = self.bn(self.fc1(x).reshape(-1, 4, 10)).reshape(-1, 40)
+        return F.softmax(self.fc2(x), dim=1)
+
+
+class UnusedParamModule(nn.Module):
+    """test_ddp_uneven_inputs' UnusedParamModule: rank `unused_params_rank` leaves t0 unused."""
+
+    def __init__(self, unused_params_rank: int) -> None:
+        super().__init__()
+        self.t0, self.t1 = Task(), Task()
+        self.unused_params_rank = unused_params_rank
+
+    def forward(self, x, rank):
+        return self.t1(self.t0(x)) if rank != self.unused_params_rank else self.t1(x)
+
+
+def uneven_inputs_models(rank: int) -> list[tuple[str, Callable[[], nn.Module], tuple, Callable | None, Callable]]:
+    """test_ddp_uneven_inputs' models (name, model, input, hook, hook state), at CPU sizes: its convolutional one on
+    28 x 28 images instead of 1000 x 1000, its linear one 100 wide instead of 1000, no ResNet-50."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    def power_sgd_state():
+        return powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=1,
+                                      warm_start=False, use_error_feedback=False)
+
+    def conv():
+        return nn.Sequential(nn.Conv2d(1, 20, 5), nn.ReLU(), nn.Conv2d(20, 32, 5), nn.ReLU(), nn.Conv2d(32, 64, 5),
+                             nn.ReLU())
+
+    def small():
+        return nn.Linear(100, 100, bias=False)
+
+    return [
+        ("batch_norm_net", BatchNormNet, (torch.ones(1, 2),), None, None),
+        ("large_conv_model", conv, (torch.ones(1, 1, 28, 28),), None, None),
+        ("small_model", small, (torch.ones(1, 100),), None, None),
+        ("unjoined_rank_with_unused_params_model", lambda: UnusedParamModule(1), (torch.ones(1, 2), rank), None,
+         None),
+        ("joined_rank_with_unused_params_model", lambda: UnusedParamModule(0), (torch.ones(1, 2), rank), None, None),
+        ("small_model_allreduce_hook", small, (torch.ones(1, 100),), default_hooks.allreduce_hook, lambda: None),
+        ("small_model_power_sgd_hook", small, (torch.ones(1, 100),), powersgd.powerSGD_hook, power_sgd_state),
+    ]
+
+
+def uneven_inputs_matrix(rank, world_size, wrap):
+    """test_ddp_uneven_inputs (_run_uneven_inputs_test): each model, synchronising every step or every i + 2-th
+    (no_sync between), with and without throw_on_early_termination, over every mapping of iterations per rank
+    (rank 0 with 0 or 5, rank 1 with 2, 3 or 10 more): each rank runs at least the fewest iterations (exactly
+    those, and raises, with throw_on_early_termination), and without it every rank ends with the same model."""
+    finals = []
+    models = uneven_inputs_models(rank)
+    cases = [(m, 1, False) for m in models] + [(m, i + 2, False) for i, m in enumerate(models)]
+    cases += [(m, 1, True) for m in models]
+    for (name, make, inp, hook, state), sync_interval, throw in cases:
+        for baseline, offset in [(b, o) for b in (0, 5) for o in (2, 3, 10)]:
+            torch.manual_seed(0)
+            net = wrap(make(), bucket_cap_mb=1, find_unused_parameters="unused_params_model" in name)
+            if hook is not None:
+                net.register_comm_hook(state(), hook)
+            num_iters = baseline if rank == 0 else baseline + offset
+            fewest = baseline
+            if throw and num_iters == fewest:
+                raises = pytest.raises(RuntimeError, match=f"Rank {rank} exhausted all inputs")
+            elif throw:
+                raises = pytest.raises(RuntimeError, match="Detected at least one rank that exhausted inputs.")
+            else:
+                raises = contextlib.nullcontext()
+            done = 0
+            with raises, net.join(throw_on_early_termination=throw):
+                for i in range(num_iters):
+                    with net.no_sync() if i % sync_interval != 0 else contextlib.nullcontext():
+                        net(*inp).sum().backward()
+                        with torch.no_grad():  # upstream adds the gradient itself: overflows the conv model here
+                            for p in net.parameters():
+                                if p.grad is not None:
+                                    p.sub_(p.grad, alpha=0.01)
+                                    p.grad = None
+                    done += 1
+            assert done == fewest if throw else done >= fewest, (name, sync_interval, throw, baseline, offset, done)
+            if not throw:
+                for t in net.module.state_dict().values():
+                    gathered = [torch.zeros_like(t) for _ in range(world_size)]
+                    dist.all_gather(gathered, t)
+                    for other in gathered:
+                        torch.testing.assert_close(other, t, msg=lambda m, n=name: f"{n}: {m}")
+                finals.append([p.detach().clone() for p in net.parameters()])
+    return finals
+
+
 # --- the tests ---------------------------------------------------------------------------------------
 
 
@@ -1524,3 +1625,7 @@ def test_ddp_compile_static_graph():
 
 def test_ddp_invalid_comm_hooks():
     run_both(invalid_comm_hooks)
+
+
+def test_ddp_uneven_inputs_matrix():
+    run_both(uneven_inputs_matrix)
