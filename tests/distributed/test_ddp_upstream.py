@@ -1085,40 +1085,71 @@ def hook_pickling_powersgd(rank, world_size, wrap, path: str):
     return [p.grad for p in fresh.parameters()]
 
 
+def hook_parity(world_size: int, wrap, state, hook, validated: int = 100) -> list[float]:
+    """upstream's _test_ddp_hook_parity: a model with the hook and one without, wrapped over the state's process
+    group, take 100 steps on this rank's one example (its rank); through the first `validated`, the hooked
+    gradient is the world's mean of the ranks, as the plain one's. Returns the hooked gradients after those."""
+    rank = dist.get_rank()
+    m = nn.Linear(1, 5)
+    group = getattr(state, "process_group", state)
+    hooked, plain = wrap(copy.deepcopy(m), process_group=group), wrap(copy.deepcopy(m), process_group=group)
+    hooked.register_comm_hook(state=state, hook=hook)
+    expected = sum(range(world_size)) / world_size
+    later = []
+    for i in range(100):
+        for g in (plain.module.weight.grad, hooked.module.weight.grad):
+            if g is not None:
+                g.zero_()
+        x = torch.tensor([rank]).float()
+        plain(x).sum().backward()
+        hooked(x).sum().backward()
+        if i < validated:
+            assert hooked.module.weight.grad[0, 0].item() == expected
+            torch.testing.assert_close(hooked.module.weight.grad[0, 0], plain.module.weight.grad[0, 0])
+        else:
+            later.append(hooked.module.weight.grad[0, 0].item())
+    return later
+
+
+def hook_parity_allreduce(rank, world_size, wrap, own_group: bool):
+    """test_ddp_hook_parity_allreduce / _allreduce_process_group: torch's allreduce_hook, its state None or a
+    process group of its own that the wrapper takes too, averages as no hook does."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hook_parity(world_size, wrap, dist.new_group() if own_group else None, default_hooks.allreduce_hook)
+    return 0
+
+
+def hook_parity_power_sgd(rank, world_size, wrap):
+    """test_ddp_hook_parity_powerSGD: PowerSGD of rank 1, warm-started or not, averages a gradient of rank one
+    exactly (every rank's is rank times the same vector)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    for warm_start in (True, False):
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                       warm_start=warm_start)
+        hook_parity(world_size, wrap, state, powersgd.powerSGD_hook)
+    return 0
+
+
 def hook_parity_post_local_sgd(rank, world_size, wrap):
-    """test_ddp_hook_parity_post_localSGD (_test_ddp_hook_parity): the post-local-SGD hook averages as a plain
-    all-reduce through its warm-up, and after it where its subgroup is the world; with
-    post_local_gradient_allreduce=False each rank then keeps its own gradient."""
+    """test_ddp_hook_parity_post_localSGD: the post-local-SGD hook averages as a plain all-reduce through its
+    warm-up, and after it where its subgroup is the world; with post_local_gradient_allreduce=False each rank then
+    keeps its own gradient."""
     from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_localSGD
 
-    states = [
-        (post_localSGD.PostLocalSGDState(process_group=None, subgroup=dist.group.WORLD, start_localSGD_iter=10), 100),
-        (post_localSGD.PostLocalSGDState(process_group=None, subgroup=dist.group.WORLD, start_localSGD_iter=10,
-                                         post_local_gradient_allreduce=False), 10),
-        # Upstream's subgroup=None (each node's group) asks for CUDA; on one node it is the world's.
-        (post_localSGD.PostLocalSGDState(process_group=None, subgroup=dist.new_subgroups(world_size)[0],
-                                         start_localSGD_iter=10), 100),
-        (post_localSGD.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=1000), 100),
-    ]
-    local_after_warmup = []
-    for state, validated in states:
-        m = nn.Linear(1, 5)
-        hooked, plain = wrap(copy.deepcopy(m)), wrap(copy.deepcopy(m))
-        hooked.register_comm_hook(state=state, hook=post_localSGD.post_localSGD_hook)
-        expected = sum(range(world_size)) / world_size
-        for i in range(100):
-            for g in (plain.module.weight.grad, hooked.module.weight.grad):
-                if g is not None:
-                    g.zero_()
-            x = torch.tensor([rank]).float()
-            plain(x).sum().backward()
-            hooked(x).sum().backward()
-            if i < validated:
-                assert hooked.module.weight.grad[0, 0].item() == expected
-                torch.testing.assert_close(hooked.module.weight.grad[0, 0], plain.module.weight.grad[0, 0])
-            elif not state.post_local_gradient_allreduce:
-                local_after_warmup.append(hooked.module.weight.grad[0, 0].item())
-    assert set(local_after_warmup) == {float(rank)}, local_after_warmup
+    def state(**kwargs):
+        return post_localSGD.PostLocalSGDState(process_group=None, start_localSGD_iter=10, **kwargs)
+
+    hook = post_localSGD.post_localSGD_hook
+    hook_parity(world_size, wrap, state(subgroup=dist.group.WORLD), hook)
+    local = hook_parity(world_size, wrap, state(subgroup=dist.group.WORLD, post_local_gradient_allreduce=False),
+                        hook, validated=10)
+    assert set(local) == {float(rank)}, local
+    # Upstream's subgroup=None (each node's group) asks for CUDA; on one node it is the world's.
+    hook_parity(world_size, wrap, state(subgroup=dist.new_subgroups(world_size)[0]), hook)
+    hook_parity(world_size, wrap, post_localSGD.PostLocalSGDState(process_group=None, subgroup=None,
+                                                                  start_localSGD_iter=1000), hook)
     return 0
 
 
@@ -1629,3 +1660,12 @@ def test_ddp_invalid_comm_hooks():
 
 def test_ddp_uneven_inputs_matrix():
     run_both(uneven_inputs_matrix)
+
+
+@pytest.mark.parametrize("own_group", [False, True], ids=["allreduce", "allreduce_process_group"])
+def test_ddp_hook_parity_allreduce(own_group):
+    run_both(hook_parity_allreduce, own_group)
+
+
+def test_ddp_hook_parity_power_sgd():
+    run_both(hook_parity_power_sgd)
