@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import inspect
+import math
+import numbers
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass
@@ -132,8 +134,18 @@ class WrapSettings:
         if not isinstance(dim, int):
             raise TypeError(f"hsync.WeightedDDP: dim must be an int, got {describe(dim)}")
         bucket_cap_mb = _C.default_bucket_bytes_cap / MIB if bucket_cap_mb is None else bucket_cap_mb
-        if not (bucket_cap_mb > 0 and first_bucket_cap_mb > 0):
-            raise ValueError(f"bucket caps must be positive, got {bucket_cap_mb} and {first_bucket_cap_mb} MiB")
+        for name, cap in dict(bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb).items():
+            if not isinstance(cap, numbers.Real) or isinstance(cap, bool):
+                raise TypeError(f"hsync.WeightedDDP: {name} must be a number of MiB, got {describe(cap)}")
+        if not (0 < bucket_cap_mb < math.inf and 0 < first_bucket_cap_mb < math.inf):
+            raise ValueError(f"bucket caps must be positive and finite, got {bucket_cap_mb} and {first_bucket_cap_mb} "
+                             "MiB")
+        if isinstance(metric_names, str | bytes) or not isinstance(metric_names, Sequence) or not all(
+                isinstance(name, str) for name in metric_names):
+            raise TypeError(f"hsync.WeightedDDP: metric_names must be a list or tuple of names, got "
+                            f"{describe(metric_names)}")
+        if len(set(metric_names)) < len(metric_names) or not all(metric_names):
+            raise ValueError(f"hsync.WeightedDDP: metric_names must be distinct and not empty, got {metric_names}")
         if comm_dtype is not None and comm_dtype not in COMM_DTYPES:
             raise (ValueError if isinstance(comm_dtype, torch.dtype) else TypeError)(
                 f"hsync.WeightedDDP: comm_dtype must be None or one of "

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from hsync.collectives import Channels
+from hsync.errors import describe
 
 
 class ShardSampler(Sampler[list[int]]):
@@ -53,9 +54,10 @@ def sum_over_ranks(values: Mapping[str, float | torch.Tensor],
     """Each value summed over every rank of `group` in float64 (counts stay exact up to 2**53). Every rank
     must pass the same names in the same order, each with one number; otherwise every rank raises. Under
     hsync's collective deadline (HSYNC_TIMEOUT): a peer that froze or died is an error naming it."""
-    names = list(values)
+    mapping = isinstance(values, Mapping)
+    names = list(values) if mapping else []
     slots: list[torch.Tensor] = []
-    problem = None
+    problem = None if mapping else f"it passed {describe(values)}, not a mapping of names to numbers"
     for name in names:
         try:
             slot = torch.as_tensor(values[name], dtype=torch.float64).detach().cpu()
@@ -75,8 +77,9 @@ def sum_over_ranks(values: Mapping[str, float | torch.Tensor],
     refused = [r for r in range(channel.world_size) if headers[r, 2] > 0]
     if refused:
         culprit = refused[-1]  # its own message says what it passed
-        raise ValueError(f"hsync.sum_over_ranks: rank {culprit} passed a value that is not one number"
-                         + (f": {problem}" if culprit == channel.rank else ""))
+        raise (ValueError if mapping else TypeError)(
+            f"hsync.sum_over_ranks: rank {culprit} passed a value that is not one number"
+            + (f": {problem}" if culprit == channel.rank else ""))
     if not bool((headers[:, :2] == headers[0, :2]).all()):
         raise ValueError(f"hsync.sum_over_ranks: ranks passed different metric names (this rank: {names})")
     if not names:

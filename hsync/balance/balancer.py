@@ -157,6 +157,8 @@ class Balancer:
         model = getattr(model, "_orig_mod", model)  # torch.compile(WeightedDDP(net)): the wrapper it compiled
         if not isinstance(model, WeightedDDP):
             raise TypeError(f"hsync.Balancer needs the hsync.WeightedDDP that trains, got {type(model).__name__}")
+        if not isinstance(config, BalanceConfig):
+            raise TypeError(f"hsync.Balancer takes an hsync.BalanceConfig, got {type(config).__name__}")
         self.model = model
         self.config = config
         self.rank, self.world_size = model.rank, model.world_size

@@ -117,6 +117,10 @@ def wrap(rank: int, world_size: int, variant: str) -> None:
         "metric names differ": dict(metric_names=("correct", "count")[:2 - rank]),
         "comm_dtype int": dict(comm_dtype=torch.int64),
         "comm_dtype str": dict(comm_dtype="bf16"),
+        "bucket cap str": dict(bucket_cap_mb="25"),  # torch's DDP multiplies the string by 2**20
+        "bucket cap inf": dict(bucket_cap_mb=float("inf")),
+        "metric names str": dict(metric_names="correct"),  # would be seven one-letter names
+        "metric names twice": dict(metric_names=("correct", "correct")),
     }
     hsync.WeightedDDP(net, **settings.get(variant, {}))
 
@@ -148,6 +152,12 @@ def wrap(rank: int, world_size: int, variant: str) -> None:
                            "torch.float64, torch.float16, torch.bfloat16, got dtype torch.int64"),
         ("comm_dtype str", "TypeError: hsync.WeightedDDP: comm_dtype must be None or one of torch.float32, "
                            "torch.float64, torch.float16, torch.bfloat16, got str 'bf16'"),
+        ("bucket cap str", "TypeError: hsync.WeightedDDP: bucket_cap_mb must be a number of MiB, got str '25'"),
+        ("bucket cap inf", "ValueError: bucket caps must be positive and finite, got inf and"),
+        ("metric names str", "TypeError: hsync.WeightedDDP: metric_names must be a list or tuple of names, got str "
+                             "'correct'"),
+        ("metric names twice", "ValueError: hsync.WeightedDDP: metric_names must be distinct and not empty, got "
+                               "('correct', 'correct')"),
     ],
 )
 def test_models_that_cannot_be_wrapped_fail_on_every_rank(variant, expected):

@@ -659,3 +659,16 @@ def test_nonsense_settings_are_refused(fields, message):
 
     with pytest.raises(ValueError, match=message):
         hsync.BalanceConfig(**fields)
+
+
+def balancer_given_a_dict(rank: int, world_size: int) -> str:
+    import hsync
+
+    model = hsync.WeightedDDP(nn.Linear(2, 1))
+    with pytest.raises(TypeError, match="hsync.Balancer takes an hsync.BalanceConfig, got dict"):
+        hsync.Balancer(model, 16, {"global_batch_size": 8})  # was an AttributeError on micro_batch_limit
+    return "refused"
+
+
+def test_a_config_that_is_no_balance_config_is_refused():
+    assert run_ranks(balancer_given_a_dict, 2) == ["refused", "refused"]

@@ -47,6 +47,7 @@ MISMATCHES = {
               "ranks passed different metric names"),
     "shape": ({"loss": 1.0}, {"loss": torch.ones(3)}, "rank 1 passed a value that is not one number"),
     "type": ({"loss": 1.0}, {"loss": "high"}, "rank 1 passed a value that is not one number"),
+    "not a mapping": ({"loss": 1.0}, [1.0], "rank 1 passed a value that is not one number"),
 }
 
 
