@@ -157,6 +157,7 @@ class WeightedDDP(DistributedDataParallel):
         self._window: Window | None = None  # the step in progress: its micro-steps so far (None between steps)
         self._attached = _Attachments()
         self._weighted_steps_done = 0  # completed on every rank, even where backward raised: BalancedSteps
+        self._refreshes = 0  # refresh_trainable_parameters() calls that built new buckets: BalancedSteps
         device = next(p.device for p in reduced_parameters(module) if p.requires_grad)
         self.device_ids, self.output_device = check_device_ids(device_ids, output_device, device)
         # PYTORCH_DDP_USE_SIDE_STREAM: with device_ids, inputs on another GPU are copied on a side stream.
@@ -396,6 +397,7 @@ class WeightedDDP(DistributedDataParallel):
         if not changed:
             return False
         self._rebuild_engine(self.process_group)
+        self._refreshes += 1
         return True
 
     def _synced_buffers(self) -> list[torch.Tensor]:
@@ -747,6 +749,12 @@ class BalancedSteps:
     def completed(self) -> int:
         """Weighted steps completed on every rank, those whose backward raised here included."""
         return self._model._weighted_steps_done
+
+    @property
+    def refreshes(self) -> int:
+        """How often the trainable parameters changed (refresh_trainable_parameters): the memory a micro-batch
+        takes may have changed with them."""
+        return self._model._refreshes
 
     def last_stats(self) -> StepStats:
         """The last completed weighted step's StepStats (without busy_seconds), for a backward that raised after

@@ -28,7 +28,9 @@ When and to what the split changes is decided by hsync.balance.policy (Note [Bal
 these measurements alone.
 
 Note [Out of memory]
-On a GPU a micro-batch larger than any this rank has run (the probe splits', a new plan's) may not fit.
+On a GPU a micro-batch larger than any this rank has run (the probe splits', a new plan's) may not fit, nor
+may any after parameters were unfrozen (WeightedDDP.refresh_trainable_parameters): the Balancer then forgets
+the peaks it measured, and every size counts as never run until measured again.
 forward_backward(batch, loss_of) runs such a micro-batch with a way back: the parameters' gradients
 are copied to host memory first, and, like every micro-batch it runs, it runs under no_sync, so that
 a failure leaves no collective half done. If it runs out of memory, in its forward or midway through
@@ -191,6 +193,7 @@ class Balancer:
         self.global_step = 0        # steps completed, over all epochs (and runs, once resumed)
         self._policy = Policy(self._policy_config())
         self._pending: deque[MicroBatch] = deque()
+        self._refreshes_seen = self._steps.refreshes
         self._split_through = -1    # the last step the sampler has split
         # Per step split and not completed yet: each rank's number of examples, and the step's costs.
         self._split_steps: dict[int, tuple[list[int], list[float]]] = {}
@@ -273,6 +276,7 @@ class Balancer:
         except on this rank's last micro-batch of the step, where it synchronises, feeds the
         measurements back and returns the step's StepStats (None before). `weight` defaults to the
         micro-batch's number of examples; pass tokens when the loss is a mean over tokens."""
+        self._forget_memory_after_a_refresh()
         micro = self._take_micro_batch()
         weight = _weight(micro, weight, micro.examples)
         if not micro.last:
@@ -287,6 +291,7 @@ class Balancer:
         first dimension of its tensors), every example once, with the same gradients as in one piece; this
         rank's micro-batches keep below that size from then on, in every rank's plans (Note [Out of
         memory]). Returns what backward() returns."""
+        self._forget_memory_after_a_refresh()
         micro = self._peek_micro_batch()
         if not self._may_run_out(micro.units):
             return self.backward(*_loss_weight_metrics(loss_of(batch)))
@@ -297,6 +302,14 @@ class Balancer:
         # What the parts accumulated, reduced by a backward of nothing.
         nothing = torch.zeros((), dtype=torch.float64, device=self.model.device)
         return self._synchronise(micro, nothing, 0.0, None, measured_units=None)
+
+    def _forget_memory_after_a_refresh(self) -> None:
+        """Parameters unfrozen since the last micro-batch (WeightedDDP.refresh_trainable_parameters) take memory of
+        their own, gradients and activations: the sizes measured so far no longer tell what fits."""
+        if self._steps.refreshes != self._refreshes_seen:
+            self._refreshes_seen = self._steps.refreshes
+            if self._memory is not None:
+                self._memory.forget()
 
     def _peek_micro_batch(self) -> MicroBatch:
         if not self._pending:

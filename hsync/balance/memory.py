@@ -125,6 +125,12 @@ class MicroBatchMemory:
         self._device.take_peak_bytes()
         self._ceiling = min(self._ceiling, units / 2)
 
+    def forget(self) -> None:
+        """The model trains other parameters now (WeightedDDP.refresh_trainable_parameters): its peaks so far no
+        longer hold, so every size may run out again until measured anew. A size that ran out still would."""
+        self._fit = _PeakFit()
+        self._largest_run = 0.0
+
     def capacity(self) -> float:
         """The largest micro-batch in units by the measured peaks, at most half of one that ran out of memory
         (0: not known)."""

@@ -452,6 +452,49 @@ def test_a_micro_batch_that_runs_out_of_memory_runs_again_in_halves(where):
     assert capacities == capacities_1, "every rank plans with the same caps"
 
 
+def unfreezing_near_the_memory_limit(rank, world_size, fits: list[float]):
+    """A fixed split of 32 + 32 examples, the hidden layer frozen at wrap time and unfrozen after four steps, when
+    a micro-batch's memory per example doubles (the layer's activations are kept for its gradient now): rank 0's
+    32, which fit before, run out of memory then. (The parameters after two epochs, the failures.)"""
+    import hsync
+
+    model_module = make_model()
+    model_module.hidden.requires_grad_(False)
+    model = hsync.WeightedDDP(model_module)
+    base, per_unit = 1e6, 1e4
+    memory = SimulatedMemory((base + fits[rank] * per_unit) / 0.9, base, per_unit)
+    balancer = hsync.Balancer(model, 64 * 4, hsync.BalanceConfig(global_batch_size=64, rank_batch_sizes=[32, 32]),
+                              memory=memory)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = Numbers(64 * 4)
+
+    def loss_of(batch):
+        x, y = batch
+        memory.run(len(x))
+        return nn.functional.mse_loss(model(x), y)
+
+    for epoch in range(2):
+        balancer.set_epoch(epoch)
+        for indices in balancer:
+            if balancer.global_step == 4 and model_module.hidden.weight.requires_grad is False:
+                model_module.hidden.requires_grad_(True)
+                assert model.refresh_trainable_parameters()
+                memory.per_unit *= 2
+            if balancer.forward_backward(stacked(data, indices), loss_of) is not None:
+                optimizer.step()
+                optimizer.zero_grad()
+    return [p.detach() for p in model.module.parameters()], memory.failures
+
+
+def test_a_micro_batch_that_fit_before_parameters_were_unfrozen_runs_again_in_halves_if_it_no_longer_does():
+    # The Balancer forgets the peaks it measured with the layer frozen: rank 0's 32 run with a way back, once.
+    (params, failures), (_, failures_1) = run_ranks(unfreezing_near_the_memory_limit, 2, [40.0, 1000.0])
+    reference = run_ranks(unfreezing_near_the_memory_limit, 2, [1000.0, 1000.0])[0][0]
+    for ours, theirs in zip(params, reference, strict=True):  # nothing lost, nothing twice
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
+    assert (failures, failures_1) == (1, 0)
+
+
 def micro_batches_of_an_epoch(rank, world_size):
     """Without a backward, the sampler splits a whole epoch: (each rank's micro-batches with a fixed split
     of examples with lengths; the first step's micro-batch sizes on a GPU before memory is measured)."""
