@@ -1080,3 +1080,24 @@ def test_weighted_steps_after_refreshing_the_trainable_parameters_match_one_proc
     expected = unfreezing_in_one_process()
     for rank, params in enumerate(run_ranks(unfreezing_steps, 2, "cpu", views)):
         torch.testing.assert_close(params, expected, rtol=1e-10, atol=1e-12, msg=lambda m, r=rank: f"rank {r}: {m}")
+
+
+def frozen_after_wrapping(rank, world_size, wrap):
+    """A layer frozen after the wrap (DDP needs find_unused_parameters for it), trained on, then unfrozen again:
+    it was in the buckets from the wrap, so nothing needs refreshing."""
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    model = wrap(net, find_unused_parameters=True)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    params = []
+    for step in range(6):
+        net[0].requires_grad_(not 2 <= step < 4)
+        opt.zero_grad()
+        model(torch.randn(5, 3, dtype=torch.float64, generator=g)).pow(2).mean().backward()
+        opt.step()
+        params.append([p.detach().clone() for p in net.parameters()])
+    return params
+
+
+def test_a_layer_frozen_after_wrapping_and_unfrozen_again_trains_as_with_ddp():
+    assert_same(run_ranks(side_by_side, 2, frozen_after_wrapping))
