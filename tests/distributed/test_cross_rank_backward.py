@@ -93,14 +93,37 @@ def weighted_steps(rank: int, world_size: int, norm: str, device: str = "cpu", v
     flag = {} if norm == "sync-batch-norm" else {"cross_rank_backward": True}
     model = hsync.WeightedDDP(make_model(norm, device), gradient_as_bucket_view=views, bucket_cap_mb=bucket_cap_mb,
                               **flag)
+    return [weighted_step(model, rank, step, device) for step in range(len(STEPS))]
+
+
+def weighted_step(model, rank: int, step: int, device: str) -> dict[str, torch.Tensor]:
+    """STEPS[step] on this rank: its micro-steps, the last synchronised; the gradients, zeroed after."""
+    micro_steps = STEPS[step]
+    for micro, sizes in enumerate(micro_steps):
+        x, y = (t.to(device) for t in global_batch(step, sizes, micro)[2][rank])
+        with model.no_sync() if micro < len(micro_steps) - 1 else contextlib.nullcontext():
+            model.backward(sum_of_squares(model(x), y) / len(x), weight=len(x))
+    grads = {name: p.grad.to("cpu", copy=True) for name, p in model.module.named_parameters()}
+    model.zero_grad()
+    return grads
+
+
+def steps_until_a_rank_runs_out(rank: int, world_size: int, device: str = "cpu") -> list[dict[str, torch.Tensor]]:
+    """weighted_steps under join(throw_on_early_termination=True), the last rank holding one step fewer: no rank
+    shadows a forward of its peers', every rank raises at the first forward after that rank ran out (as under
+    DDP), and the steps before are exact."""
+    import hsync
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    model = hsync.WeightedDDP(make_model("sync-batch-norm", device))
+    last = rank == world_size - 1
+    steps = len(STEPS) - 1 if last else len(STEPS)
     grads = []
-    for step, micro_steps in enumerate(STEPS):
-        for micro, sizes in enumerate(micro_steps):
-            x, y = (t.to(device) for t in global_batch(step, sizes, micro)[2][rank])
-            with model.no_sync() if micro < len(micro_steps) - 1 else contextlib.nullcontext():
-                model.backward(sum_of_squares(model(x), y) / len(x), weight=len(x))
-        grads.append({name: p.grad.to("cpu", copy=True) for name, p in model.module.named_parameters()})
-        model.zero_grad()
+    expected = f"Rank {rank} exhausted all inputs" if last else "Detected at least one rank that exhausted inputs"
+    with pytest.raises(RuntimeError, match=expected), model.join(throw_on_early_termination=True):
+        for step in range(steps):
+            grads.append(weighted_step(model, rank, step, device))
     return grads
 
 
@@ -129,6 +152,13 @@ def check_against_one_process(results: list, norm: str) -> None:
                                             ("a-layer-of-ones-own", False)])
 def test_weighted_steps_through_a_cross_rank_backward_match_one_process(norm, views):
     check_against_one_process(run_ranks(weighted_steps, 3, norm, "cpu", views), norm)
+
+
+def test_a_join_that_throws_on_early_termination_runs_weighted_steps_through_a_cross_rank_backward():
+    results = run_ranks(steps_until_a_rank_runs_out, 3)
+    expected = reference_steps("sync-batch-norm")[:len(STEPS) - 1]
+    for rank, grads in enumerate(results):
+        torch.testing.assert_close(grads, expected, rtol=1e-10, atol=1e-12, msg=lambda m, r=rank: f"rank {r}: {m}")
 
 
 def disagreeing_flag(rank: int, world_size: int) -> str:
