@@ -98,6 +98,14 @@ def test_weighted_steps_through_torchs_sync_batch_norm_match_one_process():
     test_cross_rank_backward.check_against_one_process(results, "sync-batch-norm")
 
 
+def test_a_join_that_throws_on_early_termination_runs_through_torchs_sync_batch_norm():
+    # Join's flags through hsync's NCCL communicator, between torch's SyncBatchNorm collectives over gloo.
+    results = run_ranks(test_cross_rank_backward.steps_until_a_rank_runs_out, 3, "cuda", env=SOCKET_ENV, timeout=120)
+    expected = test_cross_rank_backward.reference_steps("sync-batch-norm")[:len(test_cross_rank_backward.STEPS) - 1]
+    for rank, grads in enumerate(results):
+        torch.testing.assert_close(grads, expected, rtol=1e-10, atol=1e-12, msg=lambda m, r=rank: f"rank {r}: {m}")
+
+
 @pytest.mark.parametrize("views", [False, True], ids=["copied", "views"])
 def test_torchs_nccl_group_beside_hsyncs_communicator_on_one_gpu(views):
     # Two NCCL communicators of each rank on one GPU at once: torch's, for SyncBatchNorm's all-reduces in
