@@ -200,6 +200,7 @@ class WeightedDDP(DistributedDataParallel):
         if self._attached.param_owners is not None:
             self._attached.engine.set_owners(self._attached.param_owners)
         self._attached.frozen = [(name, p) for name, p in everything if not p.requires_grad]
+        self._attached.in_buckets = {id(p) for _, p in named}
         # Weakly, like the engine: destroy_process_group() must be able to free the group (and join
         # its threads) while the model lives on; a group freed at interpreter exit aborts it.
         self._attached.group = weakref.ref(group)
@@ -324,6 +325,12 @@ class WeightedDDP(DistributedDataParallel):
         # A look at the frozen parameters only: none in most models.
         return [name for name, p in self._attached.frozen if p.requires_grad]
 
+    def _trainable_parameters_outside_the_buckets(self) -> list[str]:
+        """The parameters that train now but no bucket holds: unfrozen, added or replaced since the engine was
+        built (a look at every parameter)."""
+        return [name for name, p in reduced_parameters(self.module, named=True)
+                if p.requires_grad and id(p) not in self._attached.in_buckets]
+
     def _retire(self) -> None:
         """Hands the module over to a new wrapper (hsync.fault_tolerance wraps it anew in each quorum): this one's
         engine stops reducing at once, even while something still holds it (a failed step's traceback does), and
@@ -362,16 +369,16 @@ class WeightedDDP(DistributedDataParallel):
             self._ensure_engine().broadcast_coalesced(buffers, 0)
 
     def refresh_trainable_parameters(self) -> bool:
-        """After unfreezing parameters (requires_grad=True on some that did not train when the model was wrapped):
-        the buckets are built anew over every parameter that trains. A collective (one small all-reduce, and the
-        model check when something changed): call it on every rank, between steps. Without it, the next
-        synchronised forward refuses the unfrozen parameters: their gradients would not be averaged (torch's DDP
-        leaves them so, silently). Lightning's strategy calls it at each epoch's start (BackboneFinetuning
-        unfreezes a backbone there). Returns whether it built new buckets; freezing needs no call (a frozen
-        parameter is an unused one)."""
-        unfrozen = self._parameters_unfrozen_since_the_engine_was_built()
+        """After unfreezing parameters (requires_grad=True on some that did not train when the model was
+        wrapped), or adding or replacing some: the buckets are built anew over every parameter that trains. A
+        collective (one small all-reduce, and the model check when something changed): call it on every rank,
+        between steps. Without it, the next synchronised forward refuses unfrozen parameters, and added ones
+        train on each rank's gradient alone, as under torch's DDP (which leaves unfrozen ones so too, silently).
+        Lightning's strategy calls it at each epoch's start (BackboneFinetuning unfreezes a backbone there).
+        Returns whether it built new buckets; freezing needs no call (a frozen parameter is an unused one)."""
+        outside = self._trainable_parameters_outside_the_buckets()
         keep_trainable = "leave every parameter trainable at wrap time (and out of the optimizer while frozen)"
-        refusal = None if not unfrozen else (
+        refusal = None if not outside else (
             f"a ShardedOptimizer's shares were laid out without it; {keep_trainable}"
             if self._attached.param_owners is not None else
             f"a communication hook's state was laid out for the buckets without it; {keep_trainable}"
@@ -380,20 +387,21 @@ class WeightedDDP(DistributedDataParallel):
             if self._window is not None else None)
         # Every rank decides alike: a rank alone building new buckets would meet its peers' collectives.
         flags = torch.zeros(2 * self.world_size, dtype=torch.float64)
-        flags[self.rank], flags[self.world_size + self.rank] = bool(unfrozen), refusal is not None
+        flags[self.rank], flags[self.world_size + self.rank] = bool(outside), refusal is not None
         with self.waiting_for_peers():
             flags = Channels.of_model(self).all_reduce_sum(flags, "the trainable parameters' refresh").tolist()
         changed = [r for r in range(self.world_size) if flags[r] > 0]
         refused = [r for r in range(self.world_size) if flags[self.world_size + r] > 0]
         if refusal is not None:
-            raise RuntimeError(f"hsync.WeightedDDP: parameter '{unfrozen[0]}' trains now but did not when the model "
-                               f"was wrapped, and {refusal}")
+            raise RuntimeError(f"hsync.WeightedDDP: parameter '{outside[0]}' trains now but is in no bucket "
+                               f"(unfrozen, added or replaced since the model was wrapped), and {refusal}")
         if refused:
             raise RuntimeError(f"hsync.WeightedDDP.refresh_trainable_parameters: refused on rank {refused[0]}")
         if changed and len(changed) < self.world_size:
             unchanged = next(r for r in range(self.world_size) if r not in changed)
-            raise RuntimeError(f"hsync.WeightedDDP.refresh_trainable_parameters: rank {changed[0]} unfroze "
-                               f"parameters and rank {unchanged} did not; unfreeze the same on every rank")
+            raise RuntimeError(f"hsync.WeightedDDP.refresh_trainable_parameters: rank {changed[0]} has parameters to "
+                               f"take into the buckets and rank {unchanged} has none; unfreeze, add or replace the "
+                               "same on every rank")
         if not changed:
             return False
         self._rebuild_engine(self.process_group)
@@ -736,6 +744,7 @@ class _Attachments:
     before_sync: Callable[[], None] | None = None  # a Balancer's: runs when a weighted step's own work is done
     # The parameters that did not require a gradient when the engine was built: no bucket holds them.
     frozen: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    in_buckets: set[int] = field(default_factory=set)  # the ids of the parameters the engine reduces
 
 
 class BalancedSteps:

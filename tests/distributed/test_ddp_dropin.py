@@ -1024,10 +1024,12 @@ def refreshed_after_unfreezing(rank, world_size) -> list[str]:
 def test_refreshing_the_trainable_parameters_takes_unfrozen_ones_or_refuses_where_the_old_buckets_are_laid_out():
     for taken, again, hooked, mid_step, one_rank in run_ranks(refreshed_after_unfreezing, 2):
         assert (taken, again) == ("True", "False")
-        assert "'0.weight' trains now but did not when the model was wrapped, and a communication hook" in hooked
+        assert ("'0.weight' trains now but is in no bucket (unfrozen, added or replaced since the model was wrapped), "
+                "and a communication hook") in hooked
         assert "a step is in progress, whose micro-steps were weighed without it; unfreeze between steps" in mid_step
-        assert one_rank == ("RuntimeError: hsync.WeightedDDP.refresh_trainable_parameters: rank 0 unfroze "
-                            "parameters and rank 1 did not; unfreeze the same on every rank")
+        assert one_rank == ("RuntimeError: hsync.WeightedDDP.refresh_trainable_parameters: rank 0 has parameters "
+                            "to take into the buckets and rank 1 has none; unfreeze, add or replace the same on every "
+                            "rank")
 
 
 UNFREEZING_SIZES = [[3, 5], [6, 1], [2, 4], [5, 5]]  # each step's examples on ranks 0 and 1
@@ -1101,3 +1103,45 @@ def frozen_after_wrapping(rank, world_size, wrap):
 
 def test_a_layer_frozen_after_wrapping_and_unfrozen_again_trains_as_with_ddp():
     assert_same(run_ranks(side_by_side, 2, frozen_after_wrapping))
+
+
+def head_added_after_wrapping(rank, world_size) -> dict[str, torch.Tensor]:
+    """unfreezing_steps' model with its output layer replaced by a new one after two steps (a new head for another
+    task), taken into the buckets by refresh_trainable_parameters()."""
+    import hsync
+
+    net = unfreezing_net()
+    model = hsync.WeightedDDP(net)
+    for step, sizes in enumerate(UNFREEZING_SIZES):
+        if step == 2:
+            torch.manual_seed(1)
+            net[2] = nn.Linear(6, 1).double()  # the same on every rank
+            assert model.refresh_trainable_parameters()
+        x, y = global_batch(step, sizes)[2][rank]
+        net.zero_grad()
+        model.backward(mse(model(x), y), weight=len(x))
+        with torch.no_grad():
+            for p in net.parameters():
+                p -= 0.1 * p.grad
+    return {name: p.detach() for name, p in net.named_parameters()}
+
+
+def head_added_in_one_process() -> dict[str, torch.Tensor]:
+    net = unfreezing_net()
+    for step, sizes in enumerate(UNFREEZING_SIZES):
+        if step == 2:
+            torch.manual_seed(1)
+            net[2] = nn.Linear(6, 1).double()
+        x, y, _ = global_batch(step, sizes)
+        net.zero_grad()
+        mse(net(x), y).backward()
+        with torch.no_grad():
+            for p in net.parameters():
+                p -= 0.1 * p.grad
+    return dict(net.named_parameters())
+
+
+def test_a_head_added_after_wrapping_is_averaged_once_the_parameters_are_refreshed():
+    expected = head_added_in_one_process()
+    for rank, params in enumerate(run_ranks(head_added_after_wrapping, 2)):
+        torch.testing.assert_close(params, expected, rtol=1e-10, atol=1e-12, msg=lambda m, r=rank: f"rank {r}: {m}")
