@@ -388,8 +388,7 @@ class WeightedDDP(DistributedDataParallel):
         # Every rank decides alike: a rank alone building new buckets would meet its peers' collectives.
         flags = torch.zeros(2 * self.world_size, dtype=torch.float64)
         flags[self.rank], flags[self.world_size + self.rank] = bool(outside), refusal is not None
-        with self.waiting_for_peers():
-            flags = Channels.of_model(self).all_reduce_sum(flags, "the trainable parameters' refresh").tolist()
+        flags = self._sum_waiting_for_peers(flags, "the trainable parameters' refresh").tolist()
         changed = [r for r in range(self.world_size) if flags[r] > 0]
         refused = [r for r in range(self.world_size) if flags[self.world_size + r] > 0]
         if refusal is not None:
@@ -407,6 +406,12 @@ class WeightedDDP(DistributedDataParallel):
         self._rebuild_engine(self.process_group)
         self._refreshes += 1
         return True
+
+    def _sum_waiting_for_peers(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
+        """The sum over ranks of `tensor`, on the host, through the model's channel (its collectives keep their
+        order with the engine's); the wait is the peers', not this rank's work (busy time)."""
+        with self.waiting_for_peers():
+            return Channels.of_model(self).all_reduce_sum(tensor, label)
 
     def _synced_buffers(self) -> list[torch.Tensor]:
         # Looked up each time: a buffer reassigned since wrap time is the one to send.

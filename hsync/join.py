@@ -102,8 +102,8 @@ class JoinState:
         info = [0.0] * (2 + model.world_size)
         if not joined:
             info[0], info[1], info[2 + model.rank] = float(synced), float(buffers_due), 1.0
-        values = _sum_waiting_for_peers(model, torch.tensor(info, dtype=torch.float64),
-                                        "the Join state of a forward").tolist()
+        values = model._sum_waiting_for_peers(torch.tensor(info, dtype=torch.float64),
+                                              "the Join state of a forward").tolist()
         active = [r for r in range(model.world_size) if values[2 + r] > 0]
         self.root = active[-1] if active else 0
         if values[0] > 0 and len(active) < model.world_size and model._attached.param_owners is not None:
@@ -171,13 +171,6 @@ class JoinState:
         model._ensure_engine().broadcast_coalesced(tensors, root)
 
 
-def _sum_waiting_for_peers(model: WeightedDDP, tensor: torch.Tensor, label: str) -> torch.Tensor:
-    """The sum over ranks of `tensor`, on the host, through the model's channel (its collectives keep their order
-    with the engine's); the wait is the peers', not this rank's work (busy time)."""
-    with model.waiting_for_peers():
-        return Channels.of_model(model).all_reduce_sum(tensor, label)
-
-
 class JoinGroup(dist.ProcessGroup):
     """The process group a WeightedDDP gives torch's Join (join_process_group). Join's own all-reduces (an active
     rank's "not joined yet" at each forward, the joined ranks' count of those, the early-termination flag) go
@@ -212,7 +205,7 @@ class JoinGroup(dist.ProcessGroup):
                                "tensor, summed, while the model lives): reduce other tensors over "
                                "model.process_group")
         (flags,) = tensors
-        flags.copy_(_sum_waiting_for_peers(model, flags, "torch's Join flags"))
+        flags.copy_(model._sum_waiting_for_peers(flags, "torch's Join flags"))
         done = torch.futures.Future()
         done.set_result(tensors)
         return _create_work_from_future(done)
