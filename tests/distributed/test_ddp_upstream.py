@@ -1432,6 +1432,35 @@ def uneven_inputs_matrix(rank, world_size, wrap):
     return finals
 
 
+def profiling(rank, world_size, wrap):
+    """test_ddp_profiling_torch_profiler (_test_ddp_profiling), on gloo: torch.profiler sees the wrapper's
+    all-reduces (one a step here: hsync's step scalars ride in the one bucket's), asynchronous; with the profiler
+    started after a few steps (its thread-local state), the next step's too. Not DDP's internals: the broadcast
+    of its bucket rebuild in the first step, its "search_unused_parameters" event."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def events(prof, name: str) -> list:
+        return [e for e in prof.events() if e.name.endswith(name) or e.name.startswith(name)]
+
+    inp = torch.rand(3, 10)
+    net = wrap(nn.Linear(10, 10, bias=False))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(6):
+            net(inp).sum().backward()
+    all_reduces = events(prof, "gloo:all_reduce")
+    assert sum(e.count for e in all_reduces) == 6 and all(e.is_async for e in all_reduces), all_reduces
+    if wrap is DistributedDataParallel:
+        assert sum(e.count for e in events(prof, "gloo:broadcast")) >= 1
+    net = wrap(nn.Linear(10, 10, bias=False), find_unused_parameters=True)
+    for _ in range(3):
+        net(inp).sum().backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        net(inp).sum().backward()
+    all_reduces = events(prof, "gloo:all_reduce")
+    assert len(all_reduces) >= 1 and all_reduces[0].count >= 1 and all(e.is_async for e in all_reduces)
+    return 0
+
+
 # --- the tests ---------------------------------------------------------------------------------------
 
 
@@ -1669,3 +1698,7 @@ def test_ddp_hook_parity_allreduce(own_group):
 
 def test_ddp_hook_parity_power_sgd():
     run_both(hook_parity_power_sgd)
+
+
+def test_ddp_profiling_torch_profiler():
+    run_both(profiling)
