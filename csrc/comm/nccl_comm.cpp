@@ -1,5 +1,6 @@
 #include "comm/nccl_comm.h"
 
+#include <ATen/record_function.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -230,7 +231,13 @@ cudaEvent_t NcclComm::take_event() {
 }
 
 void NcclComm::launch(const at::Tensor& tensor, const Collective& collective) {
-  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+  // Named as torch's NCCL group names its own, so that a torch.profiler trace shows where each was issued
+  // (on the CPU, the process group's own events do: ProcessGroupComm). Free while no profiler runs.
+  const char* name = collective.op == Op::kBroadcast ? "nccl:broadcast"
+                     : collective.op == Op::kReduce  ? "nccl:reduce"
+                                                     : "nccl:all_reduce";
+  RECORD_FUNCTION(name, std::vector<c10::IValue>({tensor}));  // declares `guard`
+  const c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device_index_));
   enter(tensor);
   const ncclDataType_t dtype = nccl_dtype(tensor.scalar_type());
   cudaEvent_t done = take_event();

@@ -98,6 +98,32 @@ def test_weighted_steps_through_torchs_sync_batch_norm_match_one_process():
     test_cross_rank_backward.check_against_one_process(results, "sync-batch-norm")
 
 
+def profiled_steps(rank: int, world_size: int) -> list[str]:
+    """Six plain steps under torch.profiler, after one that connected the communicator: the names of the NCCL
+    collectives the profiler saw issued."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import hsync
+
+    torch.cuda.set_device(0)
+    model = hsync.WeightedDDP(torch.nn.Linear(10, 10, bias=False).cuda())
+    x = torch.rand(3, 10, device="cuda")
+    model(x).sum().backward()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(6):
+            model(x).sum().backward()
+        torch.cuda.synchronize()
+    return [event.name for event in prof.events() if event.name.startswith("nccl:")]
+
+
+def test_hsyncs_nccl_collectives_show_in_torchs_profiler_as_torchs_own_do():
+    # torch's NCCL group names its collectives "nccl:all_reduce" and so on (upstream's test_ddp_profiling counts
+    # them); hsync's own communicator does the same, at least one all-reduce a step (the step scalars may have one
+    # of their own).
+    for names in run_ranks(profiled_steps, 2, env=SOCKET_ENV, timeout=120):
+        assert names.count("nccl:all_reduce") >= 6, names
+
+
 def test_a_join_that_throws_on_early_termination_runs_through_torchs_sync_batch_norm():
     # Join's flags through hsync's NCCL communicator, between torch's SyncBatchNorm collectives over gloo.
     results = run_ranks(test_cross_rank_backward.steps_until_a_rank_runs_out, 3, "cuda", env=SOCKET_ENV, timeout=120)
