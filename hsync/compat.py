@@ -90,6 +90,10 @@ class WrapSettings:
     """The dtype gradients travel in; None: each gradient's own."""
     cross_rank_backward: bool
     """Whether the ranks' backward passes send gradients to each other (a SyncBatchNorm)."""
+    cross_rank_backward_found: bool
+    """Whether cross_rank_backward is found in the module (a SyncBatchNorm, the argument left None) rather than
+    given: a SyncBatchNorm converted in after the wrap is then found too (WeightedDDP's
+    _find_sync_batch_norms_added_since_the_wrap)."""
     metric_names: tuple[str, ...]
     """The names of the extra sums that backward(..., metrics={...}) may report."""
 
@@ -161,9 +165,9 @@ class WrapSettings:
             skip_all_reduce_unused_params=skip_all_reduce_unused_params, batched_grad_copy=batched_grad_copy,
             bucket_bytes_cap=int(bucket_cap_mb * MIB), first_bucket_bytes_cap=int(first_bucket_cap_mb * MIB),
             timeout_s=resolve_timeout(timeout), comm_dtype=comm_dtype,
-            cross_rank_backward=cross_rank_backward if cross_rank_backward is not None else any(
-                isinstance(m, nn.SyncBatchNorm) for m in module.modules()),
-            metric_names=tuple(metric_names))
+            cross_rank_backward=cross_rank_backward if cross_rank_backward is not None else holds_sync_batch_norm(
+                module),
+            cross_rank_backward_found=cross_rank_backward is None, metric_names=tuple(metric_names))
 
     def changed(self, **values) -> WrapSettings:
         """These settings with `values` in place of their own."""
@@ -192,6 +196,10 @@ class Setting:
             raise AttributeError(f"hsync.WeightedDDP.{self.name} is fixed at wrap time; pass it to the constructor")
         check_flag(self.name, value)
         instance._settings = instance._settings.changed(**{self.name: value})
+
+
+def holds_sync_batch_norm(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.SyncBatchNorm) for m in module.modules())
 
 
 def check_flag(name: str, value: object) -> None:

@@ -33,6 +33,7 @@ from hsync.compat import (
     check_device_ids,
     check_flag,
     comm_hook_signature_refusal,
+    holds_sync_batch_norm,
     hook_comm_dtype,
     ignored_names,
     leave_out_machinery,
@@ -350,6 +351,8 @@ class WeightedDDP(DistributedDataParallel):
         of what the balancer drives."""
         if self._window is not None:
             raise RuntimeError("hsync.WeightedDDP: metrics can be added between steps only, not inside no_sync")
+        if not self._steps_begun:
+            self._find_sync_batch_norms_added_since_the_wrap()  # the Balancer splits for lockstep with one
         self._balanced = True
         added = tuple(n for n in metric_names if n not in self.metric_names)
         self._settings = self._settings.changed(metric_names=self.metric_names + added)
@@ -435,6 +438,11 @@ class WeightedDDP(DistributedDataParallel):
         """The inputs on the module's device, and whether the next backward synchronises, after this
         forward's share of the step: the engine told, joined ranks answered, rank 0's buffers received."""
         self._refuse_an_outer_ddp()
+        # Only a forward with gradients outside no_sync makes the next backward synchronise
+        # (Note [Which backward synchronises] in csrc/engine.h).
+        synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if synced and not self._steps_begun:
+            self._find_sync_batch_norms_added_since_the_wrap()
         config = self._join_config
         if config.enable and not config.throw_on_early_termination and self.cross_rank_backward:
             # Refused before any collective, on every rank alike: under Join every rank runs forwards. With
@@ -442,9 +450,6 @@ class WeightedDDP(DistributedDataParallel):
             raise RuntimeError("hsync.WeightedDDP under Join: a joined rank cannot shadow forwards and backwards "
                                "that are collectives themselves (cross_rank_backward, a SyncBatchNorm); use "
                                "join(throw_on_early_termination=True), which stops every rank when one runs out")
-        # Only a forward with gradients outside no_sync makes the next backward synchronise
-        # (Note [Which backward synchronises] in csrc/engine.h).
-        synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self.device_ids and (inputs or kwargs):
             # torch's own move (a PackedSequence keeps its batch sizes on the host).
             moved_inputs, moved_kwargs = _to_kwargs(inputs, kwargs, self.device, self.use_side_stream_for_tensor_copies)
@@ -464,6 +469,15 @@ class WeightedDDP(DistributedDataParallel):
                 engine.broadcast_coalesced(buffers, root)
         self.require_forward_param_sync = synced
         return inputs, kwargs, synced
+
+    def _find_sync_batch_norms_added_since_the_wrap(self) -> None:
+        """torch's convert_sync_batchnorm run on the model after the wrap (DDP's documentation asks before) makes
+        backward a collective, with the same parameters: weighted steps would stay inexact, silently, unless each
+        rank's loss is scaled by its weight alone (cross_rank_backward). Looked for where it was found at the wrap
+        (not given), once: before the first synchronised step and when a Balancer takes the model."""
+        if (self._settings.cross_rank_backward_found and not self.cross_rank_backward
+                and holds_sync_batch_norm(self.module)):
+            self._settings = self._settings.changed(cross_rank_backward=True)
 
     def _refuse_parameters_unfrozen_since_the_engine_was_built(self) -> None:
         """A parameter frozen at wrap time that requires a gradient now would train on its rank's gradient alone,

@@ -180,14 +180,14 @@ class Balancer:
         self._check_same_everywhere(refusal)
         # A GPU rank's micro-batch before its memory is measured: an equal share, at the longest length.
         self._equal_share_units = -(-config.global_batch_size // self.world_size) * max(costs)
-        if model.cross_rank_backward:
-            self._splitter.check_epoch_end_lockstep()
         self._codec = ReportCodec(self.world_size)
         self._clock = clock if clock is not None else StepClock()
         # Only a clock that acts there is called when a step's own work is done (a simulated slow rank's pause).
         acts = type(self._clock).own_work_done is not StepClock.own_work_done
         self._steps = model._balance(self._codec.metric_names, (
             lambda: self._clock.own_work_done(self._steps.busy_seconds_so_far, self._step_units)) if acts else None)
+        if model.cross_rank_backward:  # read after _balance, which finds a SyncBatchNorm converted in after the wrap
+            self._splitter.check_epoch_end_lockstep()
         self.epoch = 0
         self._step_in_epoch = 0     # steps of this epoch completed
         self.global_step = 0        # steps completed, over all epochs (and runs, once resumed)

@@ -175,11 +175,41 @@ def test_ranks_that_disagree_on_cross_rank_backward_are_refused():
 
 
 
-def balanced_steps(rank: int, world_size: int, examples: int, limit: int | None) -> str | list[torch.Tensor]:
-    """hsync.Balancer over a SyncBatchNorm model: the first step's gradients, or the error that stopped it."""
+def wrapped_sync_batch_norm_model(converted_after_the_wrap: bool = False):
+    """make_model("sync-batch-norm") in a WeightedDDP; `converted_after_the_wrap`: wrapped with a plain BatchNorm1d
+    in the norm's place, and the norm put in after, over the same parameters, as torch's convert_sync_batchnorm
+    run on the wrapped model does (DDP's documentation asks for it before the wrap)."""
     import hsync
 
-    model = hsync.WeightedDDP(make_model("sync-batch-norm"))
+    module = make_model("sync-batch-norm")
+    if not converted_after_the_wrap:
+        return hsync.WeightedDDP(module)
+    sync = module[1]
+    plain = nn.BatchNorm1d(6).double()
+    plain.weight, plain.bias = sync.weight, sync.bias
+    module[1] = plain
+    model = hsync.WeightedDDP(module)
+    module[1] = sync
+    return model
+
+
+def converted_after_the_wrap(rank: int, world_size: int) -> list[dict[str, torch.Tensor]]:
+    model = wrapped_sync_batch_norm_model(converted_after_the_wrap=True)
+    return [weighted_step(model, rank, step, "cpu") for step in range(len(STEPS))]
+
+
+def test_a_sync_batch_norm_converted_in_after_the_wrap_keeps_weighted_steps_exact():
+    # Was inexact: each rank's gradient expressed in a weight of its own, through a backward that mixes them.
+    check_against_one_process(run_ranks(converted_after_the_wrap, 3), "sync-batch-norm")
+
+
+def balanced_steps(rank: int, world_size: int, examples: int, limit: int | None,
+                   late: bool = False) -> str | list[torch.Tensor]:
+    """hsync.Balancer over a SyncBatchNorm model (`late`: converted in after the wrap): the first step's
+    gradients, or the error that stopped it."""
+    import hsync
+
+    model = wrapped_sync_batch_norm_model(converted_after_the_wrap=late)
     x_all, y_all, _ = global_batch(0, [examples])
     config = hsync.BalanceConfig(global_batch_size=12, rank_batch_sizes=[6, 4, 2],
                                  micro_batch_limit=[limit, None, None], shuffle=False)
@@ -194,9 +224,11 @@ def balanced_steps(rank: int, world_size: int, examples: int, limit: int | None)
 
 
 def test_a_balancer_runs_every_rank_in_lockstep_or_says_why_it_cannot():
-    runs = {name: run_ranks(balanced_steps, 3, examples, limit, timeout=60)
-            for name, examples, limit in (("lockstep", 24, None), ("more micro-batches on rank 0", 24, 2),
-                                          ("a last step too small", 25, None))}
+    runs = {name: run_ranks(balanced_steps, 3, examples, limit, late, timeout=60)
+            for name, examples, limit, late in (("lockstep", 24, None, False),
+                                                ("more micro-batches on rank 0", 24, 2, False),
+                                                ("a last step too small", 25, None, False),
+                                                ("a last step too small, converted late", 25, None, True))}
     # Unshuffled, the first step is the first 12 examples: the gradient of their mean, normalised together.
     model = make_model("sync-batch-norm")
     model[1] = LocalNorm(model[1])
@@ -207,7 +239,7 @@ def test_a_balancer_runs_every_rank_in_lockstep_or_says_why_it_cannot():
         torch.testing.assert_close(grads, expected, rtol=1e-10, atol=1e-12)
     for error in runs["more micro-batches on rank 0"]:  # found on every rank, before the step's forward
         assert error.startswith("RuntimeError: hsync.Balancer: step 0 would give the ranks [3, 1, 1] micro-batches")
-    for error in runs["a last step too small"]:  # found before training
+    for error in runs["a last step too small"] + runs["a last step too small, converted late"]:  # before training
         assert error.startswith("ValueError: hsync.Balancer: a step of size 1 would leave a rank without an example")
 
 
