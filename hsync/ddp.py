@@ -322,10 +322,6 @@ class WeightedDDP(DistributedDataParallel):
             previous.expect_gradients(False)  # a forward before this call no longer feeds a step
         self._join.engine_rebuilt()
 
-    def _parameters_unfrozen_since_the_engine_was_built(self) -> list[str]:
-        # A look at the frozen parameters only: none in most models.
-        return [name for name, p in self._attached.frozen if p.requires_grad]
-
     def _trainable_parameters_outside_the_buckets(self) -> list[str]:
         """The parameters that train now but no bucket holds: unfrozen, added or replaced since the engine was
         built (a look at every parameter)."""
@@ -484,7 +480,7 @@ class WeightedDDP(DistributedDataParallel):
         and the ranks' models would drift apart (torch's DDP lets them, silently): refused before any collective,
         on every rank that unfroze it. (A rank cannot build a new engine here alone: its peers might not have
         unfrozen it, and would meet the new engine's collectives with their step's.)"""
-        unfrozen = self._parameters_unfrozen_since_the_engine_was_built()
+        unfrozen = [name for name, p in self._attached.frozen if p.requires_grad]  # none in most models
         if unfrozen:
             more = f" and {len(unfrozen) - 1} more" if len(unfrozen) > 1 else ""
             raise RuntimeError(

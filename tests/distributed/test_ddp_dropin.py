@@ -1040,20 +1040,32 @@ def unfreezing_net() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1), nn.Flatten(0)).double()
 
 
-def unfreezing_steps(rank, world_size, device: str = "cpu", views: bool = False) -> dict[str, torch.Tensor]:
-    """Weighted steps of uneven batches; the first layer, frozen at wrap time, unfrozen after two steps and taken
-    into the buckets by refresh_trainable_parameters()."""
+def changed_after_two_steps(net: nn.Module, change: str, optimizer: torch.optim.Optimizer) -> None:
+    """What a loop changes in its model after two steps, alike on every rank and in one process: "unfreeze" the
+    first layer (frozen at the start), or put in a "new head" (a new output layer, added to the optimizer)."""
+    if change == "unfreeze":
+        net[0].requires_grad_(True)
+    else:
+        torch.manual_seed(1)
+        net[2] = nn.Linear(6, 1).double().to(next(net.parameters()).device)
+        optimizer.add_param_group({"params": list(net[2].parameters())})
+
+
+def unfreezing_steps(rank, world_size, device: str = "cpu", views: bool = False,
+                     change: str = "unfreeze") -> dict[str, torch.Tensor]:
+    """Weighted steps of uneven batches; after two, the model changed (changed_after_two_steps) and what changed
+    taken into the buckets by refresh_trainable_parameters()."""
     import hsync
 
     if device == "cuda":
         torch.cuda.set_device(0)
     net = unfreezing_net().to(device)
-    net[0].requires_grad_(False)
+    net[0].requires_grad_(change != "unfreeze")
     model = hsync.WeightedDDP(net, gradient_as_bucket_view=views)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     for step, sizes in enumerate(UNFREEZING_SIZES):
         if step == 2:
-            net[0].requires_grad_(True)
+            changed_after_two_steps(net, change, opt)
             assert model.refresh_trainable_parameters()
         x, y = (t.to(device) for t in global_batch(step, sizes)[2][rank])
         opt.zero_grad()
@@ -1062,14 +1074,14 @@ def unfreezing_steps(rank, world_size, device: str = "cpu", views: bool = False)
     return {name: p.detach().cpu() for name, p in net.named_parameters()}
 
 
-def unfreezing_in_one_process() -> dict[str, torch.Tensor]:
+def unfreezing_in_one_process(change: str = "unfreeze") -> dict[str, torch.Tensor]:
     """unfreezing_steps in one process over each step's whole global batch."""
     net = unfreezing_net()
-    net[0].requires_grad_(False)
+    net[0].requires_grad_(change != "unfreeze")
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     for step, sizes in enumerate(UNFREEZING_SIZES):
         if step == 2:
-            net[0].requires_grad_(True)
+            changed_after_two_steps(net, change, opt)
         x, y, _ = global_batch(step, sizes)
         opt.zero_grad()
         mse(net(x), y).backward()
@@ -1105,43 +1117,7 @@ def test_a_layer_frozen_after_wrapping_and_unfrozen_again_trains_as_with_ddp():
     assert_same(run_ranks(side_by_side, 2, frozen_after_wrapping))
 
 
-def head_added_after_wrapping(rank, world_size) -> dict[str, torch.Tensor]:
-    """unfreezing_steps' model with its output layer replaced by a new one after two steps (a new head for another
-    task), taken into the buckets by refresh_trainable_parameters()."""
-    import hsync
-
-    net = unfreezing_net()
-    model = hsync.WeightedDDP(net)
-    for step, sizes in enumerate(UNFREEZING_SIZES):
-        if step == 2:
-            torch.manual_seed(1)
-            net[2] = nn.Linear(6, 1).double()  # the same on every rank
-            assert model.refresh_trainable_parameters()
-        x, y = global_batch(step, sizes)[2][rank]
-        net.zero_grad()
-        model.backward(mse(model(x), y), weight=len(x))
-        with torch.no_grad():
-            for p in net.parameters():
-                p -= 0.1 * p.grad
-    return {name: p.detach() for name, p in net.named_parameters()}
-
-
-def head_added_in_one_process() -> dict[str, torch.Tensor]:
-    net = unfreezing_net()
-    for step, sizes in enumerate(UNFREEZING_SIZES):
-        if step == 2:
-            torch.manual_seed(1)
-            net[2] = nn.Linear(6, 1).double()
-        x, y, _ = global_batch(step, sizes)
-        net.zero_grad()
-        mse(net(x), y).backward()
-        with torch.no_grad():
-            for p in net.parameters():
-                p -= 0.1 * p.grad
-    return dict(net.named_parameters())
-
-
 def test_a_head_added_after_wrapping_is_averaged_once_the_parameters_are_refreshed():
-    expected = head_added_in_one_process()
-    for rank, params in enumerate(run_ranks(head_added_after_wrapping, 2)):
+    expected = unfreezing_in_one_process("new head")
+    for rank, params in enumerate(run_ranks(unfreezing_steps, 2, "cpu", False, "new head")):
         torch.testing.assert_close(params, expected, rtol=1e-10, atol=1e-12, msg=lambda m, r=rank: f"rank {r}: {m}")
