@@ -233,36 +233,47 @@ def test_nccl_sharded_optimizer_steps_as_the_unsharded_one(optimizer):
 MEMORY_CAPS = (0.03, 0.01)  # each rank's fraction of the card: 3:1
 
 
-def train_capped(rank: int, world_size: int, even: bool, steps: int) -> dict:
-    """Each rank's caching allocator capped at its fraction of the card (3:1), a stack of linear layers whose
-    parameters take 48% of the small rank's cap, trained with AdamW through a ShardedOptimizer: with shares from
-    the measured memory (what the cap leaves), or `even` ones (both budgets declared alike)."""
+def train_capped(rank: int, world_size: int, shares: str, steps: int) -> dict:
+    """A stack of linear layers whose parameters take 48% of the small rank's cap, trained with AdamW: through a
+    ShardedOptimizer on two ranks, each rank's caching allocator capped at its fraction of the card (3:1), with
+    `shares` from the measured memory (what the cap leaves) or "even" ones (both budgets declared alike); or
+    "unsharded", the same steps in one process, uncapped, with torch's AdamW alone (the exact weighted mean of
+    two ranks' equal batches is that process's gradient)."""
     import datetime
 
     import hsync
 
     torch.cuda.set_device(0)
-    torch.cuda.set_per_process_memory_fraction(MEMORY_CAPS[rank], 0)
+    if shares != "unsharded":
+        torch.cuda.set_per_process_memory_fraction(MEMORY_CAPS[rank], 0)
     total = torch.cuda.get_device_properties(0).total_memory
     width = 2048  # 16 MiB a layer
     layers = max(2, int(0.12 * MEMORY_CAPS[1] * total / (width * width)))
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).cuda()
-    # Rank 0's parameters broadcast at wrap time in chunks of a bucket, not one flat copy of all of them.
-    model = hsync.WeightedDDP(net, gradient_as_bucket_view=True, timeout=datetime.timedelta(seconds=20))
     out = {"cap": MEMORY_CAPS[rank] * total, "error": None}
+    if shares == "unsharded":
+        model, optimizer = net, torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
+    else:
+        # Rank 0's parameters broadcast at wrap time in chunks of a bucket, not one flat copy of all of them.
+        model = hsync.WeightedDDP(net, gradient_as_bucket_view=True, timeout=datetime.timedelta(seconds=20))
     try:
-        budgets = ["1TiB"] * world_size if even else None
-        optimizer = hsync.ShardedOptimizer(model, torch.optim.AdamW, memory_budget=budgets, lr=1e-4, fused=True)
-        out["owned"] = sum(p.numel() for i, p in enumerate(model.parameters()) if i in optimizer.layout.ranges[rank])
+        if shares != "unsharded":
+            budgets = ["1TiB"] * world_size if shares == "even" else None
+            optimizer = hsync.ShardedOptimizer(model, torch.optim.AdamW, memory_budget=budgets, lr=1e-4, fused=True)
+            out["owned"] = sum(p.numel() for i, p in enumerate(model.parameters())
+                               if i in optimizer.layout.ranges[rank])
         x = torch.randn(4, width, device="cuda")
         for _ in range(steps):
-            stats = model.backward(model(x).square().mean(), weight=len(x))
-            assert stats.finite
+            loss = model(x).square().mean()
+            if shares == "unsharded":
+                loss.backward()
+            else:
+                assert model.backward(loss, weight=len(x)).finite
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         out["peak"] = torch.cuda.max_memory_allocated(0)
-        out["checksum"] = sum(p.double().sum().item() for p in model.parameters())
+        out["sums"] = [p.double().sum().item() for p in model.parameters()]
     except Exception as error:  # noqa: BLE001 - what ended the run is the result
         out["error"] = f"{type(error).__name__}: {error}"
     return out
@@ -271,16 +282,20 @@ def train_capped(rank: int, world_size: int, even: bool, steps: int) -> dict:
 def test_memory_proportional_shares_train_where_even_ones_run_out_of_memory():
     """Real budgets: two ranks on one GPU capped 3:1. Even shares need 10 bytes a parameter on the small rank
     (4 of parameters, half of 12 of gradients and moments): past its cap, out of memory. Shares from the measured
-    memory put about a fifth of the gradients and moments there, and both ranks train to the same parameters."""
-    even = run_ranks(train_capped, 2, True, 2, env=SOCKET_ENV, timeout=180)
+    memory put about a fifth of the gradients and moments there, and both ranks train to the parameters of the
+    unsharded optimizer in one uncapped process."""
+    even = run_ranks(train_capped, 2, "even", 2, env=SOCKET_ENV, timeout=180)
     assert "out of memory" in (even[1]["error"] or "").lower(), even[1]
-    shares = run_ranks(train_capped, 2, False, 3, env=SOCKET_ENV, timeout=180)
+    shares = run_ranks(train_capped, 2, "measured", 3, env=SOCKET_ENV, timeout=180)
     note(f"memory caps 3:1, {[r['owned'] for r in shares]} parameters owned, peaks "
          f"{[round(r['peak'] / r['cap'], 2) for r in shares]} of the caps")
     assert [r["error"] for r in shares] == [None, None], shares
     assert shares[0]["owned"] > 2 * shares[1]["owned"] > 0, shares
     assert all(r["peak"] <= r["cap"] for r in shares), shares
-    assert shares[0]["checksum"] == shares[1]["checksum"], shares
+    assert shares[0]["sums"] == shares[1]["sums"], shares
+    unsharded = run_ranks(train_capped, 1, "unsharded", 3, timeout=180)[0]
+    assert unsharded["error"] is None, unsharded
+    torch.testing.assert_close(shares[0]["sums"], unsharded["sums"], rtol=1e-5, atol=1e-6)
 
 
 def test_nccl_plain_steps_under_join_through_a_sharded_optimizer():
