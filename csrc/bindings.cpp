@@ -103,7 +103,7 @@ PYBIND11_MODULE(_C, m) {
              e.set_comm_hook(std::make_shared<c10d::PythonCommHook>(std::move(state), std::move(hook)));
            },
            py::arg("state"), py::arg("hook"))
-      .def("set_owners", &Engine::set_owners, py::arg("owners"), release_gil())
+      .def("set_owners", &Engine::set_owners, py::arg("owners"), py::arg("witness") = -1, release_gil())
       .def("set_join_plain_step", &Engine::set_join_plain_step, py::arg("scalars"),
            py::arg("divide_by_world_size"))
       .def("broadcast_coalesced", &Engine::broadcast_coalesced, py::arg("tensors"), py::arg("root"),

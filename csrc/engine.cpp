@@ -707,7 +707,7 @@ at::Tensor Engine::sum_overflowed(const Bucket& bucket) {
 // the sharded optimizer's groups, which another optimizer may step on every rank): its buckets are all-reduced
 // as without owners, and rank 0 brings their flags. Owners are fixed between steps; a communication hook,
 // which hands every bucket to every rank, is refused.
-void Engine::set_owners(const std::vector<int64_t>& owners) {
+void Engine::set_owners(const std::vector<int64_t>& owners, int64_t witness) {
   std::lock_guard<std::mutex> lock(mutex_);
   HSYNC_CHECK(!step_.active, "parameter owners are set between steps");
   HSYNC_CHECK(!hook_chain_, "a communication hook hands every bucket to every rank; parameters with owners "
@@ -718,7 +718,11 @@ void Engine::set_owners(const std::vector<int64_t>& owners) {
     HSYNC_CHECK(owner >= -1 && owner < comm_->world_size(), "owner ", owner, " is outside world size ",
                 comm_->world_size(), " (-1: every rank)");
   }
+  HSYNC_CHECK(witness == -1 || (witness >= 0 && static_cast<size_t>(witness) < owners.size() &&
+                                 owners[witness] == -1),
+              "the witness of a non-finite step (", witness, ") is a parameter of owner -1");
   owners_ = owners;
+  witness_ = witness;
   std::vector<int64_t> order;  // the buckets' current order, cut anew at the owners' boundaries
   for (const Bucket& bucket : buckets_) order.insert(order.end(), bucket.params.begin(), bucket.params.end());
   build_buckets(order);
@@ -755,20 +759,27 @@ at::Tensor Engine::share_owned_flags(const std::vector<bool>& sum_not_finite) {
 // different collectives (the step's broadcasts on some, the next step's scalars on others) until the
 // deadline, and their scales would part. So on a step whose flags say non-finite, every rank writes
 // a NaN into the first element of the first gradient it owns: a GradScaler (or any local check)
-// over a ShardedOptimizer's parameters then sees what it sees without sharding. One masked fill on
-// the stream, ordered after the flags' all-reduce; no host wait.
+// over a ShardedOptimizer's parameters then sees what it sees without sharding. A rank that owns no
+// parameter (a budget too small for any, fewer parameters than ranks) would have no gradient for its
+// GradScaler to check at all (torch's asserts "No inf checks were recorded"): there the ShardedOptimizer
+// names a witness, one small parameter all-reduced instead of reduced to its owner (owner -1, its owner
+// still the one that steps it), whose gradient every rank keeps, and such a rank writes its NaN there.
+// One masked fill on the stream, ordered after the flags' all-reduce; no host wait.
 void Engine::spread_nonfinite_to_owned_gradients() {
+  const auto poison = [this](const at::Tensor& grad) {
+    if (!grad.defined() || grad.numel() == 0) return false;
+    at::Tensor first = grad;
+    while (first.dim() > 0) first = first.select(0, 0);
+    first.masked_fill_(last_grad_nonfinite_.gt(0), std::numeric_limits<double>::quiet_NaN());
+    return true;
+  };
   for (const Bucket& bucket : buckets_) {
     if (bucket.owner != comm_->rank()) continue;
     for (int64_t index : bucket.params) {
-      const at::Tensor& grad = params_[index].grad();
-      if (!grad.defined() || grad.numel() == 0) continue;
-      at::Tensor first = grad;
-      while (first.dim() > 0) first = first.select(0, 0);
-      first.masked_fill_(last_grad_nonfinite_.gt(0), std::numeric_limits<double>::quiet_NaN());
-      return;
+      if (poison(params_[index].grad())) return;
     }
   }
+  if (witness_ >= 0) poison(params_[witness_].grad());
 }
 
 bool Engine::write_back(const Bucket& bucket) {

@@ -140,8 +140,9 @@ class Engine {
   void set_comm_hook(std::shared_ptr<c10d::CommHookInterface> hook);
 
   // Each parameter's owner, the one rank its gradient is reduced to (Note [Owned buckets]); between steps,
-  // the same on every rank, without a communication hook.
-  void set_owners(const std::vector<int64_t>& owners);
+  // the same on every rank, without a communication hook. `witness`: a parameter of owner -1 whose gradient
+  // carries a non-finite step's NaN on a rank that owns none (Note [A non-finite step on every rank]); -1: none.
+  void set_owners(const std::vector<int64_t>& owners, int64_t witness = -1);
 
   // Under Join, plain steps all-reduce `scalars` (this rank's, weight 1) as weighted steps do;
   // an undefined tensor turns that off. Note [Join].
@@ -225,6 +226,7 @@ class Engine {
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> locator_;  // param -> (bucket, position in bucket)
   std::vector<int64_t> owners_;             // per param, Note [Owned buckets]; empty: every bucket all-reduced
+  int64_t witness_ = -1;                    // Note [A non-finite step on every rank]
   static constexpr size_t kInFlightBuffers = 2;  // double buffering: one reduces while the next fills
   std::vector<InFlightBuffer> in_flight_buffers_;  // during a step; more only while gradients come out of order
   int64_t in_flight_buffer_bytes_ = 0;

@@ -199,7 +199,7 @@ class WeightedDDP(DistributedDataParallel):
         if self._comm_hook is not None:  # an engine built anew (a copy, a new group) keeps the user's hook
             self._attached.engine.set_comm_hook(*self._comm_hook)
         if self._attached.param_owners is not None:
-            self._attached.engine.set_owners(self._attached.param_owners)
+            self._attached.engine.set_owners(self._attached.param_owners, self._attached.witness)
         self._attached.frozen = [(name, p) for name, p in everything if not p.requires_grad]
         self._attached.in_buckets = {id(p) for _, p in named}
         # Weakly, like the engine: destroy_process_group() must be able to free the group (and join
@@ -575,15 +575,17 @@ class WeightedDDP(DistributedDataParallel):
             return RuntimeError("register_comm_hook must be called before the first backward, as with DDP")
         return None
 
-    def _set_param_owners(self, owners: list[int], optimizer: Joinable) -> None:
+    def _set_param_owners(self, owners: list[int], optimizer: Joinable, witness: int = -1) -> None:
         """Each trainable parameter's owner, in registration order: its gradient is reduced to that rank only
-        (Note [Owned buckets] in csrc/engine.cpp). The ShardedOptimizer's (`optimizer`); every rank, between
+        (Note [Owned buckets] in csrc/engine.cpp), and the `witness` of a non-finite step on a rank that owns
+        none (Note [A non-finite step on every rank]). The ShardedOptimizer's (`optimizer`); every rank, between
         steps."""
         if self._comm_hook is not None:
             raise RuntimeError("hsync.ShardedOptimizer: this model has a communication hook of the user's, which "
                                "hands every bucket to every rank; sharding reduces each bucket to its owner")
-        self._ensure_engine().set_owners(owners)
+        self._ensure_engine().set_owners(owners, witness)
         self._attached.param_owners = list(owners)
+        self._attached.witness = witness
         self._attached.sharded_optimizer = weakref.ref(optimizer)
 
     def _sharded_optimizer(self) -> Joinable | None:
@@ -755,6 +757,7 @@ class _Attachments:
     engine: _C.Engine | None = None
     group: weakref.ref | None = None  # weakly, like the engine: see WeightedDDP._build_engine
     param_owners: list[int] | None = None  # a ShardedOptimizer's: Note [Owned buckets] in csrc/engine.cpp
+    witness: int = -1  # its witness of a non-finite step: Note [A non-finite step on every rank], ditto
     sharded_optimizer: weakref.ref | None = None  # that ShardedOptimizer, weakly
     before_sync: Callable[[], None] | None = None  # a Balancer's: runs when a weighted step's own work is done
     # The parameters that did not require a gradient when the engine was built: no bucket holds them.

@@ -24,7 +24,6 @@ step left without step() is refused at the next forward.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -111,22 +110,24 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         Joinable.__init__(self)
         self._built = True
         self._give_owners()
-        if not any(p in self._owned for p in self._stepped()):
-            # Legitimate (a budget too small for any tensor, fewer tensors than ranks), but torch's GradScaler then
-            # fails on this rank alone with an assertion that names nothing of this.
-            warnings.warn(f"hsync.ShardedOptimizer: rank {model.rank} owns none of the optimizer's parameters (see "
-                          "layout.ranges): it keeps no optimizer state and no gradient, so a GradScaler over this "
-                          "optimizer fails here (\"No inf checks were recorded for this optimizer\")", stacklevel=2)
 
     def _give_owners(self) -> None:
         """Once set, the gradients of the groups' parameters go to their owners only, which only this optimizer
         steps. The model's other parameters keep their gradients whole on every rank (owner -1), for an optimizer
-        of their own, as with DDP and ZeroRedundancyOptimizer; add_param_group gives them owners."""
+        of their own, as with DDP and ZeroRedundancyOptimizer; add_param_group gives them owners. Where a rank
+        owns none of the groups' parameters, the smallest of them is all-reduced too and its gradient kept on
+        every rank (still stepped by its owner alone): a GradScaler on that rank checks it (Note [A non-finite
+        step on every rank] in csrc/engine.cpp)."""
         stepped = set(self._stepped())
         owners = [owner if self._all[i] in stepped else -1 for owner, owned in enumerate(self.layout.ranges)
                   for i in owned]
-        self._same_on_every_rank(owners, "the sharded parameters")  # they cut the buckets
-        self._model._set_param_owners(owners, self)
+        idle = [r for r, owned in enumerate(self.layout.ranges) if not any(self._all[i] in stepped for i in owned)]
+        witness = min((i for i, p in enumerate(self._all) if p in stepped),
+                      key=lambda i: self._all[i].numel() * self._all[i].element_size(), default=-1) if idle else -1
+        if witness >= 0:
+            owners[witness] = -1
+        self._same_on_every_rank(owners + [witness], "the sharded parameters")  # they cut the buckets
+        self._model._set_param_owners(owners, self, witness)
 
     def _same_on_every_rank(self, indices: list[int], label: str) -> None:
         """Refuses, on every rank, parameter groups that differ between ranks: what they decide (the layout, the

@@ -12,15 +12,34 @@ pytestmark = [pytest.mark.distributed, pytest.mark.quick]
 POISONED_STEP, POISONED_RANK = 1, 1
 
 
+class FewTensors(torch.nn.Module):
+    """A model whose ShardedOptimizer leaves a rank owning no parameter: two layers on three ranks (the first
+    layer's weight is nearer two thirds of the parameters than one, so rank 1 gets none), or one weight alone."""
+
+    def __init__(self, one_tensor: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = None if one_tensor else torch.nn.Linear(4, 8, dtype=torch.float64)
+        self.out = torch.nn.Linear(4 if one_tensor else 8, 1, bias=not one_tensor, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x if self.inp is None else torch.tanh(self.inp(x))).squeeze(-1)
+
+
 def scaled_training(rank: int, world_size: int, poisoned_weight: int, sharded: bool = False,
-                    device: str = "cpu") -> list[dict]:
+                    device: str = "cpu", few_tensors: str | None = None) -> list[dict]:
+    """Five steps under a GradScaler, the gradient of `out.weight` poisoned on one rank at one step. `few_tensors`
+    ("two-layers", "one-tensor"): sharded, a model of which some rank owns nothing."""
     import hsync
 
     if device == "cuda":
         torch.cuda.set_device(0)
-    model = hsync.WeightedDDP(make_net(seed=0).to(device))
+    net = make_net(seed=0) if few_tensors is None else FewTensors(few_tensors == "one-tensor")
+    model = hsync.WeightedDDP(net.to(device))
     optimizer = (hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1) if sharded
                  else torch.optim.SGD(model.parameters(), lr=0.1))
+    if few_tensors is not None:
+        assert [] in [list(r) for r in optimizer.layout.ranges], optimizer.layout
     scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=2)
     poison = {"on": False}
     model.module.out.weight.register_hook(lambda g: g * float("nan") if poison["on"] else g)
@@ -46,6 +65,14 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank(poisoned_weight, sharde
     # Sharded, the NaN reaches out.weight's owner only, and every other rank's own gradients are finite: the
     # GradScaler of each must still skip and back off (Note [A non-finite step on every rank]).
     assert_skipped_alike(run_ranks(scaled_training, 3, poisoned_weight, sharded, timeout=60))
+
+
+@pytest.mark.parametrize(("few_tensors", "world_size"), [("two-layers", 3), ("one-tensor", 2)])
+def test_a_rank_that_owns_no_parameter_skips_alike_under_its_grad_scaler(few_tensors, world_size):
+    # With no gradient of its own, torch's GradScaler on that rank would assert "No inf checks were recorded for
+    # this optimizer"; it checks the witness's instead, which carries the NaN (Note [A non-finite step on every
+    # rank]). The poison is on the rank that owns nothing, which the gradient of out.weight leaves for its owner.
+    assert_skipped_alike(run_ranks(scaled_training, world_size, 4, True, "cpu", few_tensors, timeout=60))
 
 
 def assert_skipped_alike(histories: list[list[dict]]) -> None:

@@ -512,27 +512,6 @@ def test_bad_arguments_are_refused_naming_the_problem():
     assert errors["owners after a refusal"] is None  # a refused optimizer leaves the model's reduction alone
 
 
-def warnings_of_a_rank_that_owns_nothing(rank: int, world_size: int) -> list[str]:
-    """One parameter tensor on two ranks: rank 1 owns nothing."""
-    import warnings
-
-    import hsync
-
-    model = hsync.WeightedDDP(torch.nn.Linear(4, 1, bias=False))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        optimizer = hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
-    assert [len(r) for r in optimizer.layout.ranges] == [1, 0]
-    return [str(w.message) for w in caught if "ShardedOptimizer" in str(w.message)]
-
-
-def test_a_rank_that_owns_nothing_says_so_where_a_grad_scaler_would_fail():
-    owner, idle = run_ranks(warnings_of_a_rank_that_owns_nothing, 2)
-    assert owner == []
-    assert len(idle) == 1 and "rank 1 owns none of the optimizer's parameters" in idle[0], idle
-    assert "a GradScaler over this optimizer fails here" in idle[0], idle
-
-
 def state_dict_after(rank: int, world_size: int, change: str) -> str:
     """state_dict() on rank 0 after consolidate_state_dict(to=0) and then two steps, or a load."""
     import hsync

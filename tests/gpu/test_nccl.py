@@ -308,10 +308,14 @@ def test_nccl_plain_steps_under_join_through_a_sharded_optimizer():
             torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5, msg=f"rank {rank}, {name}")
 
 
-def test_nccl_a_grad_scaler_around_a_sharded_optimizer_skips_alike_on_every_rank():
+@pytest.mark.parametrize(("few_tensors", "world_size"), [(None, 2), ("two-layers", 3)],
+                         ids=["every-rank-owns", "a-rank-owns-nothing"])
+def test_nccl_a_grad_scaler_around_a_sharded_optimizer_skips_alike_on_every_rank(few_tensors, world_size):
     """Note [A non-finite step on every rank] on the device: each rank's NaN is a masked fill on its stream, after
-    the owners' flags are shared, and every rank's GradScaler reads it."""
-    histories = run_ranks(test_nonfinite.scaled_training, 2, 4, True, "cuda", env=SOCKET_ENV, timeout=120)
+    the owners' flags are shared, and every rank's GradScaler reads it (a rank that owns nothing: in the witness's
+    all-reduced gradient)."""
+    histories = run_ranks(test_nonfinite.scaled_training, world_size, 4, True, "cuda", few_tensors, env=SOCKET_ENV,
+                          timeout=120)
     test_nonfinite.assert_skipped_alike(histories)
 
 
