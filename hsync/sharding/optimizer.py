@@ -23,6 +23,7 @@ step left without step() is refused at the next forward.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -95,11 +96,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if any(theirs != outside for _, theirs in everyone):
             raise _different_groups()
         state_bytes = StateBytes(model, optimizer_class, defaults)
-        self.layout: Layout = plan_layout(sizes, budgets, state_bytes.owned_per_parameter_byte(),
-                                          state_bytes.in_flight(sizes), outside=set(outside),
-                                          outside_per_byte=state_bytes.gradient_per_parameter_byte())
+        # The layout from these, for the groups given now and for each one added (add_param_group).
+        self._plan_layout = functools.partial(plan_layout, sizes, budgets, state_bytes.owned_per_parameter_byte(),
+                                              state_bytes.in_flight(sizes),
+                                              outside_per_byte=state_bytes.gradient_per_parameter_byte())
+        self.layout: Layout = self._plan_layout(outside=set(outside))
         """Which parameters each rank owns (their indices among the model's trainable parameters)."""
-        self._owned = set(self._all[i] for i in self.layout.ranges[model.rank])
+        self._owned = set(self._all[i] for i in self.layout.owned[model.rank])
         # The optimizer this rank runs: the same groups, each holding only the parameters it owns.
         self._local = optimizer_class([self._owned_part(group) for group in groups], **defaults)
         super().__init__([dict(group, params=list(group["params"])) for group in groups], self._local.defaults)
@@ -119,9 +122,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         every rank (still stepped by its owner alone): a GradScaler on that rank checks it (Note [A non-finite
         step on every rank] in csrc/engine.cpp)."""
         stepped = set(self._stepped())
-        owners = [owner if self._all[i] in stepped else -1 for owner, owned in enumerate(self.layout.ranges)
-                  for i in owned]
-        idle = [r for r, owned in enumerate(self.layout.ranges) if not any(self._all[i] in stepped for i in owned)]
+        owners = [-1] * len(self._all)
+        for owner, owned in enumerate(self.layout.owned):
+            for i in owned:
+                owners[i] = owner if self._all[i] in stepped else -1
+        idle = [r for r, owned in enumerate(self.layout.owned) if not any(self._all[i] in stepped for i in owned)]
         witness = min((i for i, p in enumerate(self._all) if p in stepped),
                       key=lambda i: self._all[i].numel() * self._all[i].element_size(), default=-1) if idle else -1
         if witness >= 0:
@@ -158,13 +163,26 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return dict(group, params=[p for p in group["params"] if p in self._owned])
 
     def add_param_group(self, param_group: dict) -> None:
-        """Adds a group of the model's parameters (not in any group yet), as torch.optim.Optimizer's does."""
+        """Adds a group of the model's parameters (not in any group yet), as torch.optim.Optimizer's does (a
+        backbone unfrozen for fine-tuning, say): collective. The parameters owned so far stay with their owners
+        (their state is there); the group's are split among the ranks by what each lacks of its share of the
+        memory, as ZeroRedundancyOptimizer places a new group's without moving the others'."""
+        if not getattr(self, "_built", False):  # torch.optim.Optimizer's constructor adds the first groups
+            super().add_param_group(param_group)
+            return
+        added = [self._index[p] for p in self._checked([dict(param_group)])[0]["params"]]
+        self._same_on_every_rank(added, "the added parameter group")
+        stepped = set(self._stepped())
+        layout = self._plan_layout(
+            outside={i for i, p in enumerate(self._all) if p not in stepped and i not in added},
+            kept=[[i for i in owned if self._all[i] in stepped] for owned in self.layout.owned])
         super().add_param_group(param_group)
-        if getattr(self, "_built", False):  # not while torch.optim.Optimizer's constructor adds the first groups
-            group = self._checked([dict(self.param_groups[-1])])[0]
-            self._local.add_param_group(self._owned_part(group))
-            self._sync_hyperparameters(self.param_groups[-1:], self._local.param_groups[-1:])
-            self._give_owners()
+        self.layout = layout
+        self._owned = set(self._all[i] for i in layout.owned[self._model.rank])
+        group = self._checked([dict(self.param_groups[-1])])[0]
+        self._local.add_param_group(self._owned_part(group))
+        self._sync_hyperparameters(self.param_groups[-1:], self._local.param_groups[-1:])
+        self._give_owners()
 
     @staticmethod
     def _sync_hyperparameters(source: list[dict], target: list[dict]) -> None:
@@ -197,7 +215,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """Each owner's parameters to every rank (in broadcasts of at most a bucket's bytes each)."""
         engine = self._model._ensure_engine()
         stepped = set(self._stepped())
-        for owner, owned in enumerate(self.layout.ranges):
+        for owner, owned in enumerate(self.layout.owned):
             engine.broadcast_coalesced([self._all[i].detach() for i in owned if self._all[i] in stepped], owner)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -8,7 +8,10 @@ csrc/engine.cpp), plus what a backward holds in flight: the two buffers other ra
 in, and a fresh gradient. So each rank's capacity is its budget less the parameters, what is in flight
 and the gradients of the parameters outside the optimizer's groups (whole on every rank, for an
 optimizer of the user's), and the parameters are split, in registration order, into one contiguous
-range per rank whose gradients and optimizer state are in proportion to that capacity. A rank that
+range per rank whose gradients and optimizer state are in proportion to that capacity. A group added
+later keeps what is owned already where it is (its state is there) and is split the same way, in proportion
+to what each rank lacks of its share once the group counts; so a rank owns one range and a contiguous part of
+each added group. A rank that
 declares nothing shares in proportion to the device memory it can still get, measured after the model
 was placed (the parameters counted back in), as the Balancer measures it for its micro-batches
 (obtainable_bytes: the card's free memory and the allocator's cache, or a per-process fraction's cap);
@@ -68,22 +71,27 @@ def this_ranks_budget(memory_budget: MemoryBudget, rank: int, world_size: int, d
 
 @dataclass(frozen=True)
 class Layout:
-    """Where the optimizer state lives: rank r owns parameters ranges[r] (indices in registration order)."""
+    """Where the optimizer state lives: rank r owns parameters owned[r] (indices in registration order)."""
 
-    ranges: tuple[range, ...]
+    owned: tuple[tuple[int, ...], ...]
+    """Per rank, the parameters it owns: one contiguous range as first planned, and a contiguous part of each
+    group added since (Note [Memory shares])."""
     needs: tuple[int, ...]
     """Per rank, the bytes of parameters, gradients in flight and its gradients and optimizer state under
     this layout."""
 
 
 def plan_layout(sizes: Sequence[int], budgets: Sequence[int | None], owned_per_byte: float,
-                in_flight: int = 0, outside: Collection[int] = (), outside_per_byte: float = 0.0) -> Layout:
+                in_flight: int = 0, outside: Collection[int] = (), outside_per_byte: float = 0.0,
+                kept: Sequence[Collection[int]] | None = None) -> Layout:
     """Splits parameters of `sizes` bytes into contiguous ranges, one per rank, what each rank keeps for the
     parameters it owns (`owned_per_byte` bytes per byte of parameter: their gradients and optimizer state) in
     proportion to its capacity: its budget less the parameters, the `in_flight` bytes a backward holds at once
     and the gradients (`outside_per_byte` per byte) of the parameters `outside` the optimizer's groups (indices
-    into `sizes`), which every rank keeps whole. Those cost their range nothing. Refuses a model whose state
-    cannot fit (ValueError naming every rank)."""
+    into `sizes`), which every rank keeps whole. Those cost their range nothing. `kept`: per rank, parameters it
+    owns already and keeps (their state exists there); the others are split among the ranks in proportion to
+    what each lacks of its proportional share. Refuses a model whose state cannot fit (ValueError naming every
+    rank)."""
     world = len(budgets)
     total = sum(sizes)
     shard = [0 if i in outside else size for i, size in enumerate(sizes)]  # what a range is sized by
@@ -100,22 +108,34 @@ def plan_layout(sizes: Sequence[int], budgets: Sequence[int | None], owned_per_b
     fixed = Fixed(total, in_flight, outside_gradients)
     if budgets[0] is not None and (sum(capacities) < sharded or sum(capacities) == 0):
         raise ValueError(refusal(budgets, fixed, sharded))
-    weight = sum(capacities)
-    bounds, prefix, start = [], 0, 0
-    cumulative = 0.0
-    for rank in range(world):
-        cumulative += capacities[rank]
-        target = shard_total * cumulative / weight if rank < world - 1 else total
-        end = start
-        while end < len(sizes) and prefix + shard[end] / 2 <= target:  # nearest boundary: a tensor is whole
-            prefix += shard[end]
-            end += 1
-        bounds.append(range(start, end))
-        start = end
-    needs = tuple(whole + int(sum(shard[i] for i in r) * owned_per_byte) for r in bounds)
+    kept = [sorted(k) for k in kept] if kept is not None else [[] for _ in range(world)]
+    held = [sum(shard[i] for i in k) for k in kept]
+    lacking = [max(0.0, shard_total * c / sum(capacities) - h) for c, h in zip(capacities, held, strict=True)]
+    placed = {i for k in kept for i in k}
+    runs = _contiguous_runs([i for i in range(len(sizes)) if i not in placed], shard,
+                            lacking if sum(lacking) > 0 else capacities)
+    owned = tuple(tuple(sorted(k + run)) for k, run in zip(kept, runs, strict=True))
+    needs = tuple(whole + int(sum(shard[i] for i in r) * owned_per_byte) for r in owned)
     if budgets[0] is not None and any(need > budget for need, budget in zip(needs, budgets, strict=True)):
         raise ValueError(refusal(budgets, fixed, sharded, needs))
-    return Layout(tuple(bounds), needs)
+    return Layout(owned, needs)
+
+
+def _contiguous_runs(indices: list[int], shard: Sequence[int], weights: Sequence[float]) -> list[list[int]]:
+    """`indices`, in order, cut into one run per rank whose bytes (`shard`) follow `weights`; each cut at the
+    tensor boundary nearest its target (a tensor is whole), the last rank taking the rest."""
+    total = sum(shard[i] for i in indices)
+    runs, start, prefix, cumulative = [], 0, 0, 0.0
+    for rank, weight in enumerate(weights):
+        cumulative += weight
+        end = start
+        while end < len(indices) and (rank == len(weights) - 1
+                                      or prefix + shard[indices[end]] / 2 <= total * cumulative / sum(weights)):
+            prefix += shard[indices[end]]
+            end += 1
+        runs.append(indices[start:end])
+        start = end
+    return runs
 
 
 @dataclass(frozen=True)

@@ -56,9 +56,9 @@ def train_side_by_side(rank: int, world_size: int, optimizer: str, budgets, step
         schedules.append(torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step)))
     if skip_owner is not None:  # a mutation: one owner's parameters never sent
         sharded_opt = optimizers[1]
-        ranges = list(sharded_opt.layout.ranges)
-        ranges[skip_owner] = range(0)
-        object.__setattr__(sharded_opt.layout, "ranges", tuple(ranges))
+        owned = list(sharded_opt.layout.owned)
+        owned[skip_owner] = ()
+        object.__setattr__(sharded_opt.layout, "owned", tuple(owned))
     out = {"whole": [], "sharded": [], "norms": []}
     for step in range(steps):
         norms = []
@@ -81,7 +81,7 @@ def train_side_by_side(rank: int, world_size: int, optimizer: str, budgets, step
             out[name].append({n: p.detach().cpu() for n, p in model.module.named_parameters()})
         out["norms"].append(norms)
     sharded_opt = optimizers[1]
-    out["owned"] = list(sharded_opt.layout.ranges[rank])
+    out["owned"] = list(sharded_opt.layout.owned[rank])
     out["with_grad"] = [i for i, p in enumerate(models[1].module.parameters()) if p.grad is not None]
     out["state_bytes"] = sum(t.numel() * t.element_size() for s in sharded_opt.state.values() for t in s.values()
                              if isinstance(t, torch.Tensor) and t.dim() > 0)
@@ -185,6 +185,46 @@ def test_parameters_outside_the_groups_keep_whole_gradients_for_an_optimizer_of_
     assert with_grads[0] == with_grads[1] and min(with_grads[0]) > 0, with_grads
 
 
+def a_backbone_added_later(rank: int, world_size: int, budgets: list[str]) -> dict:
+    """Fine-tuning's order: a ShardedOptimizer over the head, the backbone's group added at step 2
+    (add_param_group), each rank's share of the state then; and the same steps with AdamW, unsharded."""
+    import hsync
+
+    out: dict = {"whole": [], "sharded": [], "norms": []}
+    for name in ("whole", "sharded"):
+        model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32), bucket_cap_mb=TINY_BUCKET_MB)
+        head = list(model.module.out.parameters())
+        backbone = [p for n, p in model.module.named_parameters() if not n.startswith("out.")]
+        optimizer = hsync.ShardedOptimizer(model, torch.optim.AdamW, memory_budget=budgets, params=head, lr=0.01) \
+            if name == "sharded" else torch.optim.AdamW(head, lr=0.01)
+        for step in range(6):
+            if step == 2:
+                optimizer.add_param_group({"params": backbone, "lr": 0.005})
+            _, _, parts = global_batch(step, sizes_of(step, world_size)[0], dtype=torch.float32)
+            x, y = parts[rank]
+            loss = mse(model(x, use_branch=rank == 1), y) if len(x) else model(x).sum() * 0
+            assert model.backward(loss, weight=len(x)).finite
+            optimizer.step()
+            model.zero_grad()
+            out[name].append({n: p.detach().clone() for n, p in model.module.named_parameters()})
+        if name == "sharded":
+            everything = optimizer._all
+            out["owned_bytes"] = [sum(everything[i].numel() * everything[i].element_size() for i in owned)
+                                  for owned in optimizer.layout.owned]
+    return out
+
+
+@pytest.mark.parametrize("budgets", [["3MiB", "1MiB"], ["1MiB", "3MiB"]], ids=["3:1", "1:3"])
+def test_a_group_added_later_is_shared_by_the_budgets_and_steps_as_unsharded(budgets):
+    # The head's state stays with its owner; the backbone's is split by what each rank lacks of its share, so the
+    # state ends 3:1 on budgets 3:1 (it all went to one rank, wherever the head's range left the backbone, before).
+    results = run_ranks(a_backbone_added_later, 2, budgets)
+    assert_same_training(results, exact=True)
+    owned = results[0]["owned_bytes"]
+    large = 0 if budgets[0] == "3MiB" else 1
+    assert abs(owned[large] / sum(owned) - 0.75) < 0.1, owned
+
+
 def groups_that_differ(rank: int, world_size: int) -> None:
     import hsync
 
@@ -242,7 +282,7 @@ def bucket_bytes_over_a_step(rank: int, world_size: int) -> dict[str, float]:
     optimizer = hsync.ShardedOptimizer(sharded, torch.optim.SGD, memory_budget=["3GiB", "1GiB"], lr=0.1)
     step(sharded, optimizer)
     out["sharded step"] = sharded._ensure_engine().allocated_bucket_bytes() / parameters
-    owned = [p for i, p in enumerate(sharded.parameters()) if i in optimizer.layout.ranges[rank]]
+    owned = [p for i, p in enumerate(sharded.parameters()) if i in optimizer.layout.owned[rank]]
     out["owned"] = sum(p.numel() * p.element_size() for p in owned) / parameters
     return out
 
@@ -360,7 +400,7 @@ def bucket_bytes_while_the_owner_lags(rank: int, world_size: int) -> dict[str, f
         model.backward(model(x).square().mean(), weight=len(x))
         optimizer.step()
         optimizer.zero_grad()
-    return {"peak": max(peaks, default=0) / LAGGING_LAYER_BYTES, "owned": len(optimizer.layout.ranges[rank])}
+    return {"peak": max(peaks, default=0) / LAGGING_LAYER_BYTES, "owned": len(optimizer.layout.owned[rank])}
 
 
 def test_other_ranks_buckets_take_two_buffers_however_late_their_owner():
@@ -419,7 +459,7 @@ def train_sharded(rank: int, world_size: int, budgets, steps: range, folder: str
             if rank == 0:
                 torch.save(optimizer.state_dict(), f"{folder}/optimizer.pt")
                 torch.save(model.module.state_dict(), f"{folder}/model.pt")
-    owned = {p for i, p in enumerate(optimizer._all) if i in optimizer.layout.ranges[rank]}
+    owned = {p for i, p in enumerate(optimizer._all) if i in optimizer.layout.owned[rank]}
     return {"params": {n: p.detach().clone() for n, p in model.module.named_parameters()},
             "state_only_where_owned": all(p in owned for p in optimizer.state)}
 

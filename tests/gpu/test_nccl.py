@@ -262,7 +262,7 @@ def train_capped(rank: int, world_size: int, shares: str, steps: int) -> dict:
             budgets = ["1TiB"] * world_size if shares == "even" else None
             optimizer = hsync.ShardedOptimizer(model, torch.optim.AdamW, memory_budget=budgets, lr=1e-4, fused=True)
             out["owned"] = sum(p.numel() for i, p in enumerate(model.parameters())
-                               if i in optimizer.layout.ranges[rank])
+                               if i in optimizer.layout.owned[rank])
         x = torch.randn(4, width, device="cuda")
         for _ in range(steps):
             loss = model(x).square().mean()

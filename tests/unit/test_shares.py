@@ -36,19 +36,19 @@ def test_ranges_follow_the_capacity_beyond_the_whole_parameters_and_the_buckets_
     sizes = [100] * 40  # 4000 bytes of parameters on every rank, 500 of buckets in flight
     # Capacities 3:1 for 12000 bytes of owned gradients (1 per parameter byte) and moments (2)
     layout = plan_layout(sizes, [4500 + 9000, 4500 + 3000], owned_per_byte=3.0, in_flight=500)
-    assert [len(r) for r in layout.ranges] == [30, 10]
-    assert layout.ranges[0] == range(0, 30) and layout.ranges[1] == range(30, 40)
+    assert [len(r) for r in layout.owned] == [30, 10]
+    assert layout.owned == (tuple(range(0, 30)), tuple(range(30, 40)))
     assert layout.needs == (4500 + 9000, 4500 + 3000)
 
 
 def test_undeclared_budgets_share_equally_and_a_rank_may_own_nothing():
-    assert [len(r) for r in plan_layout([10] * 9, [None] * 3, 3.0).ranges] == [3, 3, 3]
-    assert [len(r) for r in plan_layout([10], [None, None], 3.0).ranges] in ([1, 0], [0, 1])
+    assert [len(r) for r in plan_layout([10] * 9, [None] * 3, 3.0).owned] == [3, 3, 3]
+    assert [len(r) for r in plan_layout([10], [None, None], 3.0).owned] in ([1, 0], [0, 1])
 
 
 def test_a_tensor_is_whole_and_goes_to_the_nearest_boundary():
     layout = plan_layout([10, 80, 10], [None, None], 2.0)  # half of 100 falls inside the big tensor
-    assert sum(len(r) for r in layout.ranges) == 3 and layout.ranges[0].stop in (1, 2)
+    assert sum(len(r) for r in layout.owned) == 3 and len(layout.owned[0]) in (1, 2)
 
 
 def test_a_model_that_cannot_fit_is_refused_naming_each_rank_its_budget_and_need():
@@ -71,8 +71,24 @@ def test_parameters_outside_the_groups_cost_every_rank_their_gradients_and_no_ra
     budgets = [5500 + 6900, 5500 + 2100]  # capacities 23:7 for the 30 grouped parameters' 9000 bytes of state
     layout = plan_layout(sizes, budgets, owned_per_byte=3.0, in_flight=500, outside=set(range(10)),
                          outside_per_byte=1.0)
-    assert [sum(1 for i in r if i >= 10) for r in layout.ranges] == [23, 7], layout.ranges
+    assert [sum(1 for i in r if i >= 10) for r in layout.owned] == [23, 7], layout.owned
     assert layout.needs == tuple(budgets)
     with pytest.raises(ValueError, match=r"outside the optimizer's groups \(1.0 KiB\)"):
         plan_layout(sizes, [b - 500 for b in budgets], owned_per_byte=3.0, in_flight=500, outside=set(range(10)),
                     outside_per_byte=1.0)
+
+
+def test_a_group_added_later_keeps_what_is_owned_and_fills_what_each_rank_lacks():
+    # Ten parameters of 100 bytes owned 5 + 5 (equal shares), thirty more added: the first ten stay where they are
+    # and the thirty go 15 + 15, each rank's part contiguous.
+    first = plan_layout([100] * 40, [None, None], owned_per_byte=3.0, outside=set(range(10, 40)))
+    kept = [[i for i in owned if i < 10] for owned in first.owned]
+    assert kept == [list(range(5)), list(range(5, 10))], first.owned
+    added = plan_layout([100] * 40, [None, None], owned_per_byte=3.0, kept=kept)
+    assert added.owned == (tuple(range(5)) + tuple(range(10, 25)), tuple(range(5, 10)) + tuple(range(25, 40)))
+    # What lacks is what is filled: a rank already past its share takes nothing of the rest.
+    lopsided = plan_layout([100] * 40, [None, None], owned_per_byte=3.0, kept=[[], list(range(25))])
+    assert lopsided.owned == (tuple(range(25, 40)), tuple(range(25)))
+    # Declared budgets: what a rank lacks counts its budget, and a group that does not fit is refused.
+    with pytest.raises(ValueError, match=r"rank 1: budget 4.0 KiB, needs"):
+        plan_layout([100] * 40, [40000, 4096], owned_per_byte=3.0, kept=[[], list(range(10))])
