@@ -373,13 +373,19 @@ class WeightedDDP(DistributedDataParallel):
         collective (one small all-reduce, and the model check when something changed): call it on every rank,
         between steps. Without it, the next synchronised forward refuses unfrozen parameters, and added ones
         train on each rank's gradient alone, as under torch's DDP (which leaves unfrozen ones so too, silently).
-        Lightning's strategy calls it at each epoch's start (BackboneFinetuning unfreezes a backbone there).
-        Returns whether it built new buckets; freezing needs no call (a frozen parameter is an unused one)."""
+        Lightning's strategy calls it at each epoch's start (BackboneFinetuning unfreezes a backbone there). With
+        an hsync.ShardedOptimizer the new parameters stay outside its groups (whole gradients) until its
+        add_param_group takes them (which refreshes first itself). Returns whether it built new buckets; freezing
+        needs no call (a frozen parameter is an unused one)."""
         outside = self._trainable_parameters_outside_the_buckets()
         keep_trainable = "leave every parameter trainable at wrap time (and out of the optimizer while frozen)"
+        sharded = self._sharded_optimizer() if self._attached.param_owners is not None else None
+        frozen = sharded._frozen_in_groups() if sharded is not None else None
         refusal = None if not outside else (
+            f"the ShardedOptimizer steps '{frozen}', which is frozen now and would leave the buckets with its state "
+            "left behind; unfreeze it too" if frozen is not None else
             f"a ShardedOptimizer's shares were laid out without it; {keep_trainable}"
-            if self._attached.param_owners is not None else
+            if self._attached.param_owners is not None and sharded is None else
             f"a communication hook's state was laid out for the buckets without it; {keep_trainable}"
             if self._comm_hook is not None else
             "a step is in progress, whose micro-steps were weighed without it; unfreeze between steps"
@@ -402,7 +408,14 @@ class WeightedDDP(DistributedDataParallel):
                                "same on every rank")
         if not changed:
             return False
-        self._rebuild_engine(self.process_group)
+        if sharded is None:
+            self._rebuild_engine(self.process_group)
+        else:  # the new parameters outside its groups (whole gradients) until add_param_group takes them
+            trainable = [p for p in reduced_parameters(self.module) if p.requires_grad]
+            layout = sharded._layout_after_refresh(trainable)  # refuses, on every rank, a state that cannot fit
+            self._attached.param_owners, self._attached.witness = None, -1  # the new engine's are given below
+            self._rebuild_engine(self.process_group)
+            sharded._adopt_refreshed(trainable, layout)
         self._refreshes += 1
         return True
 

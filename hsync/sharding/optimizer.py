@@ -23,7 +23,6 @@ step left without step() is refused at the next forward.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -95,12 +94,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             raise ValueError(f"{budgets[refused[0]]} (rank {refused[0]}; refused on ranks {refused})")
         if any(theirs != outside for _, theirs in everyone):
             raise _different_groups()
-        state_bytes = StateBytes(model, optimizer_class, defaults)
-        # The layout from these, for the groups given now and for each one added (add_param_group).
-        self._plan_layout = functools.partial(plan_layout, sizes, budgets, state_bytes.owned_per_parameter_byte(),
-                                              state_bytes.in_flight(sizes),
-                                              outside_per_byte=state_bytes.gradient_per_parameter_byte())
-        self.layout: Layout = self._plan_layout(outside=set(outside))
+        self._budgets, self._state_bytes = budgets, StateBytes(model, optimizer_class, defaults)
+        self.layout: Layout = self._plan_layout(sizes, outside=set(outside))
         """Which parameters each rank owns (their indices among the model's trainable parameters)."""
         self._owned = set(self._all[i] for i in self.layout.owned[model.rank])
         # The optimizer this rank runs: the same groups, each holding only the parameters it owns.
@@ -113,6 +108,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         Joinable.__init__(self)
         self._built = True
         self._give_owners()
+
+    def _plan_layout(self, sizes: list[int], **where: Any) -> Layout:
+        """The layout of parameters of `sizes` bytes (the model's trainable ones, in order) under the budgets of
+        the ranks, for plan_layout's `outside` and `kept`."""
+        state = self._state_bytes
+        return plan_layout(sizes, self._budgets, state.owned_per_parameter_byte(), state.in_flight(sizes),
+                           outside_per_byte=state.gradient_per_parameter_byte(), **where)
 
     def _give_owners(self) -> None:
         """Once set, the gradients of the groups' parameters go to their owners only, which only this optimizer
@@ -170,10 +172,20 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if not getattr(self, "_built", False):  # torch.optim.Optimizer's constructor adds the first groups
             super().add_param_group(param_group)
             return
+        param_group = dict(param_group)
+        if isinstance(param_group.get("params"), torch.Tensor):
+            param_group["params"] = [param_group["params"]]
+        elif "params" in param_group:
+            param_group["params"] = list(param_group["params"])  # once, if a generator
+            if any(p not in self._index for p in param_group["params"]):
+                # Unfrozen since the model was wrapped (Lightning's BackboneFinetuning adds them so): the buckets
+                # first, where they are outside the groups, then the group as any other.
+                self._model.refresh_trainable_parameters()
         added = [self._index[p] for p in self._checked([dict(param_group)])[0]["params"]]
         self._same_on_every_rank(added, "the added parameter group")
         stepped = set(self._stepped())
         layout = self._plan_layout(
+            [p.numel() * p.element_size() for p in self._all],
             outside={i for i, p in enumerate(self._all) if p not in stepped and i not in added},
             kept=[[i for i in owned if self._all[i] in stepped] for owned in self.layout.owned])
         super().add_param_group(param_group)
@@ -182,6 +194,30 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         group = self._checked([dict(self.param_groups[-1])])[0]
         self._local.add_param_group(self._owned_part(group))
         self._sync_hyperparameters(self.param_groups[-1:], self._local.param_groups[-1:])
+        self._give_owners()
+
+    # --- the model's trainable parameters refreshed (WeightedDDP.refresh_trainable_parameters) ----------------
+
+    def _frozen_in_groups(self) -> str | None:
+        """The name of a parameter of the groups that no longer trains, if any: a refresh would leave it out of
+        the buckets while its state stays."""
+        names = {p: name for name, p in self._model.module.named_parameters()}
+        return next((names.get(p, "?") for p in self._stepped() if not p.requires_grad), None)
+
+    def _layout_after_refresh(self, trainable: list[torch.Tensor]) -> Layout:
+        """The layout over the model's `trainable` parameters once refreshed: what each rank owns stays, the new
+        ones are outside the groups (whole gradients on every rank) until add_param_group takes them. Refuses,
+        on every rank alike, a state that no longer fits the budgets."""
+        index = {p: i for i, p in enumerate(trainable)}
+        stepped = set(self._stepped())
+        return self._plan_layout([p.numel() * p.element_size() for p in trainable],
+                                 outside={i for i, p in enumerate(trainable) if p not in stepped},
+                                 kept=[[index[self._all[i]] for i in owned if self._all[i] in stepped]
+                                       for owned in self.layout.owned])
+
+    def _adopt_refreshed(self, trainable: list[torch.Tensor], layout: Layout) -> None:
+        """The model's new engine reduces `trainable`: owners for its buckets (collective)."""
+        self._all, self._index, self.layout = trainable, {p: i for i, p in enumerate(trainable)}, layout
         self._give_owners()
 
     @staticmethod

@@ -185,21 +185,31 @@ def test_parameters_outside_the_groups_keep_whole_gradients_for_an_optimizer_of_
     assert with_grads[0] == with_grads[1] and min(with_grads[0]) > 0, with_grads
 
 
-def a_backbone_added_later(rank: int, world_size: int, budgets: list[str]) -> dict:
+def a_backbone_added_later(rank: int, world_size: int, budgets: list[str], how: str = "trainable-at-wrap") -> dict:
     """Fine-tuning's order: a ShardedOptimizer over the head, the backbone's group added at step 2
-    (add_param_group), each rank's share of the state then; and the same steps with AdamW, unsharded."""
+    (add_param_group), each rank's share of the state then; and the same steps with AdamW, unsharded. `how` the
+    backbone waits: "trainable-at-wrap" (its gradients whole on every rank, outside the groups), or frozen at the
+    wrap and unfrozen at step 2, then "refresh-then-add" (a loop's own order) or "add-unfrozen" (Lightning's
+    BackboneFinetuning: add_param_group takes it into the buckets itself)."""
     import hsync
 
     out: dict = {"whole": [], "sharded": [], "norms": []}
     for name in ("whole", "sharded"):
-        model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32), bucket_cap_mb=TINY_BUCKET_MB)
+        net = make_net(seed=0, dtype=torch.float32)
+        backbone = [p for n, p in net.named_parameters() if not n.startswith("out.")]
+        for p in backbone:
+            p.requires_grad_(how == "trainable-at-wrap")
+        model = hsync.WeightedDDP(net, bucket_cap_mb=TINY_BUCKET_MB)
         head = list(model.module.out.parameters())
-        backbone = [p for n, p in model.module.named_parameters() if not n.startswith("out.")]
         optimizer = hsync.ShardedOptimizer(model, torch.optim.AdamW, memory_budget=budgets, params=head, lr=0.01) \
             if name == "sharded" else torch.optim.AdamW(head, lr=0.01)
         for step in range(6):
             if step == 2:
-                optimizer.add_param_group({"params": backbone, "lr": 0.005})
+                for p in backbone:
+                    p.requires_grad_(True)
+                if how == "refresh-then-add" or (how == "add-unfrozen" and name == "whole"):
+                    assert model.refresh_trainable_parameters()
+                optimizer.add_param_group({"params": iter(backbone), "lr": 0.005})
             _, _, parts = global_batch(step, sizes_of(step, world_size)[0], dtype=torch.float32)
             x, y = parts[rank]
             loss = mse(model(x, use_branch=rank == 1), y) if len(x) else model(x).sum() * 0
@@ -211,18 +221,45 @@ def a_backbone_added_later(rank: int, world_size: int, budgets: list[str]) -> di
             everything = optimizer._all
             out["owned_bytes"] = [sum(everything[i].numel() * everything[i].element_size() for i in owned)
                                   for owned in optimizer.layout.owned]
+            out["refreshed"] = model.refresh_trainable_parameters()  # nothing left to take in
     return out
 
 
+@pytest.mark.parametrize("how", ["trainable-at-wrap", "refresh-then-add", "add-unfrozen"])
 @pytest.mark.parametrize("budgets", [["3MiB", "1MiB"], ["1MiB", "3MiB"]], ids=["3:1", "1:3"])
-def test_a_group_added_later_is_shared_by_the_budgets_and_steps_as_unsharded(budgets):
+def test_a_group_added_later_is_shared_by_the_budgets_and_steps_as_unsharded(budgets, how):
     # The head's state stays with its owner; the backbone's is split by what each rank lacks of its share, so the
     # state ends 3:1 on budgets 3:1 (it all went to one rank, wherever the head's range left the backbone, before).
-    results = run_ranks(a_backbone_added_later, 2, budgets)
+    # Frozen at the wrap, the backbone is taken into the buckets first (outside the groups until added).
+    results = run_ranks(a_backbone_added_later, 2, budgets, how)
     assert_same_training(results, exact=True)
     owned = results[0]["owned_bytes"]
     large = 0 if budgets[0] == "3MiB" else 1
     assert abs(owned[large] / sum(owned) - 0.75) < 0.1, owned
+    assert [r["refreshed"] for r in results] == [False, False]
+
+
+def frozen_group_parameter_then_refresh(rank: int, world_size: int) -> str:
+    """A parameter of the ShardedOptimizer's groups frozen, another unfrozen, then a refresh: refused."""
+    import hsync
+
+    net = make_net(seed=0, dtype=torch.float32)
+    net.inp.requires_grad_(False)
+    model = hsync.WeightedDDP(net)
+    optimizer = hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    net.inp.requires_grad_(True)
+    net.out.weight.requires_grad_(False)
+    try:
+        model.refresh_trainable_parameters()
+    except RuntimeError as error:
+        return str(error)
+    return f"refreshed under {optimizer}"
+
+
+def test_a_refresh_that_would_leave_a_grouped_parameter_out_of_the_buckets_is_refused_on_every_rank():
+    for error in run_ranks(frozen_group_parameter_then_refresh, 2):
+        assert "parameter 'inp.weight' trains now but is in no bucket" in error, error
+        assert "the ShardedOptimizer steps 'out.weight', which is frozen now" in error, error
 
 
 def groups_that_differ(rank: int, world_size: int) -> None:

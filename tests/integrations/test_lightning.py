@@ -106,11 +106,11 @@ def fit(rank: int, world_size: int, strategy_options: dict | None, accumulate: i
     from hsync.integrations.lightning import HsyncStrategy
 
     torch.manual_seed(0)
-    module = module_class(weighted=variant == "weighted", sharded=variant == "sharded-clipped")()
+    module = module_class(weighted=variant == "weighted", sharded=variant.startswith("sharded"))()
     strategy = "hsync" if strategy_options is None else HsyncStrategy(**strategy_options)
     savers = [ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}"),
               ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1, filename="{epoch}")]  # at its end
-    if variant == "backbone-finetuning":  # the first layer frozen in the first epoch, at a tenth of the lr after
+    if variant.endswith("backbone-finetuning"):  # the first layer frozen in the first epoch, a tenth of the lr after
         from lightning.pytorch.callbacks import BackboneFinetuning
 
         savers.append(BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.1))
@@ -194,14 +194,15 @@ def test_lightning_steps_equal_one_process_over_the_same_global_batches(options,
 
 
 @pytest.mark.parametrize("variant", ["clip-compiled", "weighted", "comm-hook", "sharded-clipped",
-                                     "backbone-finetuning"])
+                                     "backbone-finetuning", "sharded-backbone-finetuning"])
 def test_lightnings_options_keep_the_steps_exact(variant, tmp_path):
     # Fixed shares, rank 0's 24 in three micro-batches: clipping acts on the step's whole gradient, after the
     # last, and a compiled module runs the same steps (both in one run); a loss that gives its weight is
     # weighted by it; a ddp_comm_hook of the user's (an all-reduce divided by the world size) runs on the CPU;
     # an hsync.ShardedOptimizer (SGD with momentum) is clipped over both ranks' shards; Lightning's
     # BackboneFinetuning unfreezes the first layer after the model was wrapped, and it trains on averaged gradients
-    # (under torch's DDP each rank's copy of it would train on its own).
+    # (under torch's DDP each rank's copy of it would train on its own); with a ShardedOptimizer too, whose
+    # add_param_group takes the layer into the buckets and shares its state.
     import hsync
     from tests.distributed.test_comm_hooks import mean_allreduce_hook
 
@@ -213,9 +214,9 @@ def test_lightnings_options_keep_the_steps_exact(variant, tmp_path):
     clipped = variant in ("clip-compiled", "sharded-clipped")
     expected, losses = one_process(global_batches(ranks), clip=CLIP if clipped else None,
                                    weights=example_weights if variant == "weighted" else None,
-                                   momentum=MOMENTUM if variant == "sharded-clipped" else 0.0,
+                                   momentum=MOMENTUM if variant.startswith("sharded") else 0.0,
                                    **(dict(first_layer_from_step=EXAMPLES // GLOBAL_BATCH, first_layer_lr=LR / 10)
-                                      if variant == "backbone-finetuning" else {}))
+                                      if variant.endswith("backbone-finetuning") else {}))
     for result in ranks:
         assert result["dtypes"] == ["torch.float32"] and result["comm_hook"] == (variant == "comm-hook")
         assert result["loss"] == pytest.approx(losses[-1], rel=1e-5)
