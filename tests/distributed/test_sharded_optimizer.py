@@ -185,7 +185,8 @@ def test_parameters_outside_the_groups_keep_whole_gradients_for_an_optimizer_of_
     assert with_grads[0] == with_grads[1] and min(with_grads[0]) > 0, with_grads
 
 
-def a_backbone_added_later(rank: int, world_size: int, budgets: list[str], how: str = "trainable-at-wrap") -> dict:
+def a_backbone_added_later(rank: int, world_size: int, budgets: list[str], how: str = "trainable-at-wrap",
+                           device: str = "cpu") -> dict:
     """Fine-tuning's order: a ShardedOptimizer over the head, the backbone's group added at step 2
     (add_param_group), each rank's share of the state then; and the same steps with AdamW, unsharded. `how` the
     backbone waits: "trainable-at-wrap" (its gradients whole on every rank, outside the groups), or frozen at the
@@ -193,9 +194,11 @@ def a_backbone_added_later(rank: int, world_size: int, budgets: list[str], how: 
     BackboneFinetuning: add_param_group takes it into the buckets itself)."""
     import hsync
 
+    if device == "cuda":
+        torch.cuda.set_device(0)
     out: dict = {"whole": [], "sharded": [], "norms": []}
     for name in ("whole", "sharded"):
-        net = make_net(seed=0, dtype=torch.float32)
+        net = make_net(seed=0, dtype=torch.float32).to(device)
         backbone = [p for n, p in net.named_parameters() if not n.startswith("out.")]
         for p in backbone:
             p.requires_grad_(how == "trainable-at-wrap")
@@ -211,12 +214,12 @@ def a_backbone_added_later(rank: int, world_size: int, budgets: list[str], how: 
                     assert model.refresh_trainable_parameters()
                 optimizer.add_param_group({"params": iter(backbone), "lr": 0.005})
             _, _, parts = global_batch(step, sizes_of(step, world_size)[0], dtype=torch.float32)
-            x, y = parts[rank]
+            x, y = (t.to(device) for t in parts[rank])
             loss = mse(model(x, use_branch=rank == 1), y) if len(x) else model(x).sum() * 0
             assert model.backward(loss, weight=len(x)).finite
             optimizer.step()
             model.zero_grad()
-            out[name].append({n: p.detach().clone() for n, p in model.module.named_parameters()})
+            out[name].append({n: p.detach().cpu().clone() for n, p in model.module.named_parameters()})
         if name == "sharded":
             everything = optimizer._all
             out["owned_bytes"] = [sum(everything[i].numel() * everything[i].element_size() for i in owned)

@@ -326,3 +326,13 @@ def test_nccl_weighted_steps_after_refreshing_the_trainable_parameters_match_one
     results = run_ranks(test_ddp_dropin.unfreezing_steps, 2, "cuda", views, env=SOCKET_ENV, timeout=120)
     for rank, params in enumerate(results):
         torch.testing.assert_close(params, expected, rtol=1e-10, atol=1e-12, msg=lambda m, r=rank: f"rank {r}: {m}")
+
+
+def test_nccl_a_backbone_unfrozen_into_a_sharded_optimizer_steps_as_the_unsharded_one():
+    """Lightning's BackboneFinetuning order: add_param_group takes parameters frozen at the wrap into new buckets
+    (a second NCCL communicator), then gives them owners, reduced to each over it."""
+    results = run_ranks(test_sharded_optimizer.a_backbone_added_later, 2, ["3MiB", "1MiB"], "add-unfrozen", "cuda",
+                        env=SOCKET_ENV, timeout=120)
+    test_sharded_optimizer.assert_same_training(results, exact=False)
+    owned = results[0]["owned_bytes"]
+    assert abs(owned[0] / sum(owned) - 0.75) < 0.1, owned
