@@ -382,8 +382,8 @@ class WeightedDDP(DistributedDataParallel):
         sharded = self._sharded_optimizer() if self._attached.param_owners is not None else None
         frozen = sharded._frozen_in_groups() if sharded is not None else None
         refusal = None if not outside else (
-            f"the ShardedOptimizer steps '{frozen}', which is frozen now and would leave the buckets with its state "
-            "left behind; unfreeze it too" if frozen is not None else
+            f"the ShardedOptimizer steps '{frozen}', which is frozen now: new buckets would leave it out while its "
+            "state stays; unfreeze it too" if frozen is not None else
             f"a ShardedOptimizer's shares were laid out without it; {keep_trainable}"
             if self._attached.param_owners is not None and sharded is None else
             f"a communication hook's state was laid out for the buckets without it; {keep_trainable}"
