@@ -39,7 +39,7 @@ def scaled_training(rank: int, world_size: int, poisoned_weight: int, sharded: b
     optimizer = (hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1) if sharded
                  else torch.optim.SGD(model.parameters(), lr=0.1))
     if few_tensors is not None:
-        assert [] in [list(r) for r in optimizer.layout.owned], optimizer.layout
+        assert () in optimizer.layout.owned, optimizer.layout
     scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=2)
     poison = {"on": False}
     model.module.out.weight.register_hook(lambda g: g * float("nan") if poison["on"] else g)
