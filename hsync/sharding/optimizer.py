@@ -71,10 +71,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._channel = Channels.of_model(model)
         self._all = [p for p in reduced_parameters(model.module) if p.requires_grad]
         self._index = {p: i for i, p in enumerate(self._all)}
-        sizes = [p.numel() * p.element_size() for p in self._all]
         # What the model holds now that its state will be made of: the parameters, and gradient buckets (if a
         # backward ran already) that the owners will replace.
-        held = sum(sizes) + model._ensure_engine().allocated_bucket_bytes()
+        held = sum(p.numel() * p.element_size() for p in self._all) + model._ensure_engine().allocated_bucket_bytes()
         groups = list(params) if params is not None else [{"params": self._all}]
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
@@ -94,8 +93,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             raise ValueError(f"{budgets[refused[0]]} (rank {refused[0]}; refused on ranks {refused})")
         if any(theirs != outside for _, theirs in everyone):
             raise _different_groups()
-        self._budgets, self._state_bytes = budgets, StateBytes(model, optimizer_class, defaults)
-        self.layout: Layout = self._plan_layout(sizes, outside=set(outside))
+        state_bytes = StateBytes(model, optimizer_class, defaults)
+        # What plans each layout: this one, and each after add_param_group or the model's refresh.
+        self._budgets, self._state_bytes = budgets, state_bytes
+        self._owned_per_byte = state_bytes.owned_per_parameter_byte()
+        self._gradient_per_byte = state_bytes.gradient_per_parameter_byte()
+        self.layout: Layout = self._plan_layout(self._all, outside=set(outside))
         """Which parameters each rank owns (their indices among the model's trainable parameters)."""
         self._owned = set(self._all[i] for i in self.layout.owned[model.rank])
         # The optimizer this rank runs: the same groups, each holding only the parameters it owns.
@@ -109,12 +112,17 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._built = True
         self._give_owners()
 
-    def _plan_layout(self, sizes: list[int], **where: Any) -> Layout:
-        """The layout of parameters of `sizes` bytes (the model's trainable ones, in order) under the budgets of
-        the ranks, for plan_layout's `outside` and `kept`."""
-        state = self._state_bytes
-        return plan_layout(sizes, self._budgets, state.owned_per_parameter_byte(), state.in_flight(sizes),
-                           outside_per_byte=state.gradient_per_parameter_byte(), **where)
+    def _plan_layout(self, params: list[torch.Tensor], **where: Any) -> Layout:
+        """The layout of `params` (the model's trainable parameters, in order) under the budgets of the ranks, for
+        plan_layout's `outside` and `kept`."""
+        sizes = [p.numel() * p.element_size() for p in params]
+        return plan_layout(sizes, self._budgets, self._owned_per_byte, self._state_bytes.in_flight(sizes),
+                           outside_per_byte=self._gradient_per_byte, **where)
+
+    def _kept(self, index: Mapping[torch.Tensor, int]) -> list[list[int]]:
+        """What each rank owns of the groups' parameters (their state is there), as indices of `index`."""
+        stepped = set(self._stepped())
+        return [[index[self._all[i]] for i in owned if self._all[i] in stepped] for owned in self.layout.owned]
 
     def _give_owners(self) -> None:
         """Once set, the gradients of the groups' parameters go to their owners only, which only this optimizer
@@ -153,7 +161,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             if not isinstance(group, dict) or "params" not in group:
                 raise TypeError(f"hsync.ShardedOptimizer: a parameter group is a dict with 'params', got "
                                 f"{describe(group)}")
-            group["params"] = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+            group["params"] = _as_list(group["params"])
             strangers = [p for p in group["params"] if p not in self._index]
             if strangers:
                 raise ValueError(f"hsync.ShardedOptimizer: {len(strangers)} parameter(s) of a group are not among "
@@ -173,10 +181,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             super().add_param_group(param_group)
             return
         param_group = dict(param_group)
-        if isinstance(param_group.get("params"), torch.Tensor):
-            param_group["params"] = [param_group["params"]]
-        elif "params" in param_group:
-            param_group["params"] = list(param_group["params"])  # once, if a generator
+        if "params" in param_group:
+            param_group["params"] = _as_list(param_group["params"])  # once, if a generator
             if any(p not in self._index for p in param_group["params"]):
                 # Unfrozen since the model was wrapped (Lightning's BackboneFinetuning adds them so): the buckets
                 # first, where they are outside the groups, then the group as any other.
@@ -185,14 +191,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._same_on_every_rank(added, "the added parameter group")
         stepped = set(self._stepped())
         layout = self._plan_layout(
-            [p.numel() * p.element_size() for p in self._all],
-            outside={i for i, p in enumerate(self._all) if p not in stepped and i not in added},
-            kept=[[i for i in owned if self._all[i] in stepped] for owned in self.layout.owned])
+            self._all, outside={i for i, p in enumerate(self._all) if p not in stepped and i not in added},
+            kept=self._kept(self._index))
         super().add_param_group(param_group)
         self.layout = layout
         self._owned = set(self._all[i] for i in layout.owned[self._model.rank])
-        group = self._checked([dict(self.param_groups[-1])])[0]
-        self._local.add_param_group(self._owned_part(group))
+        self._local.add_param_group(self._owned_part(self.param_groups[-1]))
         self._sync_hyperparameters(self.param_groups[-1:], self._local.param_groups[-1:])
         self._give_owners()
 
@@ -208,12 +212,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """The layout over the model's `trainable` parameters once refreshed: what each rank owns stays, the new
         ones are outside the groups (whole gradients on every rank) until add_param_group takes them. Refuses,
         on every rank alike, a state that no longer fits the budgets."""
-        index = {p: i for i, p in enumerate(trainable)}
         stepped = set(self._stepped())
-        return self._plan_layout([p.numel() * p.element_size() for p in trainable],
-                                 outside={i for i, p in enumerate(trainable) if p not in stepped},
-                                 kept=[[index[self._all[i]] for i in owned if self._all[i] in stepped]
-                                       for owned in self.layout.owned])
+        return self._plan_layout(trainable, outside={i for i, p in enumerate(trainable) if p not in stepped},
+                                 kept=self._kept({p: i for i, p in enumerate(trainable)}))
 
     def _adopt_refreshed(self, trainable: list[torch.Tensor], layout: Layout) -> None:
         """The model's new engine reduces `trainable`: owners for its buckets (collective)."""
@@ -411,6 +412,11 @@ class _ShadowSteps(JoinHook):
 
     def main_hook(self) -> None:
         self.optimizer._shadow_step()
+
+
+def _as_list(params: torch.Tensor | Iterable) -> list:
+    """A group's "params", as torch.optim.Optimizer reads them: one tensor, or any iterable of them."""
+    return [params] if isinstance(params, torch.Tensor) else list(params)
 
 
 def merge_shards(shards: list[Mapping]) -> dict:
