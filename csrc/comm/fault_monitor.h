@@ -17,6 +17,13 @@
 // that saw the failure first. Communicators built afterwards start clean: a trainer that regroups
 // the survivors after a failure (DDP's _update_process_group, a new quorum) goes on over them.
 //
+// The board is read only once a wait is store_poll_after() old, and its store may die with the lost
+// rank (torchft's quorum store lives in one replica). On gloo the connections tell sooner: a rank
+// whose collective failed lets go of its later ones at once (their works hold gloo's connections),
+// so a survivor that destroys the group to regroup closes them, and a peer still waiting on it there
+// (in a ring, a rank that exchanges nothing with the lost one) fails at once. NCCL peers on P2P or
+// shared-memory links see no such close: the board or their deadline tells them.
+//
 // Note [Naming the lost rank]
 // A collective that fails says only that a connection closed or that time ran out; the rank it
 // waited for is named from the store.

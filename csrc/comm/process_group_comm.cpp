@@ -90,8 +90,17 @@ void ProcessGroupComm::synchronize_through(uint64_t seq) {
                                   [seq](const Pending& p) { return p.collective.seq > seq; });
   std::vector<Pending> due(std::make_move_iterator(pending_.begin()), std::make_move_iterator(later));
   pending_.erase(pending_.begin(), later);
-  monitor().check();
-  for (const Pending& p : due) wait(p);
+  try {
+    monitor().check();
+    for (const Pending& p : due) wait(p);
+  } catch (...) {
+    // The later collectives (a step's buckets, issued after its scalars) will never be waited on, and
+    // their works hold the backend's connections: a survivor that destroys the group and goes on must
+    // close them now, as a peer still waiting on this rank learns of the failure no sooner (Note
+    // [Failing fast]). The backend keeps a work it still runs.
+    pending_.clear();
+    throw;
+  }
 }
 
 void ProcessGroupComm::wait(const Pending& p) {

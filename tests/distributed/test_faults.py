@@ -18,12 +18,15 @@ pytestmark = pytest.mark.distributed
 
 DEADLINE_S = 3.0
 VICTIM = 2
+BOARD_READ_AFTER_S = min(2.0, DEADLINE_S / 2)  # FaultMonitor::store_poll_after(): no rank reads a post sooner
 
 
 def train_until_victim_strikes(rank: int, world_size: int, how: str, deadlines: dict[int, float],
-                               device: str = "cpu", history: str = "") -> None:
+                               device: str = "cpu", history: str = "", regroup: bool = False) -> None:
     """Trains; at step 3 the victim kills or stops itself in the middle of backward, after some
-    buckets went out. The others raise, with the seconds they took to notice. Before, with history
+    buckets went out. The others raise, with the seconds they took to notice; with `regroup`, only
+    after destroying the group and staying alive for seconds, as a trainer that goes on over the
+    survivors does (hsync.fault_tolerance), so that no peer learns of it from an exit. Before, with history
     "subgroup", ranks 0 and VICTIM wrap a model over a group of their own, which rank 1 never sees;
     with "replacement", every rank wraps one, then rank 1 forgets it, as a process that replaced a
     failed one would never have seen it."""
@@ -54,8 +57,11 @@ def train_until_victim_strikes(rank: int, world_size: int, how: str, deadlines: 
         try:
             model.backward(loss, weight=4)
         except RuntimeError as error:
-            raise RuntimeError(f"noticed after {time.monotonic() - started:.2f} s at step {step_index}: "
-                               f"{error}") from None
+            noticed = time.monotonic() - started
+            if regroup:
+                dist.destroy_process_group()
+                time.sleep(2 * DEADLINE_S)
+            raise RuntimeError(f"noticed after {noticed:.2f} s at step {step_index}: {error}") from None
     raise AssertionError(f"rank {rank} finished training although rank {VICTIM} was gone")
 
 
@@ -73,6 +79,20 @@ def test_killed_peer_fails_every_survivor_at_once():
         assert own or told, survivor.error
         assert noticed_after(survivor.error) < 3.0, survivor.error
         assert survivor.exitcode == 0, f"rank {rank}: {survivor}"  # the harness reported the error and exited
+
+
+def test_a_survivor_that_regroups_lets_go_of_the_failed_groups_connections_at_once():
+    # In the ring all-reduce of four ranks, rank 0 exchanges nothing with the victim (rank 2): it learns of
+    # the loss only when a survivor's connection to it closes, or from the board after seconds of waiting.
+    # A survivor's failed collective must not keep its later ones (and with them gloo's connections) alive
+    # past the group's destruction (Note [Failing fast]).
+    survivors = run_ranks_with_victim(train_until_victim_strikes, 4, VICTIM, "kill", {}, "cpu", "", True,
+                                      timeout=60, until_exit=False)
+    for rank, survivor in survivors.items():
+        assert survivor.error is not None, f"rank {rank} raised nothing"
+        assert re.search(rf"hsync: rank {rank} \(gloo\): all-reduce #\d+ .* failed after", survivor.error), \
+            survivor.error
+        assert noticed_after(survivor.error) < BOARD_READ_AFTER_S, survivor.error
 
 
 def test_frozen_peer_fails_every_survivor_at_the_deadline():
