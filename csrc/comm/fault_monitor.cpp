@@ -38,6 +38,16 @@ std::string seconds(Clock::duration elapsed) {
   return text;
 }
 
+namespace {
+
+// A peer on this host and in this PID namespace: Note [Naming the lost rank].
+struct LocalPeer {
+  int rank;
+  std::string pid;
+};
+
+}  // namespace
+
 struct FaultMonitor::State {
   std::mutex mutex;
   std::condition_variable wake;     // stop, or a failure to post
@@ -57,6 +67,9 @@ struct FaultMonitor::State {
   int rank = 0;
   int world_size = 1;
   std::string process;               // "host pid-namespace pid": Note [Naming the lost rank]
+  // The peers on this host and in this PID namespace, once the thread has read them all from the
+  // board: Note [A dead peer with open connections].
+  std::optional<std::vector<LocalPeer>> local_peers;
   std::chrono::milliseconds store_poll_after{0};
   std::atomic<Clock::rep> waiting_since{kNotWaiting};  // see set_waiting_since
   std::atomic<uint64_t> waiting_seq{0};
@@ -152,6 +165,36 @@ char process_state(pid_t pid) {
   return text[name_end + 2];
 }
 
+// The peers whose process (as posted: Note [Naming the lost rank]) shares this one's host and PID
+// namespace, from each rank's post ("" where none, and for this rank).
+std::vector<LocalPeer> local_peers_in(const std::vector<std::string>& processes, const std::string& me) {
+  std::vector<LocalPeer> found;
+  if (me.empty()) return found;
+  const std::string place = me.substr(0, me.rfind(' ') + 1);  // "host pid-namespace "
+  for (int peer = 0; peer < static_cast<int>(processes.size()); ++peer) {
+    const std::string& process = processes[peer];
+    if (process.size() <= place.size() || process.compare(0, place.size(), place) != 0) continue;
+    const std::string pid = process.substr(place.size());
+    if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;  // never throws here
+    found.push_back({peer, pid});
+  }
+  return found;
+}
+
+// "; rank 1 (process 4242, on this host) has exited" for each of `peers` whose process has exited
+// (or, with `stopped_too`, is stopped).
+std::string name_exited(const std::vector<LocalPeer>& peers, bool stopped_too) {
+  std::string text;
+  for (const auto& peer : peers) {
+    const char state = process_state(static_cast<pid_t>(std::strtol(peer.pid.c_str(), nullptr, 10)));
+    const char* what = state == 'X' || state == 'Z'                        ? "has exited"
+                       : stopped_too && (state == 'T' || state == 't') ? "is stopped"
+                                                                         : nullptr;
+    if (what) text += "; rank " + std::to_string(peer.rank) + " (process " + peer.pid + ", on this host) " + what;
+  }
+  return text;
+}
+
 // Runs a communicator's hook; what it throws is what failed.
 std::optional<std::string> guarded(const std::function<std::optional<std::string>()>& hook, const char* which) {
   try {
@@ -224,8 +267,10 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
     }
     next_store_poll = now + FaultMonitor::kStorePollInterval;
     const uint64_t seq = s->waiting_seq.load();
+    const bool read_local_peers = !s->local_peers && !s->process.empty() && s->world_size > 1;
     lock.unlock();
     std::optional<std::string> peer;
+    std::optional<std::vector<LocalPeer>> local_peers;
     try {
       if (seq != 0 && seq != posted_seq) {
         store->set(peer_key(s->key, "waiting", s->rank), bytes(std::to_string(seq)));
@@ -235,6 +280,20 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
         const std::vector<uint8_t> value = store->get(s->key);
         peer = std::string(value.begin(), value.end());
       }
+      if (read_local_peers) {  // once all have posted: a peer's first collective may come late
+        std::vector<std::string> processes(s->world_size);
+        bool all_posted = true;
+        for (int other = 0; other < s->world_size && all_posted; ++other) {
+          const std::string at = peer_key(s->key, "process", other);
+          if (other == s->rank) continue;
+          all_posted = store->check({at});
+          if (all_posted) {
+            const std::vector<uint8_t> value = store->get(at);
+            processes[other] = std::string(value.begin(), value.end());
+          }
+        }
+        if (all_posted) local_peers = local_peers_in(processes, s->process);
+      }
     } catch (const std::exception&) {
       // The store's host ended or died. At the end of a run that is normal, so it is no
       // failure by itself; a collective that needs the dead rank fails on its own.
@@ -243,6 +302,7 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
       continue;
     }
     lock.lock();
+    if (local_peers) s->local_peers = std::move(local_peers);
     if (peer && !s->failure) {
       s->failure = *peer;
       s->origin = Origin::kPeer;
@@ -432,46 +492,30 @@ std::string FaultMonitor::peers_not_there(uint64_t seq) const {
 
 std::string FaultMonitor::peers_gone() const {
   const c10::intrusive_ptr<c10d::Store> store = store_copy();
-  const std::string& me = state_->process;
-  if (!store || me.empty() || state_->world_size <= 1) return {};
+  if (!store || state_->process.empty() || state_->world_size <= 1) return {};
   const auto processes = read_peers(store, state_->key, "process", state_->rank, state_->world_size);
   if (!processes) return {};
-  const std::string place = me.substr(0, me.rfind(' ') + 1);  // "host pid-namespace "
-  const auto what_became_of = [](char state) -> const char* {
-    if (state == 'X' || state == 'Z') return "has exited";
-    if (state == 'T' || state == 't') return "is stopped";
-    return nullptr;
-  };
-  struct Peer {
-    int rank;
-    std::string pid;
-  };
-  std::vector<Peer> same_place;  // the peers on this host and in this PID namespace
-  for (int peer = 0; peer < state_->world_size; ++peer) {
-    const std::string& process = (*processes)[peer];
-    if (process.size() <= place.size() || process.compare(0, place.size(), place) != 0) continue;
-    const std::string pid = process.substr(place.size());
-    if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;  // never throws here
-    same_place.push_back({peer, pid});
-  }
-  const auto look = [&same_place, &what_became_of] {
-    std::string text;
-    for (const Peer& peer : same_place) {
-      const char* what = what_became_of(process_state(static_cast<pid_t>(std::strtol(peer.pid.c_str(), nullptr, 10))));
-      if (what) text += "; rank " + std::to_string(peer.rank) + " (process " + peer.pid + ", on this host) " + what;
-    }
-    return text;
-  };
+  const std::vector<LocalPeer> local = local_peers_in(*processes, state_->process);
   // A killed process closes its sockets on its way out, an instant before it shows as exited: where
   // none shows yet, look again for a moment. Only until one does: a survivor that raises and exits
   // meanwhile is no cause of this failure.
   const Clock::time_point until = Clock::now() + kExitShowsWithin;
-  std::string text = look();
-  while (text.empty() && !same_place.empty() && Clock::now() < until) {
+  std::string text = name_exited(local, true);
+  while (text.empty() && !local.empty() && Clock::now() < until) {
     std::this_thread::sleep_for(kPollInterval / 5);
-    text = look();
+    text = name_exited(local, true);
   }
   return text;
+}
+
+std::string FaultMonitor::peers_exited() const {
+  std::vector<LocalPeer> local;
+  {
+    const std::lock_guard<std::mutex> lock(state_->mutex);
+    if (!state_->local_peers) return {};
+    local = *state_->local_peers;
+  }
+  return name_exited(local, false);
 }
 
 c10::intrusive_ptr<c10d::Store> FaultMonitor::store_copy() const {

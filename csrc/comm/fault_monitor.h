@@ -22,7 +22,8 @@
 // whose collective failed lets go of its later ones at once (their works hold gloo's connections),
 // so a survivor that destroys the group to regroup closes them, and a peer still waiting on it there
 // (in a ring, a rank that exchanges nothing with the lost one) fails at once. NCCL peers on P2P or
-// shared-memory links see no such close: the board or their deadline tells them.
+// shared-memory links see no such close, and neither do the peers of a rank whose forked children
+// (DataLoader workers) keep its sockets open after it died: Note [A dead peer with open connections].
 //
 // Note [Naming the lost rank]
 // A collective that fails says only that a connection closed or that time ran out; the rank it
@@ -39,6 +40,17 @@
 //   collective (a peer may die right after it); a survivor whose collective failed looks up the
 //   peers that share its host and PID namespace and names those whose process has exited (or is
 //   stopped). A dead peer on another host stays unnamed: gloo's message gives its address.
+//
+// Note [A dead peer with open connections]
+// A peer's death closes its connections only when every process holding them is gone: a rank's
+// DataLoader workers (forked, so holding its sockets) outlive it by seconds, and NCCL's P2P and
+// shared-memory links have no connection to close at all. No survivor then sees a failure to post,
+// and all would wait out their deadline. So a rank that has waited store_poll_after() for a
+// collective also looks at the processes of its peers on this host (read from the board once, by
+// the monitor's thread, at its first poll): one that has exited fails the collective at once,
+// named. A stopped one is left to the deadline (a debugger or job control may resume it). A peer
+// that exited once its own part was done (a reduce's sender) while this rank still waits on a
+// third for seconds would be named too; a program whose ranks end alike never leaves one so.
 //
 // Note [Forked children]
 // A process forked from a rank (a DataLoader worker) inherits the memory of every communicator but
@@ -113,6 +125,12 @@ struct Collective {
 
 std::string seconds(Clock::duration elapsed);  // "2.31 s"
 
+// What a collective that waits on a peer whose process exited is told (FaultMonitor::peers_exited()
+// names the peer after it): Note [A dead peer with open connections].
+inline constexpr const char* kExitedWithOpenConnections =
+    "a peer exited (killed, crashed or out of memory) with its connections left open (a process forked "
+    "from it, such as a DataLoader worker, may hold them; NCCL's P2P and shared-memory links have none)";
+
 class FaultMonitor {
  public:
   // `store` may be null (no board: each rank relies on its own deadline). `key` must be unique to
@@ -151,6 +169,12 @@ class FaultMonitor {
   // stopped"), naming the peers on this host whose process has; empty where none has, or the store
   // does not answer within seconds. Note [Naming the lost rank].
   std::string peers_gone() const;
+
+  // For a collective this rank has waited on for store_poll_after(), "; rank 1 (process 4242, on
+  // this host) has exited", naming the peers on this host whose process has; empty where none has, or
+  // the thread has not read yet which peers are on this host. Reads no store:
+  // Note [A dead peer with open connections].
+  std::string peers_exited() const;
 
   // Throws if this rank failed or a peer posted a failure; `waiting_for` names what was being waited on.
   void check(const Collective* waiting_for = nullptr) const;

@@ -45,9 +45,18 @@ def train_until_victim_strikes(rank: int, world_size: int, how: str, deadlines: 
     timeout = datetime.timedelta(seconds=deadlines.get(rank, DEADLINE_S))
     model = hsync.WeightedDDP(make_net(seed=0).to(device), bucket_cap_mb=TINY_BUCKET_MB, timeout=timeout)
     if rank == VICTIM:
-        strike = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[how]
+        strike = {"kill": signal.SIGKILL, "kill-leaving-a-child": signal.SIGKILL, "stop": signal.SIGSTOP}[how]
         step = {"now": 0}
-        model.module.inp.weight.register_hook(lambda g: os.kill(os.getpid(), strike) if step["now"] == 3 else None)
+
+        def victim_strikes(_: torch.Tensor) -> None:
+            if step["now"] != 3:
+                return
+            if how == "kill-leaving-a-child" and os.fork() == 0:  # as a DataLoader worker, it holds the sockets
+                time.sleep(3 * DEADLINE_S)
+                os._exit(0)
+            os.kill(os.getpid(), strike)
+
+        model.module.inp.weight.register_hook(victim_strikes)
     for step_index in range(6):
         if rank == VICTIM:
             step["now"] = step_index
@@ -93,6 +102,20 @@ def test_a_survivor_that_regroups_lets_go_of_the_failed_groups_connections_at_on
         assert re.search(rf"hsync: rank {rank} \(gloo\): all-reduce #\d+ .* failed after", survivor.error), \
             survivor.error
         assert noticed_after(survivor.error) < BOARD_READ_AFTER_S, survivor.error
+
+
+def test_a_peer_that_died_with_its_connections_left_open_fails_every_survivor_before_the_deadline():
+    # A process forked from the victim keeps its sockets open, so no survivor sees a connection close and none
+    # has a failure to post: each names the exited process once it has waited to poll the board (Note [A dead
+    # peer with open connections]), not at the deadline.
+    survivors = run_ranks_with_victim(train_until_victim_strikes, 3, VICTIM, "kill-leaving-a-child", {},
+                                      timeout=60, until_exit=False)
+    for rank, survivor in survivors.items():
+        assert survivor.error is not None, f"rank {rank} raised nothing"
+        assert re.search(rf"hsync: rank \d \(gloo\): all-reduce #\d+ .* cannot complete after [0-9.]+ s: a peer "
+                         rf"exited .* left open .*; rank {VICTIM} \(process \d+, on this host\) has exited",
+                         survivor.error), survivor.error
+        assert BOARD_READ_AFTER_S - 0.1 < noticed_after(survivor.error) < DEADLINE_S, survivor.error
 
 
 def test_frozen_peer_fails_every_survivor_at_the_deadline():
