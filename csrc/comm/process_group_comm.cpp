@@ -96,8 +96,8 @@ void ProcessGroupComm::synchronize_through(uint64_t seq) {
   } catch (...) {
     // The later collectives (a step's buckets, issued after its scalars) will never be waited on, and
     // their works hold the backend's connections: a survivor that destroys the group and goes on must
-    // close them now, as a peer still waiting on this rank learns of the failure no sooner (Note
-    // [Failing fast]). The backend keeps a work it still runs.
+    // close them now, as a peer still waiting on this rank learns of the failure no sooner.
+    // Note [Failing fast]. The backend keeps a work it still runs.
     pending_.clear();
     throw;
   }
