@@ -25,9 +25,10 @@ def train_until_victim_strikes(rank: int, world_size: int, how: str, deadlines: 
                                device: str = "cpu", history: str = "", regroup: bool = False) -> None:
     """Trains; at step 3 the victim kills or stops itself (`how`: "kill", "stop", or
     "kill-leaving-a-child", whose forked child keeps its sockets open as a DataLoader worker would) in
-    the middle of backward, after some buckets went out. The others raise, with the seconds they took to notice; with `regroup`, only
-    after destroying the group and staying alive for seconds, as a trainer that goes on over the
-    survivors does (hsync.fault_tolerance), so that no peer learns of it from an exit. Before, with history
+    the middle of backward, after some buckets went out. The others raise, with the seconds they took
+    to notice; with `regroup`, only after destroying the group and staying alive for seconds, as a
+    trainer that goes on over the survivors does (hsync.fault_tolerance), so that no peer learns of it
+    from an exit. Before, with history
     "subgroup", ranks 0 and VICTIM wrap a model over a group of their own, which rank 1 never sees;
     with "replacement", every rank wraps one, then rank 1 forgets it, as a process that replaced a
     failed one would never have seen it."""
