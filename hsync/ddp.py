@@ -468,6 +468,7 @@ class WeightedDDP(DistributedDataParallel):
         engine = self._ensure_engine()
         if synced:
             self._refuse_parameters_unfrozen_since_the_engine_was_built()
+            self._refuse_a_sharded_optimizer_dropped()
             engine.expect_gradients(True)
             self._steps_begun = True
         buffers_due = self.require_forward_param_sync and self.forward_sync_buffers
@@ -487,6 +488,17 @@ class WeightedDDP(DistributedDataParallel):
         if (self._settings.cross_rank_backward_found and not self.cross_rank_backward
                 and holds_sync_batch_norm(self.module)):
             self._settings = self._settings.changed(cross_rank_backward=True)
+
+    def _refuse_a_sharded_optimizer_dropped(self) -> None:
+        """An hsync.ShardedOptimizer has each gradient reduced to its parameter's owner only (the model holds it
+        weakly). Once it is gone, another optimizer would step each rank's parameters with the gradients of its
+        own shard, and the ranks' models would drift apart, silently: refused before any collective, on every
+        rank alike (the program drops it at the same point on each)."""
+        if self._attached.param_owners is not None and self._sharded_optimizer() is None:
+            raise RuntimeError("hsync.WeightedDDP: the hsync.ShardedOptimizer that shards this model's gradients (each "
+                               "reduced to the rank that owns its parameter) is gone: no reference to it was kept. "
+                               "Keep it for as long as the model trains; to step the model with another optimizer, "
+                               "make that one an hsync.ShardedOptimizer too")
 
     def _refuse_parameters_unfrozen_since_the_engine_was_built(self) -> None:
         """A parameter frozen at wrap time that requires a gradient now would train on its rank's gradient alone,

@@ -107,12 +107,12 @@ def a_sum_past_the_largest_float(rank: int, world_size: int, sharded: bool, layo
         overflowing = net.out.weight
         x = global_batch(0, [2] * world_size, dtype=torch.float32)[2][rank][0]
     model = hsync.WeightedDDP(net)
-    if sharded:
-        hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    optimizer = hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1) if sharded else None  # kept: it shards
     overflowing.register_hook(lambda g: torch.full_like(g, 2e38))
     stats = model.backward(model(x).square().mean(), weight=1)
     assert overflowing.grad is None or overflowing.grad.is_contiguous() == (layout == "contiguous")
     grads = [p.grad for p in model.parameters() if p.grad is not None]
+    del optimizer
     return stats.finite, all(bool(torch.isfinite(g).all()) for g in grads)
 
 

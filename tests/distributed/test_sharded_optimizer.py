@@ -539,6 +539,37 @@ def test_a_checkpoint_written_on_two_ranks_resumes_on_three_on_one_and_in_the_pl
                 torch.testing.assert_close(rank["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"{how}: {name}")
 
 
+def a_sharded_optimizer_dropped(rank: int, world_size: int) -> dict:
+    import gc
+
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32))
+    x, y = torch.randn(4, 4), torch.zeros(4)
+    sharded = hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    model.backward(mse(model(x), y), weight=4)
+    sharded.step()
+    del sharded
+    gc.collect()
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)  # would step each rank with its own shard's gradients
+    with pytest.raises(RuntimeError) as refused:
+        model(x)
+    again = hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)  # sharded anew, it trains on
+    model.backward(mse(model(x), y), weight=4)
+    again.step()
+    del plain
+    return {"refused": str(refused.value), "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_a_model_whose_sharded_optimizer_is_gone_refuses_to_train_on_every_rank():
+    results = run_ranks(a_sharded_optimizer_dropped, 2)
+    for result in results:
+        assert "the hsync.ShardedOptimizer that shards this model's gradients" in result["refused"], result["refused"]
+        assert "is gone: no reference to it was kept" in result["refused"], result["refused"]
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
 def refused_budgets(rank: int, world_size: int) -> str:
     import hsync
 
