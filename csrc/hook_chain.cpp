@@ -98,14 +98,21 @@ void HookChain::wait() {
     // rank post the same, a frozen one does not (Note [Naming the lost rank]).
     const size_t index = in_progress_;
     const uint64_t seq = in_progress_seq_;
-    const Clock::time_point deadline = progress_ + comm_->timeout();
-    const auto waiting = comm_->waiting_since(progress_, seq);
+    const Clock::time_point since = progress_;
+    const Clock::time_point deadline = since + comm_->timeout();
+    const auto waiting = comm_->waiting_since(since, seq);
     while (running_ && in_progress_ == index && in_progress_seq_ == seq) {
       if (Clock::now() >= deadline) {
         lock.unlock();
         comm_->fail("the communication hook of bucket " + std::to_string(index) + " did not complete within the " +
                     seconds(comm_->timeout()) + " deadline: a peer is stopped, hung, or far slower than this "
                     "rank, or the hook's collectives differ across ranks" + comm_->peers_not_there(seq));
+      }
+      const std::string exited = comm_->exited_peer(since);
+      if (!exited.empty()) {
+        lock.unlock();
+        comm_->fail("the communication hook of bucket " + std::to_string(index) + " cannot complete after " +
+                    seconds(Clock::now() - since) + ": " + exited);
       }
       lock.unlock();
       comm_->check();

@@ -86,6 +86,10 @@ class Communicator {
   // wait of the caller's own that ran out. Note [Naming the lost rank].
   std::string peers_not_there(uint64_t seq) const { return monitor_->peers_not_there(seq); }
 
+  // Why a wait of the caller's own begun at `since` cannot complete, where a peer on this host has
+  // exited; empty otherwise. Note [A dead peer with open connections].
+  std::string exited_peer(Clock::time_point since) const { return monitor_->exited_peer(since); }
+
   // Brackets the host's waits inside this communicator (debug mode's fingerprint exchanges) as waits
   // for peers on `clock` (Note [Busy time]); nullptr detaches it. `clock` must stay alive until detached.
   void bracket_waits_on(BusyClock* clock) { clock_ = clock; }

@@ -125,12 +125,6 @@ struct Collective {
 
 std::string seconds(Clock::duration elapsed);  // "2.31 s"
 
-// What a collective that waits on a peer whose process exited is told (FaultMonitor::peers_exited()
-// names the peer after it): Note [A dead peer with open connections].
-inline constexpr const char* kExitedWithOpenConnections =
-    "a peer exited (killed, crashed or out of memory) with its connections left open (a process forked "
-    "from it, such as a DataLoader worker, may hold them; NCCL's P2P and shared-memory links have none)";
-
 class FaultMonitor {
  public:
   // `store` may be null (no board: each rank relies on its own deadline). `key` must be unique to
@@ -170,11 +164,11 @@ class FaultMonitor {
   // does not answer within seconds. Note [Naming the lost rank].
   std::string peers_gone() const;
 
-  // For a collective this rank has waited on for store_poll_after(), "; rank 1 (process 4242, on
-  // this host) has exited", naming the peers on this host whose process has; empty where none has, or
-  // the thread has not read yet which peers are on this host. Reads no store:
-  // Note [A dead peer with open connections].
-  std::string peers_exited() const;
+  // For a wait begun at `since`, once it is store_poll_after() old and a peer on this host has exited,
+  // why it cannot complete: "a peer exited (...) with its connections left open (...); rank 1 (process
+  // 4242, on this host) has exited"; empty otherwise, and where the thread has not read yet which peers
+  // are on this host. Reads no store: Note [A dead peer with open connections].
+  std::string exited_peer(Clock::time_point since) const;
 
   // Throws if this rank failed or a peer posted a failure; `waiting_for` names what was being waited on.
   void check(const Collective* waiting_for = nullptr) const;

@@ -119,13 +119,11 @@ void ProcessGroupComm::wait(const Pending& p) {
                        monitor().peers_not_there(p.collective.seq) + ". If steps legitimately differ this "
                        "much, raise WeightedDDP(timeout=...) or HSYNC_TIMEOUT");
       }
-      if (now - p.collective.issued >= monitor().store_poll_after()) {
-        const std::string exited = monitor().peers_exited();
-        if (!exited.empty()) {
-          lock.unlock();
-          monitor().fail(p.collective.describe() + " cannot complete after " + seconds(now - p.collective.issued) +
-                         ": " + kExitedWithOpenConnections + exited);
-        }
+      const std::string exited = monitor().exited_peer(p.collective.issued);
+      if (!exited.empty()) {
+        lock.unlock();
+        monitor().fail(p.collective.describe() + " cannot complete after " + seconds(now - p.collective.issued) +
+                       ": " + exited);
       }
       completion_->done.wait_for(lock, std::min<Clock::duration>(FaultMonitor::kPollInterval, deadline - now));
     }

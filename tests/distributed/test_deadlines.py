@@ -103,7 +103,10 @@ def collective_without_its_peer(rank: int, world_size: int, where: str, how: str
     collective = COLLECTIVES[where]
     collective(model, rank)  # whatever the first call builds (a channel, connections) is there
     if rank == VICTIM:
-        os.kill(os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[how])
+        if how == "kill-leaving-a-child" and os.fork() == 0:  # as a DataLoader worker, it holds the sockets
+            time.sleep(3 * DEADLINE_S)
+            os._exit(0)
+        os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
     time.sleep(0.2)  # the victim is gone
     started = time.monotonic()
     try:
@@ -137,6 +140,18 @@ def test_a_lost_peer_ends_every_collective_of_hsyncs_within_the_deadline(where, 
         if "A peer probably exited" in survivor.error:  # the dead rank, named from its process
             assert re.search(f"rank {VICTIM} \\(process [0-9]+, on this host\\) has exited", survivor.error), \
                 survivor.error
+
+
+@pytest.mark.parametrize("where", list(COLLECTIVES))
+def test_a_dead_peer_whose_connections_stay_open_ends_every_collective_of_hsyncs_before_the_deadline(where):
+    # No connection closes: the survivor names the exited process once it has waited half the deadline (Note [A
+    # dead peer with open connections]).
+    survivor = run_ranks_with_victim(collective_without_its_peer, 2, VICTIM, where, "kill-leaving-a-child",
+                                     timeout=40)[0]
+    assert survivor.error is not None, f"the survivor raised nothing: {survivor}"
+    assert re.search(f"hsync: rank 0 \\(gloo\\): .* cannot complete after [0-9.]+ s: a peer exited .*; rank {VICTIM} "
+                     "\\(process [0-9]+, on this host\\) has exited", survivor.error), survivor.error
+    assert DEADLINE_S / 2 - 0.1 < seconds_to_notice(survivor.error) < DEADLINE_S, survivor.error
 
 
 @pytest.mark.parametrize("how", ["stop", "kill"])
