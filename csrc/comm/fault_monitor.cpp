@@ -281,18 +281,10 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
         peer = std::string(value.begin(), value.end());
       }
       if (read_local_peers) {  // once all have posted: a peer's first collective may come late
-        std::vector<std::string> processes(s->world_size);
-        bool all_posted = true;
-        for (int other = 0; other < s->world_size && all_posted; ++other) {
-          const std::string at = peer_key(s->key, "process", other);
-          if (other == s->rank) continue;
-          all_posted = store->check({at});
-          if (all_posted) {
-            const std::vector<uint8_t> value = store->get(at);
-            processes[other] = std::string(value.begin(), value.end());
-          }
+        const auto processes = read_peers(store, s->key, "process", s->rank, s->world_size);
+        if (processes && std::count(processes->begin(), processes->end(), "") == 1) {  // this rank's alone
+          local_peers = local_peers_in(*processes, s->process);
         }
-        if (all_posted) local_peers = local_peers_in(processes, s->process);
       }
     } catch (const std::exception&) {
       // The store's host ended or died. At the end of a run that is normal, so it is no
