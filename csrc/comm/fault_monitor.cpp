@@ -116,7 +116,30 @@ std::string peer_key(const std::string& key, const char* what, int rank) {
 std::vector<uint8_t> bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
 
 // Each peer's value under peer_key(key, what, peer), "" where it posted none (and for `rank`
-// itself); nothing if the store did not answer within kPostLimit. Bounded, and owning all it
+// itself). Two requests where every peer has posted, whatever the world's size; throws what the
+// store throws, and blocks as long as it does.
+std::vector<std::string> peer_values(c10d::Store& store, const std::string& key, const char* what, int rank,
+                                     int world_size) {
+  std::vector<std::string> keys;
+  for (int peer = 0; peer < world_size; ++peer) {
+    if (peer != rank) keys.push_back(peer_key(key, what, peer));
+  }
+  std::vector<std::string> values(world_size);
+  const auto put = [&values, rank](size_t index, const std::vector<uint8_t>& value) {
+    values[static_cast<int>(index) < rank ? index : index + 1] = std::string(value.begin(), value.end());
+  };
+  if (store.check(keys)) {
+    const std::vector<std::vector<uint8_t>> found = store.multiGet(keys);
+    for (size_t i = 0; i < found.size(); ++i) put(i, found[i]);
+    return values;
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (store.check({keys[i]})) put(i, store.get(keys[i]));
+  }
+  return values;
+}
+
+// peer_values, or nothing if the store did not answer within kPostLimit. Bounded, and owning all it
 // touches: a frozen store must not hold up the error being raised.
 std::optional<std::vector<std::string>> read_peers(const c10::intrusive_ptr<c10d::Store>& store,
                                                    const std::string& key, const char* what, int rank,
@@ -128,14 +151,7 @@ std::optional<std::vector<std::string>> read_peers(const c10::intrusive_ptr<c10d
   auto found = std::make_shared<Found>();
   run_bounded(
       [found, store, key, what, rank, world_size] {
-        std::vector<std::string> values(world_size);
-        for (int peer = 0; peer < world_size; ++peer) {
-          const std::string at = peer_key(key, what, peer);
-          if (peer != rank && store->check({at})) {
-            const std::vector<uint8_t> value = store->get(at);
-            values[peer] = std::string(value.begin(), value.end());
-          }
-        }
+        std::vector<std::string> values = peer_values(*store, key, what, rank, world_size);
         const std::lock_guard<std::mutex> lock(found->mutex);
         found->values = std::move(values);
       },
@@ -208,12 +224,24 @@ std::optional<std::string> guarded(const std::function<std::optional<std::string
   }
 }
 
+// One visit of the monitor's thread to the board, made on a thread of its own (FaultMonitor::watch).
+struct BoardVisit {
+  std::optional<std::string> failure;                 // a peer's, posted on the board
+  std::optional<std::vector<std::string>> processes;  // every peer's (Note [Naming the lost rank]), once all posted
+  bool store_failed = false;                          // the store raised: its host ended or died
+  std::atomic<bool> done{false};                      // set last: the fields above are then the visit's
+};
+
 }  // namespace
 
 // The monitor's thread. It holds its own reference to the state, so it may outlive the monitor.
 void FaultMonitor::watch(const std::shared_ptr<State>& s) {
   auto next_store_poll = Clock::now();
   uint64_t posted_seq = 0;  // the collective this rank last posted it waits for
+  std::shared_ptr<BoardVisit> visit;  // in the store, or back and not read yet
+  // Until every peer has posted its process: soon at first (the peers post as they start, and one may die
+  // soon after), then less often (one may start minutes late).
+  auto processes_read_interval = FaultMonitor::kPollInterval;
   std::unique_lock<std::mutex> lock(s->mutex);
   // Runs a hook without holding the lock (the destructor waits while one runs: in_hook) and
   // returns what failed, if anything; a hook that throws failed.
@@ -259,49 +287,62 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
           run_hook([&abort]() -> std::optional<std::string> { abort(); return std::nullopt; }, "abort");
       if (error) std::fprintf(stderr, "%s%s\n", s->prefix.c_str(), error->c_str());
     }
+    if (!store || s->failure) continue;
+    if (visit) {
+      if (!visit->done.load(std::memory_order_acquire)) continue;  // still in the store: one visit at a time
+      const std::shared_ptr<BoardVisit> found = std::move(visit);
+      if (found->store_failed) {
+        // The store's host ended or died. At the end of a run that is normal, so it is no
+        // failure by itself; a collective that needs the dead rank fails on its own.
+        s->store.reset();
+        continue;
+      }
+      if (found->processes && !s->local_peers) s->local_peers = local_peers_in(*found->processes, s->process);
+      if (found->failure) {
+        s->failure = *found->failure;
+        s->origin = Origin::kPeer;
+        lock.unlock();
+        spread(s.get(), *found->failure);
+        lock.lock();
+        continue;
+      }
+    }
+    // The peers on this host, read as soon as all have posted, while the store's host lives: it may be
+    // the peer that dies (Note [A dead peer with open connections]).
+    const bool read_processes = !s->local_peers && !s->process.empty() && s->world_size > 1;
     const Clock::rep since = s->waiting_since.load();
-    if (!store || s->failure || since == State::kNotWaiting) continue;
     const Clock::time_point now = Clock::now();
-    if (now - Clock::time_point(Clock::duration(since)) < s->store_poll_after || now < next_store_poll) {
-      continue;
-    }
-    next_store_poll = now + FaultMonitor::kStorePollInterval;
+    const bool waited_long = since != State::kNotWaiting &&
+                             now - Clock::time_point(Clock::duration(since)) >= s->store_poll_after;
+    if (now < next_store_poll || !(waited_long || read_processes)) continue;
+    next_store_poll = now + (waited_long ? FaultMonitor::kStorePollInterval : processes_read_interval);
+    processes_read_interval = std::min<std::chrono::milliseconds>(2 * processes_read_interval,
+                                                                  FaultMonitor::kStorePollInterval);
     const uint64_t seq = s->waiting_seq.load();
-    const bool read_local_peers = !s->local_peers && !s->process.empty() && s->world_size > 1;
-    lock.unlock();
-    std::optional<std::string> peer;
-    std::optional<std::vector<LocalPeer>> local_peers;
-    try {
-      if (seq != 0 && seq != posted_seq) {
-        store->set(peer_key(s->key, "waiting", s->rank), bytes(std::to_string(seq)));
-        posted_seq = seq;
-      }
-      if (store->check({s->key})) {
-        const std::vector<uint8_t> value = store->get(s->key);
-        peer = std::string(value.begin(), value.end());
-      }
-      if (read_local_peers) {  // once all have posted: a peer's first collective may come late
-        const auto processes = read_peers(store, s->key, "process", s->rank, s->world_size);
-        if (processes && std::count(processes->begin(), processes->end(), "") == 1) {  // this rank's alone
-          local_peers = local_peers_in(*processes, s->process);
-        }
-      }
-    } catch (const std::exception&) {
-      // The store's host ended or died. At the end of a run that is normal, so it is no
-      // failure by itself; a collective that needs the dead rank fails on its own.
-      lock.lock();
-      s->store.reset();
-      continue;
-    }
-    lock.lock();
-    if (local_peers) s->local_peers = std::move(local_peers);
-    if (peer && !s->failure) {
-      s->failure = *peer;
-      s->origin = Origin::kPeer;
-      lock.unlock();
-      spread(s.get(), *peer);
-      lock.lock();
-    }
+    const uint64_t post_seq = waited_long && seq != 0 && seq != posted_seq ? seq : 0;
+    if (post_seq != 0) posted_seq = post_seq;
+    visit = std::make_shared<BoardVisit>();
+    // On a thread of its own, not waited for (a limit of zero): a store whose host froze must not stop this
+    // thread's poll, which is NCCL's deadline.
+    run_bounded(
+        [visit, store, key = s->key, rank = s->rank, world_size = s->world_size, post_seq, waited_long,
+         read_processes] {
+          try {
+            if (post_seq != 0) store->set(peer_key(key, "waiting", rank), bytes(std::to_string(post_seq)));
+            if (waited_long && store->check({key})) {
+              const std::vector<uint8_t> value = store->get(key);
+              visit->failure = std::string(value.begin(), value.end());
+            }
+            if (read_processes) {
+              std::vector<std::string> processes = peer_values(*store, key, "process", rank, world_size);
+              if (std::count(processes.begin(), processes.end(), "") == 1) visit->processes = std::move(processes);
+            }
+          } catch (const std::exception&) {
+            visit->store_failed = true;
+          }
+          visit->done.store(true, std::memory_order_release);
+        },
+        Clock::duration::zero());
   }
   const c10::intrusive_ptr<c10d::Store> store = s->store;  // a copy, as in the loop
   post_own_failure(store);  // a failure recorded just before the monitor was destroyed
@@ -483,19 +524,27 @@ std::string FaultMonitor::peers_not_there(uint64_t seq) const {
 }
 
 std::string FaultMonitor::peers_gone() const {
-  const c10::intrusive_ptr<c10d::Store> store = store_copy();
-  if (!store || state_->process.empty() || state_->world_size <= 1) return {};
-  const auto processes = read_peers(store, state_->key, "process", state_->rank, state_->world_size);
-  if (!processes) return {};
-  const std::vector<LocalPeer> local = local_peers_in(*processes, state_->process);
+  if (state_->process.empty() || state_->world_size <= 1) return {};
+  std::optional<std::vector<LocalPeer>> local;
+  {
+    const std::lock_guard<std::mutex> lock(state_->mutex);
+    local = state_->local_peers;  // read while the store lived: its host may be the peer that died
+  }
+  if (!local) {  // not all had posted yet
+    const c10::intrusive_ptr<c10d::Store> store = store_copy();
+    if (!store) return {};
+    const auto processes = read_peers(store, state_->key, "process", state_->rank, state_->world_size);
+    if (!processes) return {};
+    local = local_peers_in(*processes, state_->process);
+  }
   // A killed process closes its sockets on its way out, an instant before it shows as exited: where
   // none shows yet, look again for a moment. Only until one does: a survivor that raises and exits
   // meanwhile is no cause of this failure.
   const Clock::time_point until = Clock::now() + kExitShowsWithin;
-  std::string text = name_exited(local, true);
-  while (text.empty() && !local.empty() && Clock::now() < until) {
+  std::string text = name_exited(*local, true);
+  while (text.empty() && !local->empty() && Clock::now() < until) {
     std::this_thread::sleep_for(kPollInterval / 5);
-    text = name_exited(local, true);
+    text = name_exited(*local, true);
   }
   return text;
 }

@@ -8,7 +8,9 @@
 // collective of their own stop within a poll interval instead of waiting out their deadline, and
 // the error they raise names the rank that saw the failure first. The thread also runs the
 // communicator's own poll (NCCL: completion and async errors) and its abort on failure. Store
-// calls run only on that thread: a store whose host is frozen must not freeze the training loop.
+// calls run off the training loop: a store whose host is frozen must not freeze it. The thread
+// polls the board from a thread of its own, one visit at a time, so a frozen store stops neither
+// its poll (on NCCL, the deadline itself) nor its abort; what the store may keep is the board.
 //
 // A rank that failed is out of the job, whichever communicator saw it: its failure (its own, or
 // one a peer posted) spreads to every other communicator of the process (the engine's, each
@@ -46,9 +48,11 @@
 // DataLoader workers (forked, so holding its sockets) outlive it by seconds, and NCCL's P2P and
 // shared-memory links have no connection to close at all. No survivor then sees a failure to post,
 // and all would wait out their deadline. So a rank that has waited store_poll_after() for a
-// collective also looks at the processes of its peers on this host (read from the board once, by
-// the monitor's thread, at its first poll): one that has exited fails the collective at once,
-// named. A stopped one is left to the deadline (a debugger or job control may resume it). A peer
+// collective also looks at the processes of its peers on this host: one that has exited fails the
+// collective at once, named. The monitor's thread reads which they are as soon as every peer has
+// posted its own, not when a wait begins: the store's host may be the peer that dies (rank 0 under
+// init_process_group's env:// or tcp://, torchft's quorum store in one replica), and its forked
+// children then keep the store's connections open too, with nobody to answer on them. A stopped one is left to the deadline (a debugger or job control may resume it). A peer
 // that exited once its own part was done (a reduce's sender) while this rank still waits on a
 // third for seconds would be named too; a program whose ranks end alike never leaves one so.
 //
@@ -148,10 +152,11 @@ class FaultMonitor {
   bool failed() const;
 
   // Since when this rank has waited for its oldest collective not yet complete (none: nothing is
-  // awaited), and that collective's number (0: a wait for no one collective). The store is polled
-  // only once that wait is store_poll_after() old: a healthy step never waits that long, so
-  // hundreds of ranks do not hammer one store, and a rank that polls its peers' store while they
-  // exit can upset their teardown. The first poll posts `seq`: Note [Naming the lost rank].
+  // awaited), and that collective's number (0: a wait for no one collective). The board is polled
+  // only once that wait is store_poll_after() old (besides one read of the peers' processes as the
+  // communicator starts): a healthy step never waits that long, so hundreds of ranks do not hammer
+  // one store, and a rank that polls its peers' store while they exit can upset their teardown.
+  // The first poll posts `seq`: Note [Naming the lost rank].
   void set_waiting_since(std::optional<Clock::time_point> since, uint64_t seq = 0);
 
   // For a collective past its deadline, "; rank 1 has not reached it" (or "ranks 1 and 3 have"),

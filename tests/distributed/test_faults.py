@@ -22,7 +22,8 @@ BOARD_READ_AFTER_S = min(2.0, DEADLINE_S / 2)  # FaultMonitor::store_poll_after(
 
 
 def train_until_victim_strikes(rank: int, world_size: int, how: str, deadlines: dict[int, float],
-                               device: str = "cpu", history: str = "", regroup: bool = False) -> None:
+                               device: str = "cpu", history: str = "", regroup: bool = False,
+                               store_on_victim: bool = False) -> None:
     """Trains; at step 3 the victim kills or stops itself (`how`: "kill", "stop", or
     "kill-leaving-a-child", whose forked child keeps its sockets open as a DataLoader worker would) in
     the middle of backward, after some buckets went out. The others raise, with the seconds they took
@@ -31,8 +32,12 @@ def train_until_victim_strikes(rank: int, world_size: int, how: str, deadlines: 
     from an exit. Before, with history
     "subgroup", ranks 0 and VICTIM wrap a model over a group of their own, which rank 1 never sees;
     with "replacement", every rank wraps one, then rank 1 forgets it, as a process that replaced a
-    failed one would never have seen it."""
+    failed one would never have seen it. With `store_on_victim`, the group's store is served by the
+    victim, as rank 0 serves it under init_process_group's env:// and a replica serves torchft's quorum."""
     import hsync
+
+    if store_on_victim:
+        group_on_a_store_of_the_victims(rank, world_size)
 
     if device == "cuda":
         torch.cuda.set_device(0)
@@ -46,6 +51,8 @@ def train_until_victim_strikes(rank: int, world_size: int, how: str, deadlines: 
             hsync.bootstrap._engines_built.clear()
     timeout = datetime.timedelta(seconds=deadlines.get(rank, DEADLINE_S))
     model = hsync.WeightedDDP(make_net(seed=0).to(device), bucket_cap_mb=TINY_BUCKET_MB, timeout=timeout)
+    if store_on_victim:  # a run some way in, whose monitors have read which peers share their host
+        time.sleep(1.0)
     if rank == VICTIM:
         strike = {"kill": signal.SIGKILL, "kill-leaving-a-child": signal.SIGKILL, "stop": signal.SIGSTOP}[how]
         step = {"now": 0}
@@ -74,6 +81,21 @@ def train_until_victim_strikes(rank: int, world_size: int, how: str, deadlines: 
                 time.sleep(2 * DEADLINE_S)
             raise RuntimeError(f"noticed after {noticed:.2f} s at step {step_index}: {error}") from None
     raise AssertionError(f"rank {rank} finished training although rank {VICTIM} was gone")
+
+
+def group_on_a_store_of_the_victims(rank: int, world_size: int) -> None:
+    """Replaces the default group with one whose store the VICTIM serves."""
+    harness_store = dist.distributed_c10d._get_default_store()
+    if rank == VICTIM:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+        harness_store.set("victims-store", str(store.port))
+    else:
+        harness_store.wait(["victims-store"], datetime.timedelta(seconds=30))
+        port = int(harness_store.get("victims-store"))
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=60))
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 
 
 def noticed_after(error: str) -> float:
@@ -118,6 +140,25 @@ def test_a_peer_that_died_with_its_connections_left_open_fails_every_survivor_be
                          rf"exited .* left open .*; rank {VICTIM} \(process \d+, on this host\) has exited",
                          survivor.error), survivor.error
         assert BOARD_READ_AFTER_S - 0.1 < noticed_after(survivor.error) < DEADLINE_S, survivor.error
+
+
+@pytest.mark.parametrize("how", ["kill-leaving-a-child", "stop"])
+def test_a_lost_peer_that_served_the_store_fails_every_survivor_within_the_deadline(how):
+    # The victim serves the group's store: a survivor's calls to it get no answer, whether the victim is stopped
+    # or dead with its child holding the store's connections. Which peers share its host must have been read
+    # before (Note [A dead peer with open connections]), and the waits for the store must hold up no deadline.
+    survivors = run_ranks_with_victim(train_until_victim_strikes, 3, VICTIM, how, {}, "cpu", "", False, True,
+                                      timeout=60, until_exit=False)
+    for rank, survivor in survivors.items():
+        assert survivor.error is not None, f"rank {rank} raised nothing"
+        if how == "stop":
+            assert "did not complete within the 3.00 s deadline" in survivor.error, survivor.error
+            # The names of those not there come from the store, given up on after 2 s (kPostLimit).
+            assert DEADLINE_S - 0.1 < noticed_after(survivor.error) < DEADLINE_S + 2.5, survivor.error
+        else:
+            assert re.search(rf"a peer exited .* left open .*; rank {VICTIM} \(process \d+, on this host\) has "
+                             rf"exited", survivor.error), survivor.error
+            assert BOARD_READ_AFTER_S - 0.1 < noticed_after(survivor.error) < DEADLINE_S, survivor.error
 
 
 def test_frozen_peer_fails_every_survivor_at_the_deadline():

@@ -77,13 +77,19 @@ def test_nccl_carries_16_bit_buckets_within_their_rounding(low, views):
     check_within_rounding(run_ranks(comm_dtype_on_gpu, 3, low, views, env=SOCKET_ENV, timeout=120), low)
 
 
-@pytest.mark.parametrize("how", ["kill", "kill-leaving-a-child", "stop"])
-def test_nccl_survivors_of_a_lost_peer_abort_and_raise(how):
+@pytest.mark.parametrize(("how", "store_on_victim"),
+                         [("kill", False), ("kill-leaving-a-child", False), ("stop", False),
+                          ("kill-leaving-a-child", True), ("stop", True)],
+                         ids=["kill", "kill-leaving-a-child", "stop", "kill-leaving-a-child-its-store",
+                              "stop-its-store"])
+def test_nccl_survivors_of_a_lost_peer_abort_and_raise(how, store_on_victim):
     # On GPU the failure surfaces at the next call into hsync after the watchdog saw it (Note [NCCL failures]).
     # A child of the victim's that holds its sockets (as a DataLoader worker) leaves NCCL no close to see: the
-    # survivors name the exited process instead (Note [A dead peer with open connections]).
-    survivors = run_ranks_with_victim(train_until_victim_strikes, 3, VICTIM, how, {}, "cuda", env=SOCKET_ENV,
-                                      timeout=120)
+    # survivors name the exited process instead (Note [A dead peer with open connections]). Where the victim
+    # serves the group's store, the survivors' calls to it get no answer: the monitor's poll, NCCL's deadline,
+    # must not wait for them (Note [Failing fast]).
+    survivors = run_ranks_with_victim(train_until_victim_strikes, 3, VICTIM, how, {}, "cuda", "", False,
+                                      store_on_victim, env=SOCKET_ENV, timeout=120)
     for rank, survivor in survivors.items():
         assert survivor.error is not None, f"rank {rank} raised nothing"
         assert f"hsync: rank {rank} (nccl): " in survivor.error, survivor.error
