@@ -272,7 +272,8 @@ void Engine::begin_weighted_step(const at::Tensor& scalars, const at::Tensor& re
   std::lock_guard<std::mutex> lock(mutex_);
   comm_->check();  // after a failed collective, say so rather than that a step was interrupted
   HSYNC_CHECK(!step_.active, "a new backward started before the previous gradient reduction "
-              "finished (an earlier backward was interrupted); rebuild the model wrapper");
+              "finished (an earlier backward was interrupted); wrap the module anew, after "
+              "model._remove_autograd_hooks() on this wrapper (as with DDP) or once it is gone");
   HSYNC_CHECK(scalars.dim() == 1 && scalars.numel() >= 1 && scalars.scalar_type() == at::kDouble &&
                   scalars.device() == device_ && scalars.is_contiguous(),
               "step scalars must be a contiguous 1-D float64 tensor on ", device_);
@@ -410,7 +411,8 @@ void Engine::begin_backward() {
   if (step_.active && (!step_.plain || task == step_.task_id)) return;  // weighted, or another output's hook
   if (step_.active) comm_->check();  // the likelier reason, if it holds
   HSYNC_CHECK(!step_.active, "a new backward started before the previous gradient reduction finished (an earlier "
-              "backward was interrupted); rebuild the model wrapper");
+              "backward was interrupted); wrap the module anew, after model._remove_autograd_hooks() on this "
+              "wrapper (as with DDP) or once it is gone");
   start_plain_step(task);
   step_.any_task = true;  // Note [Nested backwards]
 }
@@ -448,10 +450,11 @@ void Engine::on_gradient_ready(size_t index) {
   HSYNC_CHECK(step_.any_task || task == step_.task_id,
               "a new backward started before the previous gradient reduction finished (an earlier backward "
               "was interrupted, or a nested backward such as reentrant activation checkpointing reached "
-              "the wrapped parameters of a model whose output the wrapper did not see); rebuild the model "
-              "wrapper");
+              "the wrapped parameters of a model whose output the wrapper did not see); wrap the module "
+              "anew, after model._remove_autograd_hooks() on this wrapper (as with DDP) or once it is gone");
   HSYNC_CHECK(!step_.ready[index], "the gradient of '", names_[index],
-              "' became ready twice in one backward; hsync reduces each gradient once per step");
+              "' became ready twice in one backward; hsync reduces each gradient once per step (a wrapper of "
+              "the same module whose backward raised sees it too: call its _remove_autograd_hooks())");
   step_.ready[index] = true;
   if (!rebuilt_) ready_order_.push_back(static_cast<int64_t>(index));
   if (!step_.normalise_at_write_back) resolve_pack_scale();

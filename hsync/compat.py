@@ -50,7 +50,7 @@ DDP_MACHINERY = (
     "_fire_reducer_autograd_hook", "_get_ddp_logging_data", "_lazy_init", "_log_and_throw",
     "_match_all_reduce_for_bwd_pass", "_match_unused_params_allreduce", "_module_wait_for_copy_hook",
     "_passing_sync_batchnorm_handle", "_post_forward", "_pre_forward", "_register_accum_grad_hook",
-    "_register_delay_all_reduce_hook", "_remove_autograd_hooks", "_root_copy_hook", "_run_ddp_forward",
+    "_register_delay_all_reduce_hook", "_root_copy_hook", "_run_ddp_forward",
     "_set_ddp_runtime_logging_sample_rate", "_set_sparse_metadata", "_setup_in_backward_optimizers",
     "_sync_buffers", "_sync_final_model", "_sync_module_buffers",
 )

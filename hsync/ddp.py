@@ -11,6 +11,7 @@ import contextlib
 import copy
 import datetime
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -268,7 +269,14 @@ class WeightedDDP(DistributedDataParallel):
         return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._synced_buffers())
 
     def _set_static_graph(self) -> None:
-        """DDP's late form of static_graph=True, which hsync needs no more than the argument (docs/ddp-compat.md)."""
+        """DDP's late form of static_graph=True, which hsync needs no more than the argument (docs/ddp-compat.md),
+        with DDP's checks: set already, a warning; after training began, an error."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        if self._steps_begun:
+            raise RuntimeError("hsync.WeightedDDP: _set_static_graph() should be called before training loop starts "
+                               "and after the model is wrapped (or pass static_graph=True to the wrapper)")
         self.static_graph = True
 
     # DDP's attributes of the same names, read from the wrapper's WrapSettings (hsync/compat.py).
@@ -335,6 +343,11 @@ class WeightedDDP(DistributedDataParallel):
         if self._attached.engine is not None:
             self._attached.engine.expect_gradients(False)
         self._attached = _Attachments()
+
+    def _remove_autograd_hooks(self) -> None:
+        """DDP's way to let go of the module after a backward that raised, so that a new wrapper can take it: this
+        wrapper's gradient hooks stop reducing from now on (they stay registered, and do nothing)."""
+        self._retire()
 
     def to_kwargs(self, inputs: tuple, kwargs: dict | None, device_id: int) -> tuple[tuple, tuple[dict, ...]]:
         """Inputs and kwargs moved to device `device_id` of the module's type (DDP keeps it for old code)."""

@@ -17,6 +17,7 @@ import contextlib
 import copy
 import datetime
 import io
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -221,6 +222,25 @@ def checkpointing(rank, world_size, wrap, twice: bool, unused: bool, reentrant: 
     torch.manual_seed(0)
     return checkpointed_steps_match_local(rank, world_size, wrap, CheckpointOnce(twice, unused, reentrant),
                                           find_unused_parameters=unused)
+
+
+def checkpointing_reentrant(rank, world_size, wrap, twice: bool, unused: bool, static_graph: bool) -> str:
+    """test_ddp_checkpointing_unused_params / _twice (use_reentrant=True) and test_ddp_checkpointing_twice_static_graph:
+    reentrant checkpointing where DDP needs static_graph. "trained" where the steps equal local training, "failed"
+    for DDP's "Expected to mark a variable ready only once", "refused" for hsync's error naming the parameter,
+    "wrong" for gradients that differ from local training's (upstream's DDP raises a step later)."""
+    torch.manual_seed(0)
+    try:
+        checkpointed_steps_match_local(rank, world_size, wrap, CheckpointOnce(twice, unused, True),
+                                       find_unused_parameters=unused, static_graph=static_graph)
+    except AssertionError:
+        return "wrong"
+    except RuntimeError as error:
+        if "Expected to mark a variable ready only once" in str(error):
+            return "failed"
+        assert re.search(r"the gradient of 'l1\.\w+' became ready twice in one backward", str(error)), error
+        return "refused"
+    return "trained"
 
 
 class DynamicCheckpointTwice(nn.Module):
@@ -654,42 +674,25 @@ def stateless_api(rank, world_size, wrap):
 
 
 def inference(rank, world_size, wrap):
-    """test_ddp_inference: eval() under no_grad gives the local model's output."""
+    """test_ddp_inference: a model run on one rank alone in eval mode gives the local model's output and issues
+    no collective, so its peer waiting at a barrier neither hangs nor is answered by it. Upstream's models have
+    no buffers: a forward after the wrap, or after a forward with gradients, broadcasts them, under no_grad too,
+    in DDP as in hsync. (Upstream's SyncBatchNorm, which DDP takes on a GPU only, is a BatchNorm without running
+    statistics here.)"""
     torch.manual_seed(0)
-    local = nn.Sequential(nn.Linear(2, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
-    model = wrap(copy.deepcopy(local))
-    model.eval()
-    local.eval()
-    x = torch.randn(4, 2)
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), local(x))
-    return model(x).detach()
-
-
-def accumulate_gradients_no_sync(rank, world_size, wrap):
-    """test_accumulate_gradients_no_sync (_test_accumulate_gradients_no_sync): gradients accumulated
-    under no_sync for several iterations, then one synced iteration, equal local training on all of it."""
-    torch.manual_seed(0)
-    local = Net()
-    model = wrap(copy.deepcopy(local))
-    x, y = batch(world_size, per_rank=8)
-    iterations = 4
-    per = 2
-    for m in (model, local):
-        m.zero_grad()
-    for i in range(iterations):
-        rows = slice(rank * 8 + i * per, rank * 8 + (i + 1) * per)
-        if i < iterations - 1:
-            with model.no_sync():
-                F.cross_entropy(model(x[rows]), y[rows]).backward()
-        else:
-            F.cross_entropy(model(x[rows]), y[rows]).backward()
-    for i in range(iterations):
-        rows = torch.cat([torch.arange(r * 8 + i * per, r * 8 + (i + 1) * per) for r in range(world_size)])
-        F.cross_entropy(local(x[rows]), y[rows]).backward()
-    for a, b in zip(model.module.parameters(), local.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, b.grad)
-    return [p.grad for p in model.module.parameters()]
+    cases = [(Net(), torch.randn(10, 2)),
+             (nn.BatchNorm2d(2, momentum=0.99, track_running_stats=False), torch.randn(10, 2, 4, 4))]
+    outputs = []
+    for local, inp in cases:
+        model = wrap(copy.deepcopy(local))
+        if rank == 0:
+            model.eval()
+            local.eval()
+            for _ in range(6):
+                torch.testing.assert_close(model(inp), local(inp))
+            outputs.append(model(inp).detach())
+        dist.barrier(timeout=datetime.timedelta(seconds=30))
+    return outputs
 
 
 def grad_div_uneven_inputs(rank, world_size, wrap, divide_by_initial_world_size: bool):
@@ -1461,6 +1464,292 @@ def profiling(rank, world_size, wrap):
     return 0
 
 
+class _FC2(nn.Module):
+    """distributed_test._FC2: a layer whose bias is frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(10, 50, bias=True)
+        self.fc.bias.requires_grad = False
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class DistNet(nn.Module):
+    """distributed_test.Net: with a frozen bias and an integer parameter that needs no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(2, 10, bias=False)
+        self.fc2 = _FC2()
+        self.fc3 = nn.Linear(50, 4, bias=False)
+        self.relu = nn.ReLU()
+        self.no_grad_param = nn.Parameter(torch.tensor([2, 2]).long(), requires_grad=False)
+
+    def forward(self, x):
+        x = self.relu(self.fc1(x))
+        x = self.relu(self.fc2(x))
+        return F.softmax(self.fc3(x), dim=1)
+
+
+def accumulate_gradients_no_sync(rank, world_size, wrap, variant: str):
+    """_test_accumulate_gradients_no_sync (test_accumulate_gradients_no_sync, _grad_is_view, _allreduce_hook,
+    _allreduce_with_then_hook): a forward under no_grad inside no_sync accumulates nothing; then, with no
+    zero_grad, iterations alternate between no_sync, whose gradients differ from those of a local model on the
+    whole batch, and a synchronised one, whose equal them; the input is shuffled in between. The hooks are a
+    user's all-reduce through the process group, one with two `then` callbacks."""
+    group = dist.group.WORLD
+
+    def allreduce_hook(process_group, bucket):
+        return process_group.allreduce([bucket.buffer() / world_size]).get_future().then(lambda fut: fut.value()[0])
+
+    def allreduce_with_then_hook(process_group, bucket):
+        fut = process_group.allreduce([bucket.buffer()]).get_future()
+        return fut.then(lambda fut: 2 * fut.wait()[0]).then(lambda fut: fut.wait() / (2 * world_size))
+
+    hook = {"allreduce_hook": allreduce_hook, "allreduce_with_then_hook": allreduce_with_then_hook}.get(variant)
+    model = DistNet()
+    ddp_model = wrap(copy.deepcopy(model), bucket_cap_mb=0.001, gradient_as_bucket_view=variant == "grad_is_view")
+    inp, target = torch.randn(world_size, 2), torch.randn(world_size, 4)
+    if hook is not None:
+        ddp_model.register_comm_hook(group, hook)
+
+    def step_model(m, x, y):
+        m.train()
+        F.mse_loss(m(x), y).backward()
+
+    with torch.no_grad(), ddp_model.no_sync():
+        ddp_model.train()
+        ddp_model(inp)
+    assert all(p.grad is None for p in ddp_model.parameters())
+    for iteration in range(2 if hook is None else 4):
+        step_model(model, inp, target)
+        rows = slice(rank, rank + 1)
+        with ddp_model.no_sync() if iteration % 2 == 0 else contextlib.nullcontext():
+            step_model(ddp_model, inp[rows], target[rows])
+        for i, j in zip(model.parameters(), ddp_model.parameters(), strict=True):
+            if not i.requires_grad:
+                continue
+            if iteration % 2 == 0:
+                assert not torch.allclose(i.grad, j.grad), iteration
+            else:
+                torch.testing.assert_close(i.grad, j.grad)
+        torch.manual_seed(1337 + iteration)
+        inp = inp[torch.randperm(world_size)]
+    return [p.grad for p in ddp_model.parameters() if p.requires_grad]
+
+
+def static_graph_api(rank, world_size, wrap):
+    """test_static_graph_api_cpu: _set_static_graph() after a training step raises "should be called before
+    training loop starts"; before it, it takes, and a second call warns that it is set already."""
+    early = wrap(DistNet())
+    early._set_static_graph()
+    assert early.static_graph
+    with pytest.warns(UserWarning, match="no need to set it again"):
+        early._set_static_graph()
+    model = wrap(DistNet())
+    x, y = torch.randn(2 * world_size, 2), torch.randn(2 * world_size, 4)
+    rows = slice(2 * rank, 2 * rank + 2)
+    local_step_matches(model, copy.deepcopy(model.module), rank, world_size, x, y, steps=1)
+    with pytest.raises(RuntimeError, match="should be called before training loop starts"):
+        model._set_static_graph()
+    return model.module(x[rows]).detach()
+
+
+class SimpleConditionalModel(nn.Module):
+    """From test_grads_same_across_ranks_with_no_sync: rank 0 uses nn1 on the first pass and nn2 on the second,
+    the others nn3, then nn4."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.nn1, self.nn2, self.nn3, self.nn4 = (nn.Linear(1, 1) for _ in range(4))
+        self.state = 0
+
+    def forward(self, x):
+        first = self.state == 0
+        self.state = 1 - self.state
+        if self.rank == 0:
+            return self.nn1(x) if first else self.nn2(x)
+        return self.nn3(x) if first else self.nn4(x)
+
+
+def grads_same_across_ranks_with_no_sync(rank, world_size, wrap):
+    """test_grads_same_across_ranks_with_no_sync: each rank uses layers of its own in each of two micro-batches
+    (the first under no_sync), with find_unused_parameters: afterwards no gradient is None and every rank's are
+    the same."""
+    model = wrap(SimpleConditionalModel(rank), find_unused_parameters=True)
+    for micro_batch in range(2):
+        with model.no_sync() if micro_batch == 0 else contextlib.nullcontext():
+            F.mse_loss(model(torch.rand((1,))), torch.rand((1,))).backward()
+    assert not any(p.grad is None for p in model.parameters()), "Gradients can't be None for any model parameter."
+    grads = torch.cat([p.grad.view(-1) for p in model.parameters()])
+    gathered = [torch.zeros_like(grads) for _ in range(world_size)]
+    dist.all_gather(gathered, grads)
+    for other in gathered[1:]:
+        torch.testing.assert_close(other, gathered[0], msg="Gradients are not the same for all ranks.")
+    return grads
+
+
+def undefined_grad_parity_unused_parameters(rank, world_size, wrap):
+    """test_undefined_grad_parity_unused_parameters: a backward whose gradients are all undefined
+    (torch's UndefinedGrad) leaves each parameter's gradient as the local model's: None."""
+    x = torch.ones(1, 2)
+    net = DistNet()
+    local_net = copy.deepcopy(net)
+    net = wrap(net, find_unused_parameters=True)
+    torch._C._functions.UndefinedGrad()(net(x).sum()).backward()
+    torch._C._functions.UndefinedGrad()(local_net(x).sum()).backward()
+    for (name, param), (_, local_param) in zip(net.module.named_parameters(), local_net.named_parameters(),
+                                               strict=True):
+        assert param.grad is None and local_param.grad is None, (name, param.grad, local_param.grad)
+    return 0
+
+
+class ToyModel(nn.Module):
+    """From _test_different_graph_across_ranks: rank 0 uses lin1 then lin2, the others lin1 alone."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(10, 10, bias=False)
+        self.lin2 = nn.Linear(10, 10, bias=False)
+        self.rank = rank
+
+    def forward(self, x):
+        return self.lin2(F.relu(self.lin1(x))) if self.rank == 0 else F.relu(self.lin1(x))
+
+
+def different_graph_across_ranks(rank, world_size, wrap):
+    """test_different_graph_across_ranks: ten steps of a model whose graph differs between ranks (lin2 used on
+    rank 0 only), with bucket views, end with the same parameters under find_unused_parameters and under
+    static_graph. (Its bucket rebuild, a DDP internal, is not compared.)"""
+    finals = []
+    for flags in ({"find_unused_parameters": True}, {"static_graph": True}):
+        torch.manual_seed(31415)
+        ddp_model = wrap(ToyModel(rank), gradient_as_bucket_view=True, **flags)
+        random_input = torch.randn(20, 10)
+        for _ in range(10):
+            ddp_model(random_input).sum().backward()
+        finals.append([p.detach().clone() for p in ddp_model.parameters()])
+    for base, static in zip(*finals, strict=True):
+        torch.testing.assert_close(base, static)
+    # The gradients accumulated (no zero_grad): every rank's the same, lin2's counting rank 0's use alone.
+    return finals[1] + [p.grad for p in ddp_model.parameters()]
+
+
+def static_graph_multi_forward(rank, world_size, wrap):
+    """test_static_graph_multi_forward: with static_graph, two forwards of one input and one backward of both
+    outputs give the gradients of a local model that ran the same world_size times, averaged."""
+    torch.manual_seed(42 << 1337 % (rank + 1))
+    local_model = nn.Sequential(nn.Linear(10, 10), nn.ReLU())
+    model = wrap(copy.deepcopy(local_model), static_graph=True)
+    inp = torch.ones(2, 10)
+    for _ in range(3):
+        model.zero_grad()
+        local_model.zero_grad()
+        (model(inp).sum() + model(inp).sum()).backward()
+        if rank == 0:
+            for _ in range(world_size):
+                (local_model(inp).sum() + local_model(inp).sum()).backward()
+            for p in local_model.parameters():
+                p.grad.data = p.grad / world_size
+            for p_ddp, p_local in zip(model.parameters(), local_model.parameters(), strict=True):
+                torch.testing.assert_close(p_ddp.grad, p_local.grad)
+    return [p.grad for p in model.parameters()]
+
+
+def skip_all_reduce_unused_parameters(rank, world_size, wrap):
+    """test_skip_all_reduce_unused_parameters: ten steps of a model with an unused layer (fc2), with buckets of
+    1.5 MB, end with the same parameters whether or not skip_all_reduce_unused_params is set. (How many buckets
+    were reduced, a DDP internal, is not compared.)"""
+    finals = []
+    for skip in (False, True):
+        torch.manual_seed(31415)
+        model = nn.ModuleDict({"fc1": nn.Linear(100, 5000, bias=False), "fc2": nn.Linear(100, 100, bias=False)})
+        model.forward = lambda x, m=model: m["fc1"](x)
+        ddp_model = wrap(model, find_unused_parameters=True, bucket_cap_mb=1.5, skip_all_reduce_unused_params=skip)
+        random_input = torch.randn(20, 100)
+        for _ in range(10):
+            ddp_model(random_input).sum().backward()
+        finals.append([p.detach().clone() for p in ddp_model.parameters()])
+    for base, skipped in zip(*finals, strict=True):
+        torch.testing.assert_close(base, skipped)
+    return finals[1]
+
+
+class SimulateError(torch.autograd.Function):
+    """From test_ddp_remove_autograd_hooks: a backward that raises."""
+
+    @staticmethod
+    def forward(ctx, inp):
+        return inp
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        raise RuntimeError("a backward that raises")
+
+
+class ErrorInBackwardModel(nn.Module):
+    """From test_ddp_remove_autograd_hooks: its backward raises after fc1's gradients are ready, while `error`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error = True
+        self.fc1 = nn.Linear(10, 10)
+
+    def forward(self, inp):
+        return self.fc1(SimulateError.apply(inp) if self.error else inp)
+
+
+def remove_autograd_hooks(rank, world_size, wrap):
+    """test_ddp_remove_autograd_hooks: after a backward that raised, _remove_autograd_hooks() on the wrapper lets
+    a new wrapper of the same module train. (Without it both refuse the next backward: DDP, on the new wrapper,
+    "Expected to mark a variable ready only once"; hsync, on either, naming _remove_autograd_hooks.)"""
+    model = ErrorInBackwardModel()
+    inp = torch.rand(10, 10, requires_grad=True)
+    model_ddp1 = wrap(model)
+    with pytest.raises(RuntimeError):
+        model_ddp1(inp).sum().backward()
+    if wrap is not DistributedDataParallel:
+        with pytest.raises(RuntimeError, match=r"_remove_autograd_hooks\(\)"):
+            model_ddp1(inp).sum().backward()
+    model_ddp1._remove_autograd_hooks()
+    model.error = False
+    model_ddp2 = wrap(model)
+    model_ddp2(inp).sum().backward()
+    return [p.grad for p in model_ddp2.parameters()]
+
+
+def invalid_static_graph(rank, world_size, wrap) -> list[str]:
+    """test_invalid_static_graph: under static_graph=True, a layer unused in the first iteration and used in the
+    second, then (a new wrapper) the other way round, for three iterations (upstream's model uses lin2 for an input
+    of ones). DDP raises ("Your training graph has changed in this iteration", "Expected to have finished
+    reduction in the prior iteration"): "failed"; "trained" where each iteration's gradients equal a local
+    model's on the same input (every rank's)."""
+    outcomes = []
+    for first_unused in (True, False):
+        torch.manual_seed(0)
+        local = ControlFlowToyModel()
+        model = wrap(copy.deepcopy(local), static_graph=True)
+        inputs = [torch.randn(20, 10), torch.ones(20, 10)]
+        try:
+            for i in range(3):
+                inp = inputs[i % 2 if first_unused else 1 - i % 2]
+                for m in (model, local):
+                    m.zero_grad()
+                    m(inp, torch.equal(inp, torch.ones(20, 10))).sum().backward()
+                for a, b in zip(model.module.parameters(), local.parameters(), strict=True):
+                    assert (a.grad is None) == (b.grad is None) or (b.grad is None and not a.grad.any()), i
+                    if b.grad is not None:
+                        torch.testing.assert_close(a.grad, b.grad)
+            outcomes.append("trained")
+        except RuntimeError as error:
+            assert re.search("Your training graph has changed|Expected to have finished reduction", str(error)), error
+            outcomes.append("failed")
+    return outcomes
+
+
 # --- the tests ---------------------------------------------------------------------------------------
 
 
@@ -1483,6 +1772,20 @@ def test_save_load_checkpoint():
                               "checkpointing_once_reentrant"])
 def test_ddp_checkpointing(twice, unused, reentrant):
     run_both(checkpointing, twice, unused, reentrant)
+
+
+@pytest.mark.parametrize(("twice", "unused", "static_graph", "expected"),
+                         [(False, True, False, {"ddp": "failed", "hsync": "trained"}),
+                          (True, False, False, {"ddp": "wrong", "hsync": "refused"}),
+                          (True, False, True, {"ddp": "trained", "hsync": "refused"})],
+                         ids=["checkpointing_unused_params_reentrant", "checkpointing_twice_reentrant",
+                              "checkpointing_twice_static_graph_reentrant"])
+def test_ddp_checkpointing_reentrant(twice, unused, static_graph, expected):
+    # Where DDP fails, hsync trains; a parameter reaching two reentrant backwards, which DDP trains under
+    # static_graph (and without it, steps wrongly), hsync refuses, naming it (docs/ddp-compat.md): both sides, so
+    # that the claims are shown.
+    for result in run_both(checkpointing_reentrant, twice, unused, static_graph, compare=False):
+        assert result == expected, result
 
 
 @pytest.mark.parametrize("skip_o1", [False, True], ids=["dataclass_output", "dataclass_output_unused_param"])
@@ -1560,8 +1863,43 @@ def test_ddp_inference():
     run_both(inference)
 
 
-def test_accumulate_gradients_no_sync():
-    run_both(accumulate_gradients_no_sync)
+@pytest.mark.parametrize("variant", ["default", "grad_is_view", "allreduce_hook", "allreduce_with_then_hook"])
+def test_accumulate_gradients_no_sync(variant):
+    run_both(accumulate_gradients_no_sync, variant)
+
+
+def test_static_graph_api_cpu():
+    run_both(static_graph_api)
+
+
+def test_grads_same_across_ranks_with_no_sync():
+    run_both(grads_same_across_ranks_with_no_sync)
+
+
+def test_undefined_grad_parity_unused_parameters():
+    run_both(undefined_grad_parity_unused_parameters)
+
+
+def test_different_graph_across_ranks():
+    run_both(different_graph_across_ranks)
+
+
+def test_invalid_static_graph():
+    # Where DDP fails, hsync trains (docs/ddp-compat.md): both sides, so that the claim is shown.
+    for result in run_both(invalid_static_graph, compare=False):
+        assert result == {"ddp": ["failed", "failed"], "hsync": ["trained", "trained"]}, result
+
+
+def test_static_graph_multi_forward():
+    run_both(static_graph_multi_forward)
+
+
+def test_skip_all_reduce_unused_parameters():
+    run_both(skip_all_reduce_unused_parameters)
+
+
+def test_ddp_remove_autograd_hooks():
+    run_both(remove_autograd_hooks)
 
 
 @pytest.mark.parametrize("divide", [True, False], ids=["initial_world_size", "effective_world_size"])
