@@ -17,6 +17,7 @@ import contextlib
 import copy
 import datetime
 import io
+import itertools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -169,6 +170,18 @@ def save_load_checkpoint(rank, world_size, wrap):
     for a, b in zip(first.parameters(), second.parameters(), strict=True):
         torch.testing.assert_close(a, b)
     assert all(key.startswith("module.") for key in state["model"])
+    # As upstream does too: the wrapper's state_dict, its "module." prefix consumed, loads into the bare module.
+    bare_state = copy.copy(state["model"])
+    torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(bare_state, "module.")
+    bare = Net()
+    bare.load_state_dict(bare_state)
+    opt3 = torch.optim.SGD(bare.parameters(), lr=0.1)
+    opt3.load_state_dict(state["optim"])
+    opt3.zero_grad()
+    F.cross_entropy(bare(x), y).backward()  # every rank's batch is x (batch's seed): the wrapped step's mean too
+    opt3.step()
+    for a, b in zip(second.module.parameters(), bare.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
     return [p.detach().clone() for p in second.module.parameters()]
 
 
@@ -386,22 +399,31 @@ def control_flow(rank, world_size, wrap, same_across_ranks: bool):
 
 
 def returns_tensor_with_no_grad(rank, world_size, wrap):
-    """test_ddp_returns_tensor_with_no_grad: an output that does not require grad passes through."""
+    """test_ddp_returns_tensor_with_no_grad: an output detached in forward comes out needing no gradient, beside
+    one that does, with find_unused_parameters and static_graph each on and off (one module, wrapped anew)."""
 
-    class Model(nn.Module):
+    class MyModel(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.fc = nn.Linear(2, 2)
+            self.fc1 = nn.Linear(10, 10, bias=False)
+            self.fc2 = nn.Linear(10, 10, bias=False)
 
         def forward(self, x):
-            return self.fc(x), torch.ones(1)
+            x = self.fc2(F.relu(self.fc1(x)))
+            y = x.clone()
+            x = x.detach()
+            assert not x.requires_grad
+            return (x, y)
 
-    model = wrap(Model(), find_unused_parameters=True)
-    for _ in range(3):
-        out, constant = model(torch.randn(4, 2))
-        assert not constant.requires_grad
-        out.sum().backward()
-    return model.module.fc.weight.grad
+    model = MyModel()
+    inp = torch.randn(1, 10)
+    for find_unused, static_graph in itertools.product([True, False], [True, False]):
+        ddp = wrap(model, find_unused_parameters=find_unused, static_graph=static_graph)
+        for _ in range(6):
+            out = ddp(inp)
+            assert not out[0].requires_grad
+            (out[0] + out[1]).sum().backward()
+    return [p.grad for p in model.parameters()]
 
 
 def namedtuple_inputs(rank, world_size, wrap):
@@ -423,38 +445,74 @@ def namedtuple_inputs(rank, world_size, wrap):
 
 
 def shared_grad_acc_unused_params(rank, world_size, wrap):
-    """test_ddp_shared_grad_acc_unused_params: a parameter shared by two modules, one of them unused."""
+    """test_ddp_shared_grad_acc_unused_params (pytorch#41324, #61982): an unused parameter under two names
+    (net1.bias is bias), whose gradient accumulator is shared, with static_graph on and off and the loss divided
+    in place; and (beyond upstream) the gradients equal local training's, the unused ones None."""
 
     class ToyModel(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.net1 = nn.Linear(5, 5, bias=False)
-            self.net2 = nn.Linear(5, 5, bias=False)
-            self.net2.weight = self.net1.weight  # tied
-            self.unused = nn.Linear(5, 5)
+            self.net1 = nn.Linear(10, 5, bias=False)
+            self.bias = nn.Parameter(torch.zeros(5))
+            self.net1.bias = self.bias
+            self.net2 = nn.Linear(10, 5)
 
         def forward(self, x):
-            return self.net2(self.net1(x))
+            return self.net2(x).sum()
 
-    torch.manual_seed(0)
-    local = ToyModel()
-    model = wrap(copy.deepcopy(local), find_unused_parameters=True)
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(world_size * 2, 5, generator=g)
-    for _ in range(3):
-        model.zero_grad()
-        local.zero_grad()
-        model(x[rank * 2:(rank + 1) * 2]).sum().backward()
-        local(x).sum().div(world_size).backward()
-        torch.testing.assert_close(model.module.net1.weight.grad, local.net1.weight.grad)
-        assert model.module.unused.weight.grad is None
-    return model.module.net1.weight.grad
+    model = ToyModel()
+    grads = []
+    for static in (True, False):
+        ddp_model = wrap(copy.deepcopy(model), find_unused_parameters=True, static_graph=static)
+        local = copy.deepcopy(model)
+        inp = torch.randn(20, 10)
+        every_rank = [torch.zeros_like(inp) for _ in range(world_size)]
+        dist.all_gather(every_rank, inp)
+        for _ in range(6):
+            loss = ddp_model(inp)
+            loss /= 10
+            loss.backward()
+            (sum(local(x) for x in every_rank) / (10 * world_size)).backward()
+            for (name, p), q in zip(ddp_model.module.named_parameters(), local.parameters(), strict=True):
+                if q.grad is None:
+                    assert p.grad is None, name
+                else:
+                    torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=name: f"{n}: {m}")
+        grads += [p.grad for p in ddp_model.parameters() if p.grad is not None]
+    return grads
 
 
 def new_tensor_in_fwd(rank, world_size, wrap, static_graph: bool = False):
-    """test_ddp_new_tensor_in_fwd / _static_graph: forward creates a fresh tensor that requires grad."""
+    """test_ddp_new_tensor_in_fwd / _static_graph (pytorch#60733): tensors the forward creates that need no
+    gradient, one nested in a dict, come out without a grad_fn and go back in as the next iteration's inputs, with
+    find_unused_parameters on and off; and (beyond upstream) a fresh tensor that requires a gradient gets one."""
 
     class MyModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(10, 10, bias=False)
+            self.fc2 = nn.Linear(10, 10, bias=False)
+
+        def forward(self, x, opt_1, opt_2, opt_nested):
+            x = self.fc2(F.relu(self.fc1(x)))
+            opt_1 = torch.randn(1, 10) if opt_1 is None else opt_1
+            opt_2 = torch.randn(1, 10) if opt_2 is None else opt_2
+            opt_nested = opt_nested if torch.is_tensor(opt_nested) else torch.randn(1, 10)
+            return x, opt_1, opt_2, {"tensor": opt_nested}
+
+    model = MyModel()
+    for find_unused in (True, False):
+        ddp = wrap(model, broadcast_buffers=False, find_unused_parameters=find_unused, static_graph=static_graph)
+        opt = [None, None, None]
+        for _ in range(2):
+            ddp.zero_grad()
+            out, opt[0], opt[1], opt[2] = ddp(torch.randn(1, 10), opt_1=opt[0], opt_2=opt[1], opt_nested=opt[2])
+            for o in opt:
+                assert (o if torch.is_tensor(o) else o["tensor"]).grad_fn is None, o
+            out.mean().backward()
+    grads = [p.grad for p in model.parameters()]
+
+    class FreshTensorModel(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.fc1 = nn.Linear(10, 10, bias=False)
@@ -464,12 +522,12 @@ def new_tensor_in_fwd(rank, world_size, wrap, static_graph: bool = False):
             fresh = torch.ones(10, 10, requires_grad=True)
             return self.fc2(self.fc1(x) @ fresh), fresh
 
-    model = wrap(MyModel(), find_unused_parameters=True, static_graph=static_graph)
+    model = wrap(FreshTensorModel(), find_unused_parameters=True, static_graph=static_graph)
     for _ in range(3):
         out, fresh = model(torch.ones(2, 10))
         (out.sum() + fresh.sum()).backward()
         assert fresh.grad is not None
-    return model.module.fc1.weight.grad
+    return grads + [model.module.fc1.weight.grad]
 
 
 def zero_output_features(rank, world_size, wrap):
@@ -508,8 +566,8 @@ def create_graph(rank, world_size, wrap):
 
 
 def ignore_params_arg(rank, world_size, wrap):
-    """test_ddp_ignore_params_arg: parameters in _ddp_params_and_buffers_to_ignore keep local gradients
-    and local buffers."""
+    """Beyond test_ddp_ignore_params_arg: parameters and buffers in _ddp_params_and_buffers_to_ignore are neither
+    broadcast at the wrap nor reduced: each rank keeps its own values and its local gradient."""
     module = nn.Sequential(nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False))
     module.register_buffer("local_buffer", torch.full((1,), float(rank)))
     with torch.no_grad():
@@ -526,6 +584,47 @@ def ignore_params_arg(rank, world_size, wrap):
     dist.all_reduce(reduced)
     assert not torch.equal(reduced / world_size, local_grad), "the ignored gradient must stay local"
     return local_grad
+
+
+class ProxyModel(nn.Module):
+    """From _test_ddp_ignore_params_arg: fc2, a proxy of another shape on each rank, materialised after the wrap."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(1, 1, bias=False)
+        self.fc2 = nn.Linear(1, 10, bias=False) if rank == 0 else nn.Linear(10, 10, bias=False)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x))
+
+
+def ignore_params_arg_materialized(rank, world_size, wrap):
+    """test_ddp_ignore_params_arg / _static_graph (_test_ddp_ignore_params_arg): a proxy layer whose parameters and
+    buffer differ in shape across ranks, ignored, then replaced after the wrap by a layer the wrapper never saw:
+    its gradient is the local model's, fc1's is reduced (so differs from the local one), the proxy gets none; with
+    find_unused_parameters, broadcast_buffers and static_graph each on and off."""
+    grads = []
+    for find_unused, broadcast_buffers, static_graph in itertools.product([False, True], repeat=3):
+        model = ProxyModel(rank)
+        model.fc2.register_buffer("ignore_buffer", torch.zeros(5 + rank))
+        proxy_params = list(model.fc2.parameters())
+        ignored = [f"fc2.{name}" for name, _ in model.fc2.named_parameters()] + ["fc2.ignore_buffer"]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+        ddp = wrap(model, find_unused_parameters=find_unused, broadcast_buffers=broadcast_buffers,
+                   static_graph=static_graph)
+        ddp.module.fc2 = nn.Linear(1, 1, bias=False)
+        local_model = copy.deepcopy(ddp.module)
+        inp = torch.ones(1) * (rank + 1)
+        for _ in range(6):
+            ddp(inp).sum().backward()
+            local_model(inp).sum().backward()
+            for materialized, local in zip(ddp.module.fc2.parameters(), local_model.fc2.parameters(), strict=True):
+                torch.testing.assert_close(materialized.grad, local.grad)
+            for synced, local in zip(ddp.module.fc1.parameters(), local_model.fc1.parameters(), strict=True):
+                assert not torch.equal(synced.grad, local.grad)
+            assert all(p.grad is None for p in proxy_params)
+        grads.append(ddp.module.fc1.weight.grad.clone())
+    return grads
 
 
 class BufferedNet(nn.Module):
@@ -760,19 +859,43 @@ def zero_redundancy_under_join(rank, world_size, wrap):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def uneven_inputs_model_equivalence(rank, world_size, wrap, powersgd: bool = False):
-    """test_ddp_uneven_inputs / test_ddp_join_model_equivalence: training with uneven inputs under
-    join ends with the same model on every rank (the last joiner's), and the steps taken while all
-    ranks ran equal local training. `powersgd`: upstream's variant with the PowerSGD hook, whose
-    joined rank runs the hook too (on zeros)."""
+def join_model_equivalence(rank, world_size, wrap):
+    """test_ddp_join_model_equivalence: rank r runs 2 (r + 1) steps of one input under join, at world_size times the
+    learning rate, and ends with the weights of a local model that ran every rank's steps (a gradient that does
+    not depend on the weights: the joined rank's zeros, divided by the initial world size, make the rest add up)."""
+    learning_rate = 0.03
+    model = nn.Linear(10, 10, bias=False)
+    inp = torch.rand(3, 10)
+    local_model = copy.deepcopy(model)
+    local_optim = torch.optim.SGD(local_model.parameters(), lr=learning_rate)
+    for _ in range(sum(2 * (r + 1) for r in range(world_size))):
+        local_optim.zero_grad()
+        local_model(inp).sum().backward()
+        local_optim.step()
+    net = wrap(model)
+    ddp_optim = torch.optim.SGD(model.parameters(), lr=learning_rate * world_size)
+    with net.join():
+        for _ in range(2 * (rank + 1)):
+            ddp_optim.zero_grad()
+            net(inp).sum().backward()
+            ddp_optim.step()
+    for (name, local_tensor), (_, dist_tensor) in zip(local_model.state_dict().items(),
+                                                      net.module.state_dict().items(), strict=True):
+        torch.testing.assert_close(dist_tensor, local_tensor, msg=lambda m, n=name: f"{n}: {m}")
+    return net.module.weight.detach()
+
+
+def uneven_inputs_with_powersgd(rank, world_size, wrap):
+    """test_ddp_uneven_inputs_with_powersgd (_test_ddp_uneven_inputs with the PowerSGD hook): training with uneven
+    inputs under join ends with the same model on every rank (the last joiner's); the joined rank runs the hook
+    too (on zeros)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
     torch.manual_seed(0)
     model = wrap(Net())
-    if powersgd:
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
-                                            min_compression_rate=0.5, random_seed=0)
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                        min_compression_rate=0.5, random_seed=0)
+    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = batch(world_size, per_rank=12)
     batches = 3 + 2 * rank
@@ -1540,6 +1663,78 @@ def accumulate_gradients_no_sync(rank, world_size, wrap, variant: str):
     return [p.grad for p in ddp_model.parameters() if p.requires_grad]
 
 
+def with_amp_and_grad_is_view(rank, world_size, wrap):
+    """test_DistributedDataParallel_with_amp_and_grad_is_view (_test_DistributedDataParallel_with_amp), on the CPU
+    (bfloat16 autocast, torch's GradScaler for "cpu"): no gradient before training, finite ones after each scaled
+    backward, and 20 steps end with the same parameters with and without bucket views."""
+    finals = []
+    for grad_is_view in (False, True):
+        torch.manual_seed(31415)
+        model = DistNet()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.03)
+        scaler = torch.amp.GradScaler("cpu")
+        ddp_model = wrap(model, gradient_as_bucket_view=grad_is_view)
+        inp = torch.randn(world_size * 2, 2)
+        target = torch.randn(world_size * 2, 4)
+        assert all(p.grad is None for p in ddp_model.parameters())
+        for idx in range(20):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.mse_loss(ddp_model(inp), target)
+            scaler.scale(loss).backward()
+            for p in ddp_model.parameters():
+                if p.requires_grad:
+                    assert p.grad is not None and torch.isfinite(p.grad).all()
+            scaler.step(optimizer)
+            scaler.update()
+            torch.manual_seed(1337 + idx)
+            inp = inp[torch.randperm(world_size * 2)]
+        finals.append([p.detach().clone() for p in ddp_model.parameters()])
+    for not_view, view in zip(*finals, strict=True):
+        torch.testing.assert_close(not_view, view)
+    return finals[1]
+
+
+def post_local_sgd_optimizer(rank, world_size, wrap, grad_is_view: bool):
+    """test_post_localSGD_optimizer_parity / _grad_is_view and test_post_localSGD_optimizer_step_reload: torch's
+    PostLocalSGDOptimizer around SGD steps a wrapped model as SGD with a PeriodicModelAverager run by hand does,
+    parameters and averager step counters alike; its state_dict restores the averager's step counter, and one
+    without a counter warns and sets it to 0."""
+    from torch.distributed.algorithms.model_averaging import averagers
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    def train_step(optimizer, net, inp, target):
+        optimizer.zero_grad()
+        F.mse_loss(net(inp), target).backward()
+        optimizer.step()
+
+    base = DistNet()
+    net = wrap(copy.deepcopy(base), gradient_as_bucket_view=grad_is_view)
+    averager = averagers.PeriodicModelAverager(period=4, warmup_steps=10)
+    opt = torch.optim.SGD(net.parameters(), lr=0.03)
+    net2 = wrap(copy.deepcopy(base), gradient_as_bucket_view=grad_is_view)
+    averager2 = averagers.PeriodicModelAverager(period=4, warmup_steps=10)
+    post_local_sgd = PostLocalSGDOptimizer(optim=torch.optim.SGD(net2.parameters(), lr=0.03), averager=averager2)
+    inp, target = torch.randn(world_size * 2, 2), torch.randn(world_size * 2, 4)
+    for _ in range(20):
+        train_step(opt, net, inp, target)
+        averager.average_parameters(net.parameters())
+        train_step(post_local_sgd, net2, inp, target)
+        for p1, p2 in zip(net.parameters(), net2.parameters(), strict=True):
+            torch.testing.assert_close(p1, p2)
+    assert averager.step == averager2.step
+    averager3 = averagers.PeriodicModelAverager(period=4, warmup_steps=10)
+    reloaded = PostLocalSGDOptimizer(optim=torch.optim.SGD(net2.parameters(), lr=0.03), averager=averager3)
+    state = post_local_sgd.state_dict()
+    reloaded.load_state_dict(state)
+    assert averager3.step == averager2.step != 0
+    del state["step"]
+    with pytest.warns(UserWarning, match="does not contain a step counter for an averager"):
+        reloaded.load_state_dict(state)
+    assert averager3.step == 0
+    return [p.detach().clone() for p in net2.parameters()]
+
+
 def static_graph_api(rank, world_size, wrap):
     """test_static_graph_api_cpu: _set_static_graph() after a training step raises "should be called before
     training loop starts"; before it, it takes, and a second call warns that it is set already."""
@@ -1623,19 +1818,11 @@ class ToyModel(nn.Module):
 def different_graph_across_ranks(rank, world_size, wrap):
     """test_different_graph_across_ranks: ten steps of a model whose graph differs between ranks (lin2 used on
     rank 0 only), with bucket views, end with the same parameters under find_unused_parameters and under
-    static_graph. (Its bucket rebuild, a DDP internal, is not compared.)"""
-    finals = []
-    for flags in ({"find_unused_parameters": True}, {"static_graph": True}):
-        torch.manual_seed(31415)
-        ddp_model = wrap(ToyModel(rank), gradient_as_bucket_view=True, **flags)
-        random_input = torch.randn(20, 10)
-        for _ in range(10):
-            ddp_model(random_input).sum().backward()
-        finals.append([p.detach().clone() for p in ddp_model.parameters()])
-    for base, static in zip(*finals, strict=True):
-        torch.testing.assert_close(base, static)
-    # The gradients accumulated (no zero_grad): every rank's the same, lin2's counting rank 0's use alone.
-    return finals[1] + [p.grad for p in ddp_model.parameters()]
+    static_graph, and (more than upstream checks: no step changes the parameters) the same gradients, accumulated
+    over the ten backwards. (Its bucket rebuild, a DDP internal, is not compared.)"""
+    return accumulated_under_each(lambda: ToyModel(rank), torch.randn(20, 10),
+                                  [{"find_unused_parameters": True}, {"static_graph": True}], wrap,
+                                  gradient_as_bucket_view=True)
 
 
 def static_graph_multi_forward(rank, world_size, wrap):
@@ -1660,22 +1847,34 @@ def static_graph_multi_forward(rank, world_size, wrap):
 
 
 def skip_all_reduce_unused_parameters(rank, world_size, wrap):
-    """test_skip_all_reduce_unused_parameters: ten steps of a model with an unused layer (fc2), with buckets of
-    1.5 MB, end with the same parameters whether or not skip_all_reduce_unused_params is set. (How many buckets
-    were reduced, a DDP internal, is not compared.)"""
-    finals = []
-    for skip in (False, True):
-        torch.manual_seed(31415)
+    """test_skip_all_reduce_unused_parameters: ten backwards of a model with an unused layer (fc2), with buckets
+    of 1.5 MB, end with the same parameters and (more than upstream checks) gradients whether or not
+    skip_all_reduce_unused_params is set. (How many buckets were reduced, a DDP internal, is not compared.)"""
+
+    def large_net() -> nn.Module:
         model = nn.ModuleDict({"fc1": nn.Linear(100, 5000, bias=False), "fc2": nn.Linear(100, 100, bias=False)})
-        model.forward = lambda x, m=model: m["fc1"](x)
-        ddp_model = wrap(model, find_unused_parameters=True, bucket_cap_mb=1.5, skip_all_reduce_unused_params=skip)
-        random_input = torch.randn(20, 100)
+        model.forward = lambda x: model["fc1"](x)
+        return model
+
+    return accumulated_under_each(large_net, torch.randn(20, 100), [{}, {"skip_all_reduce_unused_params": True}],
+                                  wrap, find_unused_parameters=True, bucket_cap_mb=1.5)
+
+
+def accumulated_under_each(make: Callable[[], nn.Module], inp: torch.Tensor, variants: list[dict], wrap,
+                           **kwargs) -> list[torch.Tensor | None]:
+    """Upstream's _test_different_graph_across_ranks and _test_skip_all_reduce_unused_parameters: ten backwards of
+    the model made anew (the same seed) under each variant's flags, without a step; every variant ends with the
+    same parameters and gradients, which it returns."""
+    finals = []
+    for flags in variants:
+        torch.manual_seed(31415)
+        ddp_model = wrap(make(), **kwargs, **flags)
         for _ in range(10):
-            ddp_model(random_input).sum().backward()
-        finals.append([p.detach().clone() for p in ddp_model.parameters()])
-    for base, skipped in zip(*finals, strict=True):
-        torch.testing.assert_close(base, skipped)
-    return finals[1]
+            ddp_model(inp).sum().backward()
+        finals.append([t.detach().clone() for p in ddp_model.parameters() for t in (p, p.grad) if t is not None])
+    for other in finals[1:]:
+        torch.testing.assert_close(other, finals[0])
+    return finals[0]
 
 
 class SimulateError(torch.autograd.Function):
@@ -1832,8 +2031,10 @@ def test_ddp_create_graph():
     run_both(create_graph)
 
 
-def test_ddp_ignore_params_arg():
-    run_both(ignore_params_arg)
+@pytest.mark.parametrize("case", [ignore_params_arg_materialized, ignore_params_arg],
+                         ids=["materialized_after_the_wrap", "kept_local"])
+def test_ddp_ignore_params_arg(case):
+    run_both(case)
 
 
 def test_ddp_broadcast_buffer():
@@ -1866,6 +2067,15 @@ def test_ddp_inference():
 @pytest.mark.parametrize("variant", ["default", "grad_is_view", "allreduce_hook", "allreduce_with_then_hook"])
 def test_accumulate_gradients_no_sync(variant):
     run_both(accumulate_gradients_no_sync, variant)
+
+
+def test_distributed_data_parallel_with_amp_and_grad_is_view():
+    run_both(with_amp_and_grad_is_view)
+
+
+@pytest.mark.parametrize("grad_is_view", [False, True], ids=["copied", "grad_is_view"])
+def test_post_local_sgd_optimizer_parity_and_step_reload(grad_is_view):
+    run_both(post_local_sgd_optimizer, grad_is_view)
 
 
 def test_static_graph_api_cpu():
@@ -1921,7 +2131,7 @@ def test_zero_redundancy_optimizer_under_join():
 
 
 def test_ddp_join_model_equivalence():
-    run_both(uneven_inputs_model_equivalence)
+    run_both(join_model_equivalence)
 
 
 def test_ddp_uneven_input_join_disable():
@@ -1953,7 +2163,7 @@ def test_ddp_comm_hook_future_passing_cpu():
 
 
 def test_ddp_uneven_inputs_with_powersgd():
-    run_both(uneven_inputs_model_equivalence, True)
+    run_both(uneven_inputs_with_powersgd)
 
 
 def test_ddp_comm_hook_allreduce_hook():
