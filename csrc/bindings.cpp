@@ -107,7 +107,7 @@ PYBIND11_MODULE(_C, m) {
       .def("set_join_plain_step", &Engine::set_join_plain_step, py::arg("scalars"),
            py::arg("divide_by_world_size"))
       .def("broadcast_coalesced", &Engine::broadcast_coalesced, py::arg("tensors"), py::arg("root"),
-           release_gil())
+           py::arg("label") = "", release_gil())
       .def("last_grad_nonfinite", &Engine::last_grad_nonfinite)
       .def("check", &Engine::check)
       .def_property_readonly("comm", &Engine::comm)

@@ -852,7 +852,7 @@ void Engine::rebuild_from_ready_order() {
   rebuilt_ = true;
 }
 
-void Engine::broadcast_coalesced(const std::vector<at::Tensor>& tensors, int root) {
+void Engine::broadcast_coalesced(const std::vector<at::Tensor>& tensors, int root, const std::string& label) {
   // In chunks of at most a bucket's bytes (a larger tensor alone): each travels as one flat copy, and
   // a flat copy of a whole model would double its memory while it is broadcast (at wrap time, on the
   // smallest card too).
@@ -863,17 +863,17 @@ void Engine::broadcast_coalesced(const std::vector<at::Tensor>& tensors, int roo
     if (t.numel() == 0) continue;
     const int64_t size = t.numel() * static_cast<int64_t>(t.element_size());
     if (!chunk.empty() && bytes + size > bucket_bytes_cap_) {
-      broadcast_flat(chunk, root);
+      broadcast_flat(chunk, root, label);
       chunk.clear();
       bytes = 0;
     }
     chunk.push_back(t);
     bytes += size;
   }
-  if (!chunk.empty()) broadcast_flat(chunk, root);
+  if (!chunk.empty()) broadcast_flat(chunk, root, label);
 }
 
-void Engine::broadcast_flat(const std::vector<at::Tensor>& tensors, int root) {
+void Engine::broadcast_flat(const std::vector<at::Tensor>& tensors, int root, const std::string& label) {
   // A broadcast copies bytes, whatever they mean: every tensor travels in one flat byte buffer, so
   // one collective carries them all, including dtypes NCCL has no type for (int16, uint16/32/64,
   // float8, complex).
@@ -883,7 +883,7 @@ void Engine::broadcast_flat(const std::vector<at::Tensor>& tensors, int root) {
   const at::Tensor flat = at::cat(parts);
   {
     const PeerWait wait(clock_);  // for `root`: Note [Busy time]
-    comm_->broadcast(flat, root, Purpose::kBroadcast);
+    comm_->broadcast(flat, root, Purpose::kBroadcast, label);
     comm_->synchronize();
   }
   int64_t offset = 0;

@@ -149,8 +149,8 @@ class Engine {
   void set_join_plain_step(const std::optional<at::Tensor>& scalars, bool divide_by_world_size);
 
   // Broadcasts `tensors` in place from `root`, in collectives of at most a bucket's bytes; their autograd
-  // versions stay.
-  void broadcast_coalesced(const std::vector<at::Tensor>& tensors, int root);
+  // versions stay. `label` names what they are in errors (default: parameters and buffers).
+  void broadcast_coalesced(const std::vector<at::Tensor>& tensors, int root, const std::string& label = {});
 
   // Number of non-finite flags raised in the last completed step, summed over ranks and buckets
   // (a 0-dim float64 tensor on the engine's device; reading it is the caller's choice).
@@ -174,7 +174,8 @@ class Engine {
   at::ScalarType bucket_dtype(size_t index) const;
   bool grad_is_slot(size_t index) const;   // Note [Gradients as bucket views]
   void build_buckets(const std::vector<int64_t>& order);
-  void broadcast_flat(const std::vector<at::Tensor>& tensors, int root);  // one collective, non-empty tensors
+  // One collective, of non-empty tensors.
+  void broadcast_flat(const std::vector<at::Tensor>& tensors, int root, const std::string& label);
   void allocate(Bucket& bucket);            // a zeroed buffer and its views
   void release(Bucket& bucket);             // Note [Owned buckets]
   int take_in_flight_buffer();              // Note [Owned buckets]

@@ -32,6 +32,14 @@ far sooner (its sockets close, or a peer posts the failure)."""
 
 _MAX_TIMEOUT = datetime.timedelta(days=365)  # the engine's clocks count nanoseconds in 64 bits
 
+# What a forward's broadcast of rank 0's buffers carries, as errors name it. One without gradients that a peer
+# never joins (an evaluation run on one rank alone, after a training step) is the likeliest way to leave it
+# waiting: the label says what to do instead.
+BUFFERS_BEFORE_A_FORWARD = "the buffers before a forward"
+BUFFERS_BEFORE_A_FORWARD_WITHOUT_GRADIENTS = (
+    "the buffers before a forward without gradients (one that follows a synchronised forward takes rank 0's "
+    "buffers, as DDP's does: to evaluate on some ranks only, run model.module there)")
+
 # Per group name, how many channels were built over it: with the name, names a channel's store keys. Every
 # rank of a group builds its channels in the same order (each build is collective).
 _channels_built: collections.defaultdict[str, int] = collections.defaultdict(int)

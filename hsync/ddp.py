@@ -25,7 +25,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hsync._extension import _C
 from hsync.bootstrap import engine_key
-from hsync.collectives import Channels, make_comm
+from hsync.collectives import (
+    BUFFERS_BEFORE_A_FORWARD,
+    BUFFERS_BEFORE_A_FORWARD_WITHOUT_GRADIENTS,
+    Channels,
+    make_comm,
+)
 from hsync.compat import (
     BUILTIN_HOOKS,
     MIB,
@@ -378,7 +383,7 @@ class WeightedDDP(DistributedDataParallel):
         deadline): for a framework's evaluation, which runs the module directly on each rank's own batches."""
         buffers = self._synced_buffers()
         if buffers:
-            self._ensure_engine().broadcast_coalesced(buffers, 0)
+            self._ensure_engine().broadcast_coalesced(buffers, 0, "the buffers (sync_buffers)")
 
     def refresh_trainable_parameters(self) -> bool:
         """After unfreezing parameters (requires_grad=True on some that did not train when the model was
@@ -489,7 +494,8 @@ class WeightedDDP(DistributedDataParallel):
         if buffers_due:
             buffers = self._synced_buffers()
             if buffers:
-                engine.broadcast_coalesced(buffers, root)
+                engine.broadcast_coalesced(buffers, root, BUFFERS_BEFORE_A_FORWARD if synced else
+                                           BUFFERS_BEFORE_A_FORWARD_WITHOUT_GRADIENTS)
         self.require_forward_param_sync = synced
         return inputs, kwargs, synced
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.distributed.algorithms.join import Join, JoinHook
 
-from hsync.collectives import Channels
+from hsync.collectives import BUFFERS_BEFORE_A_FORWARD, Channels
 from hsync.compat import reduced_parameters
 from hsync.stats import BAD_RANKS, WEIGHT, bad_input_message, step_is_finite
 
@@ -135,7 +135,7 @@ class JoinState:
         self._settle_sharded_step()  # this rank's last step, had it just joined
         synced, buffers_due, root = self._exchange(False, False, joined=True)
         if buffers_due:
-            engine.broadcast_coalesced(model._synced_buffers(), root)
+            engine.broadcast_coalesced(model._synced_buffers(), root, BUFFERS_BEFORE_A_FORWARD)
         model.require_forward_param_sync = synced
         if not synced:
             return

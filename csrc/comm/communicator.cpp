@@ -47,9 +47,9 @@ uint64_t Communicator::all_reduce_sum(const at::Tensor& tensor, Purpose purpose,
   return issue(tensor, Op::kAllReduce, -1, purpose, index, std::move(label));
 }
 
-void Communicator::broadcast(const at::Tensor& tensor, int root, Purpose purpose) {
+void Communicator::broadcast(const at::Tensor& tensor, int root, Purpose purpose, std::string label) {
   HSYNC_CHECK(root >= 0 && root < world_size_, "broadcast root ", root, " is outside world size ", world_size_);
-  issue(tensor, Op::kBroadcast, root, purpose, -1, {});
+  issue(tensor, Op::kBroadcast, root, purpose, -1, std::move(label));
 }
 
 uint64_t Communicator::reduce_sum(const at::Tensor& tensor, int root, Purpose purpose, int64_t index) {

@@ -50,8 +50,8 @@ class Communicator {
   // `label` names a kHost collective in errors.
   uint64_t all_reduce_sum(const at::Tensor& tensor, Purpose purpose, int64_t index = -1, std::string label = {});
 
-  // Enqueues an in-place broadcast of `tensor` from `root`.
-  void broadcast(const at::Tensor& tensor, int root, Purpose purpose);
+  // Enqueues an in-place broadcast of `tensor` from `root`; `label` names what it carries in errors.
+  void broadcast(const at::Tensor& tensor, int root, Purpose purpose, std::string label = {});
 
   // Enqueues an in-place SUM reduce of `tensor` to `root` and returns its sequence number; on the other
   // ranks `tensor` is undefined afterwards (a backend may use it as scratch).

@@ -17,7 +17,7 @@ std::string Collective::describe() const {
     case Purpose::kStepScalars: what = "the step scalars"; break;
     case Purpose::kBucket: what = "bucket " + std::to_string(index); break;
     case Purpose::kBucketOrder: what = "the bucket order"; break;
-    case Purpose::kBroadcast: what = "parameters and buffers"; break;
+    case Purpose::kBroadcast: what = label.empty() ? "parameters and buffers" : label; break;
     case Purpose::kFingerprint: what = "the debug fingerprints of " + label; break;
     case Purpose::kHost:  // another rank's label is not sent
       what = label.empty() ? "a collective of hsync's Python side, named on its rank" : label;

@@ -119,8 +119,8 @@ struct Collective {
   int64_t index = -1;        // the bucket, for kBucket
   int64_t numel = 0;
   at::ScalarType dtype = at::kFloat;
-  std::string label;         // what a kHost collective is for, as its caller names it; for a
-                             // kFingerprint, the collective it precedes
+  std::string label;         // what a kHost collective is for, or what a kBroadcast carries, as its
+                             // caller names it; for a kFingerprint, the collective it precedes
   Clock::time_point issued;
 
   // For example "all-reduce #12 of bucket 3 (262144 x Float)".

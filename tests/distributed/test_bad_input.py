@@ -1,7 +1,10 @@
 """Bad input raises a clear error on every rank, never a hang, and the next good step still works."""
 
 import contextlib
+import datetime
 import math
+import re
+import time
 
 import pytest
 import torch
@@ -225,6 +228,34 @@ def interrupted_plain_backward(rank: int, world_size: int) -> None:
 def test_a_plain_backward_after_an_interrupted_one_is_refused():
     for text in run_ranks_expecting_errors(interrupted_plain_backward, 2):
         assert "a new backward started before the previous gradient reduction finished" in text
+        assert "model._remove_autograd_hooks()" in text, text  # and says how to go on
+
+
+def evaluation_on_rank_0_alone(rank: int, world_size: int) -> str | None:
+    """A training step, then an evaluation (eval(), no_grad) through the wrapper on rank 0 alone, as DDP users
+    write it: its forward takes rank 0's buffers (BatchNorm's statistics) from a broadcast rank 1 never joins."""
+    import hsync
+
+    model = hsync.WeightedDDP(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), timeout=datetime.timedelta(seconds=2))
+    model(torch.randn(4, 4)).sum().backward()
+    if rank != 0:
+        time.sleep(4)  # in no collective of hsync's, as at a barrier of torch's
+        return None
+    model.eval()
+    with torch.no_grad():
+        try:
+            model(torch.randn(4, 4))
+        except RuntimeError as error:
+            return str(error)
+    return "no error"
+
+
+def test_an_evaluation_through_the_wrapper_on_one_rank_says_to_run_the_module_instead():
+    # DDP hangs there (its timeout, 30 minutes by default); hsync ends at its deadline and says what to do.
+    error = run_ranks(evaluation_on_rank_0_alone, 2, timeout=60)[0]
+    assert re.search(r"broadcast #\d+ of the buffers before a forward without gradients .* to evaluate on some "
+                     r"ranks only, run model.module there\) from rank 0 .* did not complete within the 2.00 s "
+                     r"deadline", error), error
 
 
 def wrapped_over_a_group_of(rank: int, world_size: int, backends: str | None) -> str:
