@@ -254,14 +254,20 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
     s->changed.notify_all();
     return seen;
   };
-  // Posts this rank's own failure once, without holding the lock during the store call.
+  // Posts this rank's own failure once (the first failure wins) from a thread of its own, so that a store whose
+  // host froze does not hold up the abort that follows (on NCCL, what ends this rank's wait); the thread's end
+  // waits for it (at most kPostLimit), so that a process that exits on the error has posted it.
+  std::shared_ptr<std::atomic<bool>> own_failure_posted;  // set once the post is done or given up on
   const auto post_own_failure = [&](const c10::intrusive_ptr<c10d::Store>& store) {
     if (!store || !s->failure || s->origin == Origin::kPeer || s->posted) return;
     s->posted = true;
-    const std::string message = *s->failure;
-    lock.unlock();
-    post(store, s->key, message, Posting::kFirstWins);  // the first failure wins
-    lock.lock();
+    own_failure_posted = std::make_shared<std::atomic<bool>>(false);
+    run_bounded(
+        [store, key = s->key, message = *s->failure, done = own_failure_posted] {
+          post(store, key, message, Posting::kFirstWins);
+          done->store(true);
+        },
+        Clock::duration::zero());
   };
   while (!s->stop) {
     s->wake.wait_for(lock, FaultMonitor::kPollInterval);
@@ -346,6 +352,11 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
   }
   const c10::intrusive_ptr<c10d::Store> store = s->store;  // a copy, as in the loop
   post_own_failure(store);  // a failure recorded just before the monitor was destroyed
+  if (own_failure_posted) {
+    lock.unlock();
+    while (!own_failure_posted->load()) std::this_thread::sleep_for(FaultMonitor::kPollInterval / 5);
+    lock.lock();
+  }
   s->done = true;
   s->changed.notify_all();
 }

@@ -9,8 +9,8 @@
 // the error they raise names the rank that saw the failure first. The thread also runs the
 // communicator's own poll (NCCL: completion and async errors) and its abort on failure. Store
 // calls run off the training loop: a store whose host is frozen must not freeze it. The thread
-// polls the board from a thread of its own, one visit at a time, so a frozen store stops neither
-// its poll (on NCCL, the deadline itself) nor its abort; what the store may keep is the board.
+// posts to the board and polls it from threads of its own (one visit at a time), so a frozen store
+// stops neither its poll (on NCCL, the deadline itself) nor its abort; it costs the board alone.
 //
 // A rank that failed is out of the job, whichever communicator saw it: its failure (its own, or
 // one a peer posted) spreads to every other communicator of the process (the engine's, each
