@@ -140,11 +140,19 @@ def run_jobs(args: argparse.Namespace) -> dict:
             "results": [json_safe(asdict(r)) | {"world_size": world} for r in results]}
 
 
-def init_process_group(device: str) -> None:
-    """The benchmark's group. torch DDP's collectives and the reference all-reduces run on it beside hsync's, so
-    they go under hsync's deadline too: a frozen peer ends the run within it, not after torch's 30 minutes."""
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+def run_jobs_in_a_group(args: argparse.Namespace) -> dict:
+    """run_jobs on this rank, in the benchmark's group, which ends with it. torch DDP's collectives and the
+    reference all-reduces run on that group beside hsync's, so they go under hsync's deadline too: a frozen peer
+    ends the run within it, not after torch's 30 minutes."""
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     put_torch_groups_under_the_deadline([dist.GroupMember.WORLD])
+    try:
+        output = run_jobs(args)
+    except BaseException:
+        dist.destroy_process_group()  # why not end_process_group: its docstring
+        raise
+    end_process_group()
+    return output
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
@@ -157,13 +165,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     # Forked from the fork server, a rank inherits its start method; a launched rank has the platform's, which
     # starts a DataLoader's workers in milliseconds (fork on Linux).
     multiprocessing.set_start_method(None, force=True)
-    init_process_group(args.device)
-    try:
-        output = run_jobs(args)
-    except BaseException:
-        dist.destroy_process_group()  # why not end_process_group: its docstring
-        raise
-    end_process_group()
+    output = run_jobs_in_a_group(args)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(output, f)
@@ -247,14 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     if not planned:
         parser.error(f"--only {' '.join(args.only)} matches no workload")
     if "RANK" in os.environ:
-        init_process_group(args.device)
-        args.world_size = dist.get_world_size()
-        try:
-            output = run_jobs(args)
-        except BaseException:
-            dist.destroy_process_group()  # why not end_process_group: its docstring
-            raise
-        end_process_group()
+        args.world_size = int(os.environ["WORLD_SIZE"])
+        output = run_jobs_in_a_group(args)
         if int(os.environ["RANK"]) == 0:
             write_outputs(args, output)
         return

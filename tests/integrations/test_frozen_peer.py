@@ -96,7 +96,7 @@ def lightning_sigterm_broadcast(rank: int, world_size: int, output_dir: str) -> 
 
 def torch_ddp_in_the_benchmark(rank: int, world_size: int, output_dir: str) -> None:
     """torch DDP's step, which the benchmark times beside hsync's on the same group: the benchmark puts that group
-    under hsync's deadline as it starts (hsync.bench.run.init_process_group), as here."""
+    under hsync's deadline as it starts (hsync.bench.run.run_jobs_in_a_group), as here."""
     from torch.nn.parallel import DistributedDataParallel
 
     from hsync.collectives import put_torch_groups_under_the_deadline
