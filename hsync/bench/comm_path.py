@@ -47,12 +47,16 @@ class Gradients(nn.Module):
 # Bucket views with gradients set to None between steps save the write-back: the pack copies each gradient into
 # its slot, which stays the gradient, one pass instead of two. With gradients zeroed in place instead, autograd
 # adds each into its slot (a read-modify-write pass) and the pack scales the slot in place: nothing is saved.
+# Measured with views (`hsync_views_of_flat`, 2026-11-29, three runs): 0.72-0.82 of the flat rate, where that
+# one pass bounds it at 0.88-0.91 and the copied path read 0.68-0.69 against its bound of 0.79-0.82
+# (benchmarks/results/2026-11-29-comm-path-views.md).
 
 
 def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: torch.dtype | None = None) -> Result:
     """The reduction alone: hooks + pack + all-reduce + unpack of 64 float32 gradients through hsync and
     through torch DDP (same bucket cap), over the same backward without sync, and each over the flat all-reduce's
-    rate (`*_of_flat`: Note [The CPU comm path's limit]); in the notes, torch's
+    rate (`*_of_flat`: Note [The CPU comm path's limit]), hsync also with bucket views (`hsync_views`, in
+    float32), which saves the unpack; in the notes, torch's
     all-reduce of the same bytes as one flat tensor (the wire's limit) and tensor by tensor, a copy of
     the flat tensor (the memory's limit), and hsync's scale-and-pack kernel alone over all the
     gradients as one tensor, against that copy (`pack_vs_copy`, in GB/s read and written; unpacking is
@@ -66,6 +70,8 @@ def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: t
     nets = {"hsync": hsync.WeightedDDP(Gradients(64, numel, device), comm_dtype=comm_dtype),
             "ddp": ddp_with_hook(DistributedDataParallel(Gradients(64, numel, device)), comm_dtype),
             "nosync": Gradients(64, numel, device)}
+    if comm_dtype is None:  # the same path without the write-back (Note [The CPU comm path's limit])
+        nets["hsync_views"] = hsync.WeightedDDP(Gradients(64, numel, device), gradient_as_bucket_view=True)
     if comm_dtype is not None:
         nets["hsync_fp32"] = hsync.WeightedDDP(Gradients(64, numel, device))
     grads = [torch.ones(numel, device=device) for _ in range(64)]
@@ -126,12 +132,13 @@ def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: t
         spent = med[variant] - med["nosync"]
         return gbytes / spent if spent > 0 else NAN
 
-    extra = {"hsync_buckets": len(nets["hsync"].bucket_params), "hsync_gb_per_s": delivered("hsync"),
-             "ddp_gb_per_s": delivered("ddp"), "torch_flat_gb_per_s": gbytes / med["flat"],
+    variants = [variant for variant in ("hsync", "ddp", "hsync_views") if variant in med]
+    extra = {"hsync_buckets": len(nets["hsync"].bucket_params), "torch_flat_gb_per_s": gbytes / med["flat"],
              "torch_per_tensor_gb_per_s": gbytes / med["per_tensor"]}
+    extra |= {f"{variant}_gb_per_s": delivered(variant) for variant in variants}
     # Of the wire's own rate (Note [The CPU comm path's limit]).
     extra |= {f"{variant}_of_flat": extra[f"{variant}_gb_per_s"] / extra["torch_flat_gb_per_s"]
-              for variant in ("hsync", "ddp")}
+              for variant in variants}
     if "hsync_fp32" in med:
         extra |= {"hsync_fp32_gb_per_s": delivered("hsync_fp32"),
                   "gb_per_s_vs_hsync_fp32": delivered("hsync") / delivered("hsync_fp32")}
