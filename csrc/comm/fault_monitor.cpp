@@ -86,25 +86,27 @@ constexpr std::chrono::seconds kPostLimit{2};
 // Whether a post replaces a value already there.
 enum class Posting { kFirstWins, kReplace };
 
-// Sets `key` to `value` within kPostLimit: a store whose host froze must not hold this rank up. A store
-// that is gone (its host died) takes nothing: peers rely on their own deadline, and a failure is
-// reported without the name the post would have given.
+// Sets `key` to `value`, blocking as long as the store does. A store that is gone (its host died)
+// takes nothing: peers rely on their own deadline, and a failure is reported without the name the
+// post would have given.
+void set_on_board(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, const std::string& value,
+                  Posting posting) {
+  const std::vector<uint8_t> data(value.begin(), value.end());
+  try {
+    if (posting == Posting::kFirstWins) {
+      store->compareSet(key, {}, data);  // an empty expected value sets the key only if it is absent
+    } else {
+      store->set(key, data);
+    }
+  } catch (const std::exception&) {
+    // The store is gone: nothing posted, as said above.
+  }
+}
+
+// set_on_board within kPostLimit: a store whose host froze must not hold this rank up.
 void post(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, const std::string& value,
           Posting posting) {
-  run_bounded(
-      [store, key, value, posting] {
-        const std::vector<uint8_t> data(value.begin(), value.end());
-        try {
-          if (posting == Posting::kFirstWins) {
-            store->compareSet(key, {}, data);  // an empty expected value sets the key only if it is absent
-          } else {
-            store->set(key, data);
-          }
-        } catch (const std::exception&) {
-          // The store is gone: nothing posted, as said above.
-        }
-      },
-      kPostLimit);
+  run_bounded([store, key, value, posting] { set_on_board(store, key, value, posting); }, kPostLimit);
 }
 
 // Where `rank` posts what `what` names ("waiting": the collective it waits for; "process": which
@@ -257,14 +259,14 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
   // Posts this rank's own failure once (the first failure wins) from a thread of its own, so that a store whose
   // host froze does not hold up the abort that follows (on NCCL, what ends this rank's wait); the thread's end
   // waits for it (at most kPostLimit), so that a process that exits on the error has posted it.
-  std::shared_ptr<std::atomic<bool>> own_failure_posted;  // set once the post is done or given up on
+  std::shared_ptr<std::atomic<bool>> own_failure_posted;  // set once the post is done
   const auto post_own_failure = [&](const c10::intrusive_ptr<c10d::Store>& store) {
     if (!store || !s->failure || s->origin == Origin::kPeer || s->posted) return;
     s->posted = true;
     own_failure_posted = std::make_shared<std::atomic<bool>>(false);
     run_bounded(
         [store, key = s->key, message = *s->failure, done = own_failure_posted] {
-          post(store, key, message, Posting::kFirstWins);
+          set_on_board(store, key, message, Posting::kFirstWins);
           done->store(true);
         },
         Clock::duration::zero());
@@ -354,7 +356,10 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
   post_own_failure(store);  // a failure recorded just before the monitor was destroyed
   if (own_failure_posted) {
     lock.unlock();
-    while (!own_failure_posted->load()) std::this_thread::sleep_for(FaultMonitor::kPollInterval / 5);
+    const Clock::time_point until = Clock::now() + kPostLimit;
+    while (!own_failure_posted->load() && Clock::now() < until) {
+      std::this_thread::sleep_for(FaultMonitor::kPollInterval / 5);
+    }
     lock.lock();
   }
   s->done = true;
