@@ -108,11 +108,10 @@ void HookChain::wait() {
                     seconds(comm_->timeout()) + " deadline: a peer is stopped, hung, or far slower than this "
                     "rank, or the hook's collectives differ across ranks" + comm_->peers_not_there(seq));
       }
-      const std::string exited = comm_->exited_peer(since);
+      const std::string exited = comm_->exited_peer("the communication hook of bucket " + std::to_string(index), since);
       if (!exited.empty()) {
         lock.unlock();
-        comm_->fail("the communication hook of bucket " + std::to_string(index) + " cannot complete after " +
-                    seconds(Clock::now() - since) + ": " + exited);
+        comm_->fail(exited);
       }
       lock.unlock();
       comm_->check();

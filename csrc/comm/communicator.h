@@ -88,7 +88,9 @@ class Communicator {
 
   // Why a wait of the caller's own begun at `since` cannot complete, where a peer on this host has
   // exited; empty otherwise. Note [A dead peer with open connections].
-  std::string exited_peer(Clock::time_point since) const { return monitor_->exited_peer(since); }
+  std::string exited_peer(const std::string& waiting_for, Clock::time_point since) const {
+    return monitor_->exited_peer(waiting_for, since);
+  }
 
   // Brackets the host's waits inside this communicator (debug mode's fingerprint exchanges) as waits
   // for peers on `clock` (Note [Busy time]); nullptr detaches it. `clock` must stay alive until detached.

@@ -565,8 +565,9 @@ std::string FaultMonitor::peers_gone() const {
   return text;
 }
 
-std::string FaultMonitor::exited_peer(Clock::time_point since) const {
-  if (Clock::now() - since < state_->store_poll_after) return {};
+std::string FaultMonitor::exited_peer(const std::string& waiting_for, Clock::time_point since) const {
+  const Clock::duration waited = Clock::now() - since;
+  if (waited < state_->store_poll_after) return {};
   std::vector<LocalPeer> local;
   {
     const std::lock_guard<std::mutex> lock(state_->mutex);
@@ -575,8 +576,9 @@ std::string FaultMonitor::exited_peer(Clock::time_point since) const {
   }
   const std::string exited = name_exited(local, false);
   if (exited.empty()) return {};
-  return "a peer exited (killed, crashed or out of memory) with its connections left open (a process forked from "
-         "it, such as a DataLoader worker, may hold them; NCCL's P2P and shared-memory links have none)" + exited;
+  return waiting_for + " cannot complete after " + seconds(waited) + ": a peer exited (killed, crashed or out of "
+         "memory) with its connections left open (a process forked from it, such as a DataLoader worker, may hold "
+         "them; NCCL's P2P and shared-memory links have none)" + exited;
 }
 
 c10::intrusive_ptr<c10d::Store> FaultMonitor::store_copy() const {

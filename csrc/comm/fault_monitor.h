@@ -169,11 +169,12 @@ class FaultMonitor {
   // does not answer within seconds. Note [Naming the lost rank].
   std::string peers_gone() const;
 
-  // For a wait begun at `since`, once it is store_poll_after() old and a peer on this host has exited,
-  // why it cannot complete: "a peer exited (...) with its connections left open (...); rank 1 (process
-  // 4242, on this host) has exited"; empty otherwise, and where the thread has not read yet which peers
-  // are on this host. Reads no store: Note [A dead peer with open connections].
-  std::string exited_peer(Clock::time_point since) const;
+  // For a wait for `waiting_for` begun at `since`, once it is store_poll_after() old and a peer on this
+  // host has exited, why it cannot complete: "<waiting_for> cannot complete after 2.00 s: a peer exited
+  // (...) with its connections left open (...); rank 1 (process 4242, on this host) has exited"; empty
+  // otherwise, and where the thread has not read yet which peers are on this host. Reads no store:
+  // Note [A dead peer with open connections].
+  std::string exited_peer(const std::string& waiting_for, Clock::time_point since) const;
 
   // Throws if this rank failed or a peer posted a failure; `waiting_for` names what was being waited on.
   void check(const Collective* waiting_for = nullptr) const;

@@ -326,8 +326,8 @@ std::optional<std::string> NcclComm::poll() {
   }
   if (!oldest) return std::nullopt;
   const auto waited = Clock::now() - oldest->issued;
-  const std::string exited = monitor().exited_peer(oldest->issued);
-  if (!exited.empty()) return oldest->describe() + " cannot complete after " + seconds(waited) + ": " + exited;
+  const std::string exited = monitor().exited_peer(oldest->describe(), oldest->issued);
+  if (!exited.empty()) return exited;
   if (first_of_its_size && waited > setup_allowance_) {
     return oldest->describe() + " did not complete within the " + seconds(setup_allowance_) + " allowance of a "
            "collective's first use of its size (when NCCL connects to peers): a peer is stopped or hung, or the "

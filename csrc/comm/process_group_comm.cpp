@@ -119,11 +119,10 @@ void ProcessGroupComm::wait(const Pending& p) {
                        monitor().peers_not_there(p.collective.seq) + ". If steps legitimately differ this "
                        "much, raise WeightedDDP(timeout=...) or HSYNC_TIMEOUT");
       }
-      const std::string exited = monitor().exited_peer(p.collective.issued);
+      const std::string exited = monitor().exited_peer(p.collective.describe(), p.collective.issued);
       if (!exited.empty()) {
         lock.unlock();
-        monitor().fail(p.collective.describe() + " cannot complete after " + seconds(now - p.collective.issued) +
-                       ": " + exited);
+        monitor().fail(exited);
       }
       completion_->done.wait_for(lock, std::min<Clock::duration>(FaultMonitor::kPollInterval, deadline - now));
     }
