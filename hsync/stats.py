@@ -212,6 +212,8 @@ def as_weight(weight, device: torch.device) -> tuple[torch.Tensor, BadInput | No
         if weight.numel() != 1 or weight.is_complex() or weight.dtype == torch.bool:
             return zero, BadInput.WEIGHT_NOT_A_NUMBER, f"weight must be a real scalar, got {describe(weight)}"
         return weight.detach().reshape(()).to(device=device, dtype=torch.float64), None, None
+    if getattr(weight, "size", None) == 1 and hasattr(weight, "item") and not isinstance(weight, numbers.Number):
+        weight = weight.item()  # an array of one number (numpy's), taken as a tensor of one element is
     if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
         return zero, BadInput.WEIGHT_NOT_A_NUMBER, f"weight must be a real number, got {describe(weight)}"
     value = float(weight)

@@ -42,9 +42,16 @@ def demo_task() -> tuple[Rows, Rows]:
 def read_labelled(path: Path) -> Rows:
     """The file's (label, text) rows; ValueError naming the line of the first malformed one."""
     if not path.is_file():
-        raise ValueError(f"--data {path} does not exist")
+        raise ValueError(f"--data {path} {'is not a file' if path.exists() else 'does not exist'}")
+    try:  # utf-8-sig: a byte-order mark, as some editors write one, is not part of the first label
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = path.read_bytes()[: error.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {error.object[error.start]:#04x})") from None
+    except OSError as error:
+        raise ValueError(f"--data {path}: cannot read it ({error.strerror})") from None
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if line.strip():
             label, sep, text = line.partition("\t")
             if not sep or not text.strip():

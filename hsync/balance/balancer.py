@@ -98,9 +98,13 @@ class BalanceConfig:
     """Whether each epoch shuffles the examples; False keeps the dataset's order."""
 
     def __post_init__(self) -> None:
+        def is_whole(value) -> bool:  # numpy's integers too; kept as Python's below
+            return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
         def positive_int(name: str, value, least: int = 1) -> None:
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            if not is_whole(value) or value < least:
                 raise ValueError(f"BalanceConfig.{name} must be an integer >= {least}, got {value!r}")
+            object.__setattr__(self, name, int(value))
 
         positive_int("global_batch_size", self.global_batch_size)
         positive_int("warmup_steps", self.warmup_steps, 0)
@@ -120,15 +124,17 @@ class BalanceConfig:
             raise ValueError(f"BalanceConfig.min_gain must be in [0, 1), got {self.min_gain!r}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"BalanceConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+        if not is_whole(self.seed):
             raise ValueError(f"BalanceConfig.seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))
         if not isinstance(self.shuffle, bool):
             raise ValueError(f"BalanceConfig.shuffle must be True or False, got {self.shuffle!r}")
         if self.rank_batch_sizes is not None:
             sizes = list(self.rank_batch_sizes)
-            if any(not isinstance(n, int) or n < 0 for n in sizes) or sum(sizes) != self.global_batch_size:
+            if any(not is_whole(n) or n < 0 for n in sizes) or sum(sizes) != self.global_batch_size:
                 raise ValueError(f"BalanceConfig.rank_batch_sizes {sizes} must be non-negative integers adding "
                                  f"up to global_batch_size {self.global_batch_size}")
+            object.__setattr__(self, "rank_batch_sizes", [int(n) for n in sizes])
 
 
 class Balancer:

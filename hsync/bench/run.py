@@ -29,6 +29,7 @@ from hsync.bench.workloads import GPU_BERT_BASE, bert_workload, dtype_suffix, mo
 from hsync.collectives import end_process_group, put_torch_groups_under_the_deadline
 
 _MAX_RANKS_PER_CORE = 4
+_MAX_SIMULATED_RANKS = 16384
 
 
 @dataclass
@@ -224,6 +225,11 @@ def main(argv: list[str] | None = None) -> None:
         sizes = args.simulate_cluster or [8, 64, 256, 1024]
         if any(n < 2 for n in sizes):
             parser.error(f"--simulate-cluster: every size must be at least 2 ranks, got {sizes}")
+        if max(sizes) > _MAX_SIMULATED_RANKS:  # 4,096 ranks take about 20 s on one core, and time grows with size
+            parser.error(f"--simulate-cluster: at most {_MAX_SIMULATED_RANKS} ranks, got {max(sizes)}")
+        for flag in ("device", "world_size", "rounds", "steps", "quick", "only"):
+            if getattr(args, flag) != parser.get_default(flag):
+                parser.error(f"--{flag.replace('_', '-')} does not apply to --simulate-cluster, which runs no rows")
         from hsync.bench.cluster import simulate_cluster
 
         simulate_cluster(sizes, markdown=args.markdown, plot=args.plot, json_path=args.json)

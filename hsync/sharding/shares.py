@@ -42,7 +42,7 @@ def parse_bytes(value: int | float | str, what: str = "memory_budget") -> int:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise TypeError(f"{what} must be a number of bytes or a size such as '6GiB', got {describe(value)}")
     if isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", value.lower())
+        match = re.fullmatch(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", value.lower())
         if not match or match.group(2) not in _UNITS:
             raise ValueError(f"{what}: cannot read {value!r} as a size (for example '6GiB', '512MB' or 1e9)")
         number = float(match.group(1)) * _UNITS[match.group(2)]

@@ -117,9 +117,17 @@ def test_simulate_cluster_writes_its_table_plot_and_json(tmp_path, capsys):
     assert "8 ranks: hsync" in capsys.readouterr().out
 
 
-def test_simulate_cluster_refuses_a_single_rank():
-    with pytest.raises(SystemExit):
-        main(["--simulate-cluster", "1"])
+@pytest.mark.parametrize(("argv", "message"), [
+    (["1"], "--simulate-cluster: every size must be at least 2 ranks, got [1]"),
+    (["99999999999"], "--simulate-cluster: at most 16384 ranks, got 99999999999"),
+    (["3", "--only", "nomatch"], "--only does not apply to --simulate-cluster, which runs no rows"),
+    (["3", "--world-size", "4"], "--world-size does not apply to --simulate-cluster, which runs no rows"),
+])
+def test_simulate_cluster_refuses_nonsense_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--simulate-cluster", *argv])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(message)
 
 
 def test_the_step_profile_compares_hsyncs_step_with_the_floors(tmp_path):

@@ -704,6 +704,16 @@ def test_nonsense_settings_are_refused(fields, message):
         hsync.BalanceConfig(**fields)
 
 
+def test_numpys_integers_are_taken_as_pythons():
+    import numpy as np
+
+    import hsync
+
+    config = hsync.BalanceConfig(global_batch_size=np.int64(8), rank_batch_sizes=np.array([5, 3]), seed=np.int32(1))
+    assert (config.global_batch_size, config.rank_batch_sizes, config.seed) == (8, [5, 3], 1)
+    assert all(type(n) is int for n in (config.global_batch_size, *config.rank_batch_sizes, config.seed))
+
+
 def balancer_given_a_dict(rank: int, world_size: int) -> str:
     import hsync
 

@@ -10,13 +10,14 @@ MIB = 2**20
 
 
 @pytest.mark.parametrize(("text", "size"), [("6GiB", 6 * 2**30), ("512 MB", 512 * 10**6), ("1.5e3", 1500),
-                                            (4096, 4096), ("2kib", 2048)])
+                                            (4096, 4096), ("2kib", 2048), (".5 KiB", 512), ("1e-3MB", 1000)])
 def test_sizes_are_read_as_written(text, size):
     assert parse_bytes(text) == size
 
 
 @pytest.mark.parametrize(("value", "message"), [("six GiB", "cannot read 'six GiB' as a size"),
                                                 ("3 parsecs", "cannot read '3 parsecs'"), (0, "positive, finite"),
+                                                ("1.2.3GiB", "cannot read '1.2.3GiB'"), (".", "cannot read '.'"),
                                                 (-1, "positive, finite"), (float("inf"), "positive, finite")])
 def test_a_size_that_means_nothing_is_refused_naming_it(value, message):
     with pytest.raises(ValueError, match=message):
