@@ -48,15 +48,21 @@ class Gradients(nn.Module):
 # its slot, which stays the gradient, one pass instead of two. With gradients zeroed in place instead, autograd
 # adds each into its slot (a read-modify-write pass) and the pack scales the slot in place: nothing is saved.
 # Measured with views (`hsync_views_of_flat`, 2026-11-29, three runs): 0.72-0.82 of the flat rate, where that
-# one pass bounds it at 0.88-0.91 and the copied path read 0.68-0.69 against its bound of 0.79-0.82
+# one pass, timed alone, bounds it at 0.88-0.91 and the copied path read 0.68-0.69 against its bound of 0.79-0.82
 # (benchmarks/results/2026-11-29-comm-path-views.md).
+# Timed alone, a pass flatters the bound: in a step it reads what autograd just wrote, on ranks that then wait
+# for the slower one's pass. So the row also times that pass in place (`one_pass`: the backward without sync,
+# each gradient copied into one flat buffer, the buffer all-reduced: no hook, no scale, no check), the least any
+# path that reads each gradient once can take. Three runs later that day: it reached 0.73-0.83 of the flat rate,
+# and hsync with views 0.99-1.02 of it (`hsync_views_of_one_pass`; 0.74-0.85 of the flat rate).
 
 
 def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: torch.dtype | None = None) -> Result:
     """The reduction alone: hooks + pack + all-reduce + unpack of 64 float32 gradients through hsync and
     through torch DDP (same bucket cap), over the same backward without sync, and each over the flat all-reduce's
     rate (`*_of_flat`: Note [The CPU comm path's limit]), hsync also with bucket views (`hsync_views`, in
-    float32), which saves the unpack; in the notes, torch's
+    float32), which saves the unpack, against the least a path that reads each gradient once can take
+    (`one_pass`: each copied into one flat buffer, which is all-reduced); in the notes, torch's
     all-reduce of the same bytes as one flat tensor (the wire's limit) and tensor by tensor, a copy of
     the flat tensor (the memory's limit), and hsync's scale-and-pack kernel alone over all the
     gradients as one tensor, against that copy (`pack_vs_copy`, in GB/s read and written; unpacking is
@@ -72,6 +78,7 @@ def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: t
             "nosync": Gradients(64, numel, device)}
     if comm_dtype is None:  # the same path without the write-back (Note [The CPU comm path's limit])
         nets["hsync_views"] = hsync.WeightedDDP(Gradients(64, numel, device), gradient_as_bucket_view=True)
+        nets["one_pass"] = Gradients(64, numel, device)
     if comm_dtype is not None:
         nets["hsync_fp32"] = hsync.WeightedDDP(Gradients(64, numel, device))
     grads = [torch.ones(numel, device=device) for _ in range(64)]
@@ -104,6 +111,20 @@ def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: t
         return run
 
     steps = {name: backward_of(net) for name, net in nets.items()}
+    if "one_pass" in nets:
+        # The least that any path which reads each gradient once can take: the backward without sync, each
+        # gradient copied into one flat buffer, and that buffer all-reduced (Note [The CPU comm path's limit]).
+        one_pass_buffer = torch.empty(64 * numel, device=device)
+        one_pass_slots = one_pass_buffer.split(numel)
+
+        def one_pass() -> None:
+            torch.autograd.backward(nets["one_pass"](), grads)
+            for slot, param in zip(one_pass_slots, nets["one_pass"].parameters(), strict=True):
+                slot.copy_(param.grad)
+            dist.all_reduce(one_pass_buffer)
+            nets["one_pass"].zero_grad(set_to_none=True)
+
+        steps["one_pass"] = one_pass
     steps |= {"flat": lambda: dist.all_reduce(flat), "per_tensor": per_tensor,
               "copy": repeated(lambda: copy_dst.copy_(flat)),
               "pack": repeated(lambda: hsync._C.scale_and_pack(grads_flat, packed, scale, nonfinite_flag, used_flag))}
@@ -132,13 +153,15 @@ def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: t
         spent = med[variant] - med["nosync"]
         return gbytes / spent if spent > 0 else NAN
 
-    variants = [variant for variant in ("hsync", "ddp", "hsync_views") if variant in med]
+    variants = [variant for variant in ("hsync", "ddp", "hsync_views", "one_pass") if variant in med]
     extra = {"hsync_buckets": len(nets["hsync"].bucket_params), "torch_flat_gb_per_s": gbytes / med["flat"],
              "torch_per_tensor_gb_per_s": gbytes / med["per_tensor"]}
     extra |= {f"{variant}_gb_per_s": delivered(variant) for variant in variants}
     # Of the wire's own rate (Note [The CPU comm path's limit]).
     extra |= {f"{variant}_of_flat": extra[f"{variant}_gb_per_s"] / extra["torch_flat_gb_per_s"]
               for variant in variants}
+    if "one_pass" in med:
+        extra["hsync_views_of_one_pass"] = extra["hsync_views_gb_per_s"] / extra["one_pass_gb_per_s"]
     if "hsync_fp32" in med:
         extra |= {"hsync_fp32_gb_per_s": delivered("hsync_fp32"),
                   "gb_per_s_vs_hsync_fp32": delivered("hsync") / delivered("hsync_fp32")}

@@ -63,6 +63,7 @@ def test_quick_benchmark_writes_results(tmp_path):
         assert math.isclose(extra["hsync_of_flat"], extra["hsync_gb_per_s"] / extra["torch_flat_gb_per_s"]), extra
         # Bucket views are timed in float32 (a row with a comm_dtype times hsync in float32 beside it instead).
         assert ("hsync_views_of_flat" in extra) != ("hsync_fp32_gb_per_s" in extra), extra
+        assert ("hsync_views_of_one_pass" in extra) == ("hsync_views_of_flat" in extra), extra
     # The widest model each system trains within budgets of 3:1 (which is widest is not judged here).
     capacity = data["results"][-6]["extra"]
     assert all(capacity[f"params_{system}"] > 0 for system in ("hsync", "zero", "fsdp2", "ddp")), capacity
