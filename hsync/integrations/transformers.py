@@ -113,6 +113,7 @@ class Trainer(transformers.Trainer):
         self.sharded_optimizer: hsync.ShardedOptimizer | None = None  # with BalancingArguments.shard_optimizer
         self.balancer: hsync.Balancer | None = None
         self._resume_from: str | None = None
+        self._loss_shifts_labels = shifts_labels(self.model)
 
     # -- the model -----------------------------------------------------------------------------------
 
@@ -276,13 +277,31 @@ class Trainer(transformers.Trainer):
         Trainer counts num_items_in_batch), or its examples."""
         labels = micro_batch.get("shift_labels", micro_batch.get("labels"))
         if isinstance(labels, torch.Tensor):
-            if "shift_labels" not in micro_batch and getattr(self, "_loss_shifts_labels", False):
+            if "shift_labels" not in micro_batch and self._loss_shifts_labels:
                 labels = labels[..., 1:]
             return float(labels.ne(-100).sum())
         first = next((v for v in micro_batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
         if first is None:
             raise ValueError("hsync.integrations.transformers.Trainer: a micro-batch without tensors has no size")
         return float(len(first))
+
+
+def shifts_labels(model: nn.Module) -> bool:
+    """Whether the model's loss is a mean over its labels shifted by one (a causal LM's: position 0 is never a
+    target). Trainer asks only the model's loss_type, which GPT-2's and other causal LMs' leave unset (their
+    loss is then ForCausalLMLoss all the same): under equal splits its count cancels out, but a rank's weight
+    that counts position 0 skews the weighted mean. So a model registered as a causal LM shifts too."""
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):  # the decoder's inputs come shifted
+        return False
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type is not None:
+        return LOSS_MAPPING.get(loss_type) is ForCausalLMLoss
+    causal = {name for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+              for name in ([names] if isinstance(names, str) else names)}
+    return type(model).__name__ in causal
 
 
 BALANCER_STATE = "hsync_balancer.pt"

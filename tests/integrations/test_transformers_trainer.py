@@ -1,6 +1,7 @@
 """hsync.integrations.transformers.Trainer on two real ranks (gloo), against one process over the same
-global batches: a classifier (a mean over examples) and a masked LM (a mean over tokens), uneven fixed
-shares and measured ones, gradient accumulation on; saving, and what is refused."""
+global batches: a classifier (a mean over examples), a masked LM (a mean over tokens) and a causal LM (over
+the tokens after the first), uneven fixed shares and measured ones, gradient accumulation on; saving, and what
+is refused."""
 
 from __future__ import annotations
 
@@ -27,8 +28,12 @@ ENV = LAUNCH_ENV
 
 
 def tiny_model(task: str) -> torch.nn.Module:
-    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
+    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
+    if task == "causal":  # a causal LM whose loss_type is unset, as GPT-2's: its loss shifts the labels all the same
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=32, n_embd=16, n_layer=1, n_head=2,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
@@ -47,6 +52,8 @@ class Texts(torch.utils.data.Dataset):
             ids = torch.randint(1, 40, (int(torch.randint(3, 21, (1,), generator=g)),), generator=g)
             if task == "classify":
                 labels = int(ids.sum() % 3)
+            elif task == "causal":  # every next token (collate pads with -100)
+                labels = ids
             else:
                 labels = torch.where(torch.rand(len(ids), generator=g) < 0.3, ids, torch.full_like(ids, -100))
                 labels[0] = ids[0]  # at least one token to predict
@@ -152,8 +159,8 @@ def one_process(task: str, steps: list[list[int]]) -> tuple[dict[str, torch.Tens
 # find_unused_parameters is off, as TrainingArguments then asks.
 @pytest.mark.parametrize(("task", "shares", "overrides"), [
     ("classify", [24, 8], {"torch_compile": True, "torch_compile_backend": "aot_eager"}),
-    ("classify", [24, 8], {"gradient_checkpointing": True}), ("mlm", None, {})],
-    ids=["classify-24+8-compiled", "classify-24+8-checkpointing", "mlm-auto"])
+    ("classify", [24, 8], {"gradient_checkpointing": True}), ("mlm", None, {}), ("causal", [20, 12], {})],
+    ids=["classify-24+8-compiled", "classify-24+8-checkpointing", "mlm-auto", "causal-lm-20+12"])
 def test_trainer_steps_equal_one_process_over_the_same_global_batches(task, shares, overrides, tmp_path):
     ranks = run_ranks(train_with_hsync, 2, task, shares, str(tmp_path), None, overrides, env=ENV, timeout=240)
     steps = EPOCHS * EXAMPLES // (PER_DEVICE * ACCUMULATION * 2)
@@ -169,7 +176,7 @@ def test_trainer_steps_equal_one_process_over_the_same_global_batches(task, shar
         seen = [i for batch in global_batches[epoch * 3:(epoch + 1) * 3] for i in batch]
         assert sorted(seen) == list(range(EXAMPLES))
     if shares is not None:
-        assert [[len(s) for s in rank["steps"]] for rank in ranks] == [[24] * steps, [8] * steps]
+        assert [[len(s) for s in rank["steps"]] for rank in ranks] == [[shares[0]] * steps, [shares[1]] * steps]
     expected, losses = one_process(task, global_batches)
     for result in ranks:
         for name, value in expected.items():
