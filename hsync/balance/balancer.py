@@ -96,6 +96,9 @@ class BalanceConfig:
     """Seeds the order of examples: epoch e is a permutation drawn from (seed, e)."""
     shuffle: bool = True
     """Whether each epoch shuffles the examples; False keeps the dataset's order."""
+    drop_last: bool = False
+    """Whether an epoch's last step is dropped when it holds fewer than global_batch_size examples (as a
+    DataLoader's drop_last); False: it takes what is left."""
 
     def __post_init__(self) -> None:
         def is_whole(value) -> bool:  # numpy's integers too; kept as Python's below
@@ -127,8 +130,9 @@ class BalanceConfig:
         if not is_whole(self.seed):
             raise ValueError(f"BalanceConfig.seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "seed", int(self.seed))
-        if not isinstance(self.shuffle, bool):
-            raise ValueError(f"BalanceConfig.shuffle must be True or False, got {self.shuffle!r}")
+        for name in ("shuffle", "drop_last"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"BalanceConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.rank_batch_sizes is not None:
             sizes = list(self.rank_batch_sizes)
             if any(not is_whole(n) or n < 0 for n in sizes) or sum(sizes) != self.global_batch_size:
@@ -181,8 +185,12 @@ class Balancer:
             self._limits = self._micro_batch_limits()
         except ValueError as error:
             costs, refusal = [1.0], str(error)
+        if config.drop_last and refusal is None and len(costs) < config.global_batch_size:
+            refusal = (f"hsync.Balancer: drop_last leaves no step of {config.global_batch_size} examples in an epoch of "
+                       f"{len(costs)}")
         self._splitter = StepSplitter(costs, config.global_batch_size, self.world_size, seed=config.seed,
-                                      shuffle=config.shuffle, rank_batch_sizes=config.rank_batch_sizes)
+                                      shuffle=config.shuffle, drop_last=config.drop_last,
+                                      rank_batch_sizes=config.rank_batch_sizes)
         self._check_same_everywhere(refusal)
         # A GPU rank's micro-batch before its memory is measured: an equal share, at the longest length.
         self._equal_share_units = -(-config.global_batch_size // self.world_size) * max(costs)
@@ -216,7 +224,7 @@ class Balancer:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Optimizer steps in an epoch: ceil(examples / global_batch_size), on every rank."""
+        """Optimizer steps in an epoch: ceil(examples / global_batch_size) (floor with drop_last), on every rank."""
         return self._splitter.steps_per_epoch
 
     def __len__(self) -> int:
@@ -477,7 +485,7 @@ class Balancer:
         resumes at the next step whatever its world size; and the policy's plan and fits, which a resume on
         as many ranks goes on with (on another number, it measures its ranks anew). Plain values only."""
         state = {"epoch": self.epoch, "step_in_epoch": self._step_in_epoch, "global_step": self.global_step,
-                 "seed": self.config.seed, "shuffle": self.config.shuffle,
+                 "seed": self.config.seed, "shuffle": self.config.shuffle, "drop_last": self.config.drop_last,
                  "global_batch_size": self.config.global_batch_size, "num_examples": len(self._splitter.costs)}
         if self._decides:
             state["policy"] = self._policy.state_dict()
@@ -497,9 +505,10 @@ class Balancer:
                 and position["global_step"] >= position["step_in_epoch"]):
             raise ValueError(f"hsync.Balancer: the state's position {position} is not one of this run's (epochs of "
                              f"{self.steps_per_epoch} steps)")
-        kept = {**state, "shuffle": state.get("shuffle", config.shuffle)}  # older checkpoints lack it
+        # Older checkpoints lack these two: their runs shuffled and kept an epoch's last step.
+        kept = {"shuffle": True, "drop_last": False, **state}
         for key, ours in (("num_examples", len(self._splitter.costs)), ("global_batch_size", config.global_batch_size),
-                          ("seed", config.seed), ("shuffle", config.shuffle)):
+                          ("seed", config.seed), ("shuffle", config.shuffle), ("drop_last", config.drop_last)):
             if kept[key] != ours:
                 raise ValueError(f"hsync.Balancer: the checkpoint has {key} {kept[key]}, this run {ours}: "
                                  "it was written for other data or another batch")
@@ -529,7 +538,7 @@ class Balancer:
         own arguments, is raised on every rank."""
         config, costs = self.config, self._splitter.costs
         mine = refusal if refusal is not None else (
-            len(costs), _digest(costs), config.global_batch_size, config.seed, config.shuffle,
+            len(costs), _digest(costs), config.global_batch_size, config.seed, config.shuffle, config.drop_last,
             config.rank_batch_sizes and list(config.rank_batch_sizes), self._limits, config.replan_every,
             config.warmup_steps, config.probe_steps, config.min_gain, self._memory is not None)
         everyone = Channels.of_model(self.model).gather_objects(mine, "the Balancer's settings")

@@ -49,15 +49,17 @@ class StepSplitter:
     their cost models, or by the fixed `rank_batch_sizes`."""
 
     def __init__(self, costs: Sequence[float], global_batch_size: int, world_size: int, *, seed: int, shuffle: bool,
-                 rank_batch_sizes: Sequence[int] | None) -> None:
+                 rank_batch_sizes: Sequence[int] | None, drop_last: bool = False) -> None:
         self.costs = list(costs)
         self.global_batch_size = global_batch_size
         self.world_size = world_size
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.rank_batch_sizes = None if rank_batch_sizes is None else list(rank_batch_sizes)
 
     @property
     def steps_per_epoch(self) -> int:
+        if self.drop_last:
+            return len(self.costs) // self.global_batch_size
         return -(-len(self.costs) // self.global_batch_size)
 
     def order(self, epoch: int) -> list[int]:
@@ -111,7 +113,7 @@ class StepSplitter:
         """No step of an epoch, its last included, leaves a rank without an example (check_lockstep): found
         before training, not at the epoch's end."""
         batch = self.global_batch_size
-        last = len(self.costs) - (self.steps_per_epoch - 1) * batch
+        last = len(self.costs) - (self.steps_per_epoch - 1) * batch if self.steps_per_epoch else batch
         fixed = self.rank_batch_sizes
         for size in (batch, last):
             if size < self.world_size or (fixed is not None and 0 in split_proportionally(size, fixed)):

@@ -261,7 +261,8 @@ class HsyncStrategy(DDPStrategy):
         world = self.world_size
         config = self.balance or hsync.BalanceConfig(
             global_batch_size=loader.batch_size * self._micro_batches_per_step * world,
-            micro_batch_limit=loader.batch_size if self._micro_batches_per_step > 1 else None)
+            micro_batch_limit=loader.batch_size if self._micro_batches_per_step > 1 else None,
+            drop_last=loader.drop_last)
         if self.balancer is None or self.balancer.model is not self.model:  # a first fit(), or another module
             self.balancer = self._new_balancer(self.model, len(loader.dataset), config)
         if self._resumed_loader_state is not None:

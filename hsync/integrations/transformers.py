@@ -203,7 +203,9 @@ class Trainer(transformers.Trainer):
             micro_batch_limit=per_device * (max(costs) if isinstance(costs, list) else 1),
             warmup_steps=self.balancing.warmup_steps, probe_steps=self.balancing.probe_steps,
             replan_every=self.balancing.replan_every, min_gain=self.balancing.min_gain,
-            seed=args.data_seed if args.data_seed is not None else args.seed)
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            shuffle=getattr(args, "train_sampling_strategy", "random") != "sequential",
+            drop_last=args.dataloader_drop_last)
         if self.balancer is None:
             self.balancer = self._new_balancer(self._weighted(), costs, config)
             if self._resume_from is not None:

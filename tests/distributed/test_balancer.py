@@ -610,6 +610,12 @@ def refused_on_every_rank(rank, world_size):
         balancer.load_state_dict({**balancer.state_dict(), "num_examples": 7})
     with pytest.raises(ValueError, match="the checkpoint has shuffle False, this run True"):
         balancer.load_state_dict({**balancer.state_dict(), "shuffle": False})
+    with pytest.raises(ValueError, match="the checkpoint has drop_last True, this run False"):
+        balancer.load_state_dict({**balancer.state_dict(), "drop_last": True})
+    with pytest.raises(ValueError, match=r"drop_last leaves no step of 8 examples in an epoch of 7 \(rank 0; refused "
+                                         r"on ranks \[0, 1\]\)"):
+        hsync.Balancer(model, 7, hsync.BalanceConfig(global_batch_size=8, drop_last=True))
+    assert hsync.Balancer(model, 100, hsync.BalanceConfig(global_batch_size=8, drop_last=True)).steps_per_epoch == 12
     return True
 
 
@@ -691,6 +697,7 @@ def test_a_state_that_is_no_position_of_this_run_is_refused():
     ({"global_batch_size": 8, "seed": 1.5}, "seed must be an integer, got 1.5"),
     ({"global_batch_size": 8, "seed": "0"}, "seed must be an integer, got '0'"),
     ({"global_batch_size": 8, "shuffle": "no"}, "shuffle must be True or False, got 'no'"),
+    ({"global_batch_size": 8, "drop_last": 1}, "drop_last must be True or False, got 1"),
     # Each of these three was a TypeError naming no setting, from a comparison deep inside.
     ({"global_batch_size": 8, "min_gain": "0.1"}, "min_gain must be a number, got '0.1'"),
     ({"global_batch_size": 8, "micro_batch_limit": "16"}, "micro_batch_limit must be None, a positive number or "

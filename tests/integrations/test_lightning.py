@@ -98,8 +98,9 @@ def module_class(weighted: bool = False, sharded: bool = False):
 def fit(rank: int, world_size: int, strategy_options: dict | None, accumulate: int, root: str,
         resume_from: str | None = None, max_steps: int = -1, variant: str = "") -> dict:
     """Trainer.fit on this rank; `variant`: "bf16" (precision bf16-mixed), "clip-compiled" (gradient_clip_val
-    0.05, a torch.compile'd module), "weighted" (a module whose loss says its weight) or "fp16" (on the GPU, with
-    precision 16-mixed; every rank on the one GPU, as if each were a node of its own)."""
+    0.05, a torch.compile'd module), "weighted" (a module whose loss says its weight), "drop-last" (a train
+    loader of 90 examples that drops its last batch) or "fp16" (on the GPU, with precision 16-mixed; every rank on
+    the one GPU, as if each were a node of its own)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -107,6 +108,9 @@ def fit(rank: int, world_size: int, strategy_options: dict | None, accumulate: i
 
     torch.manual_seed(0)
     module = module_class(weighted=variant == "weighted", sharded=variant.startswith("sharded"))()
+    if variant == "drop-last":  # 90 examples: an epoch's last step would hold 10 of 16
+        module.train_dataloader = lambda: torch.utils.data.DataLoader(
+            torch.utils.data.Subset(data(), range(90)), batch_size=BATCH, shuffle=True, drop_last=True)
     strategy = "hsync" if strategy_options is None else HsyncStrategy(**strategy_options)
     savers = [ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="{step}"),
               ModelCheckpoint(dirpath=root, every_n_epochs=1, save_top_k=-1, filename="{epoch}")]  # at its end
@@ -220,6 +224,21 @@ def test_lightnings_options_keep_the_steps_exact(variant, tmp_path):
     for result in ranks:
         assert result["dtypes"] == ["torch.float32"] and result["comm_hook"] == (variant == "comm-hook")
         assert result["loss"] == pytest.approx(losses[-1], rel=1e-5)
+        for name, value in expected.items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_train_loader_that_drops_its_last_batch_drops_an_epochs_short_last_step(tmp_path):
+    # As under torch's DDP: 45 examples a rank, five batches of 8 and the rest dropped.
+    ranks = run_ranks(fit, 2, None, 1, str(tmp_path), None, -1, "drop-last", env=ENV, timeout=240)
+    batches = global_batches(ranks)
+    assert [len(b) for b in batches] == [16] * 5 * EPOCHS
+    for epoch in range(EPOCHS):
+        seen = [i for b in batches[epoch * 5:(epoch + 1) * 5] for i in b]
+        assert len(set(seen)) == 80 and max(seen) < 90
+    expected, _ = one_process(batches)
+    for result in ranks:
+        assert result["global_step"] == 5 * EPOCHS and result["batches"] == 5
         for name, value in expected.items():
             torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 

@@ -190,6 +190,17 @@ def test_trainer_steps_equal_one_process_over_the_same_global_batches(task, shar
             torch.testing.assert_close(base[name.removeprefix("bert.")], value, rtol=1e-5, atol=1e-6)
 
 
+def test_dataloader_drop_last_and_sequential_sampling_are_honoured(tmp_path):
+    # 96 examples in global batches of 40: two whole steps an epoch, the short third dropped, in the data's order.
+    overrides = {"dataloader_drop_last": True, "train_sampling_strategy": "sequential"}
+    ranks = run_ranks(train_with_hsync, 2, "classify", [30, 10], str(tmp_path), None, overrides, 40, env=ENV,
+                      timeout=240)
+    for result in ranks:
+        assert result["global_step"] == 2 * EPOCHS and result["loader_length"] == 2
+    global_batches = [sorted(a + b) for a, b in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True)]
+    assert global_batches == [list(range(40)), list(range(40, 80))] * EPOCHS
+
+
 def test_a_resume_through_trainers_checkpoint_ends_as_an_uninterrupted_run(tmp_path):
     # Checkpoints every 2 steps of 6 (3 an epoch): the one at step 4 lies inside the second epoch.
     straight = run_ranks(train_with_hsync, 2, "mlm", None, str(tmp_path / "a"), None,

@@ -44,6 +44,19 @@ def test_the_same_seed_and_epoch_give_the_same_steps_and_another_epoch_another_o
     assert StepSplitter([1.0] * 5, 2, 2, seed=0, shuffle=False, rank_batch_sizes=None).order(3) == [0, 1, 2, 3, 4]
 
 
+def test_drop_last_drops_an_epochs_short_last_step_and_draws_the_rest_from_every_example():
+    splitter = StepSplitter([1.0] * 40, 16, 2, seed=1, shuffle=True, rank_batch_sizes=[11, 5], drop_last=True)
+    models = [RankCost(0.0, 1.0)] * 2
+    for e in range(2):
+        steps = list(splitter.steps(e, 0, 0, 0, lambda step: models, lockstep=False))
+        assert [split.sizes for split in steps] == [[11, 5], [11, 5]]
+        used = Counter(i for rank in epoch(splitter, models, e) for micro in rank for i in micro.indices)
+        assert set(used.values()) == {1} and sorted(used) == sorted(splitter.order(e)[:32])
+    assert splitter.order(0)[32:] != splitter.order(1)[32:], "another epoch leaves out other examples"
+    # A short step that is dropped cannot leave a rank without an example.
+    StepSplitter([1.0] * 9, 4, 2, seed=0, shuffle=True, rank_batch_sizes=None, drop_last=True).check_epoch_end_lockstep()
+
+
 def test_a_lockstep_split_that_leaves_a_rank_without_an_example_is_refused_before_training():
     with pytest.raises(ValueError, match="a step of size 1 would leave a rank without an example"):
         StepSplitter([1.0] * 9, 4, 2, seed=0, shuffle=True, rank_batch_sizes=None).check_epoch_end_lockstep()
