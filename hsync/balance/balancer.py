@@ -186,8 +186,8 @@ class Balancer:
         except ValueError as error:
             costs, refusal = [1.0], str(error)
         if config.drop_last and refusal is None and len(costs) < config.global_batch_size:
-            refusal = (f"hsync.Balancer: drop_last leaves no step of {config.global_batch_size} examples in an epoch of "
-                       f"{len(costs)}")
+            refusal = (f"hsync.Balancer: drop_last leaves no step of {config.global_batch_size} examples in an "
+                       f"epoch of {len(costs)}")
         self._splitter = StepSplitter(costs, config.global_batch_size, self.world_size, seed=config.seed,
                                       shuffle=config.shuffle, drop_last=config.drop_last,
                                       rank_batch_sizes=config.rank_batch_sizes)

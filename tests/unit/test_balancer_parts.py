@@ -54,7 +54,8 @@ def test_drop_last_drops_an_epochs_short_last_step_and_draws_the_rest_from_every
         assert set(used.values()) == {1} and sorted(used) == sorted(splitter.order(e)[:32])
     assert splitter.order(0)[32:] != splitter.order(1)[32:], "another epoch leaves out other examples"
     # A short step that is dropped cannot leave a rank without an example.
-    StepSplitter([1.0] * 9, 4, 2, seed=0, shuffle=True, rank_batch_sizes=None, drop_last=True).check_epoch_end_lockstep()
+    dropping = StepSplitter([1.0] * 9, 4, 2, seed=0, shuffle=True, rank_batch_sizes=None, drop_last=True)
+    dropping.check_epoch_end_lockstep()
 
 
 def test_a_lockstep_split_that_leaves_a_rank_without_an_example_is_refused_before_training():
