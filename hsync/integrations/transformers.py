@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import hsync
-from hsync.integrations._loaders import StepLoader
+from hsync.integrations._loaders import MicroBatches, StepLoader
 from hsync.integrations._world import check_framework_version, refuse_a_wrapped_model, wrap
 
 
@@ -273,6 +273,20 @@ class Trainer(transformers.Trainer):
             raise RuntimeError("hsync.integrations.transformers.Trainer: a step ended before its last micro-batch")
         scale = self.accelerator.scaler.get_scale() if self.accelerator.scaler is not None else 1.0
         return torch.tensor(stats.loss / scale, device=self.args.device)
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        # A step is this rank's micro-batches: counted as one batch, whose tensors hold every micro-batch's
+        # elements (flattened, as only sums and sizes are counted), in one gather a step on every rank.
+        if isinstance(inputs, MicroBatches):
+            names = set.intersection(*(set(micro) for micro in inputs))
+            inputs = {name: torch.cat([micro[name].reshape(-1) for micro in inputs]) for name in names
+                      if all(isinstance(micro[name], torch.Tensor) for micro in inputs)}
+        super()._track_num_input_tokens(inputs)
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        if isinstance(inputs, MicroBatches):
+            return sum(super(Trainer, self).floating_point_ops(micro) for micro in inputs)
+        return super().floating_point_ops(inputs)
 
     def _items(self, micro_batch: dict[str, Any]) -> float:
         """What the micro-batch's loss is a mean over: its labels other than -100 (shifted for a causal LM, as

@@ -136,7 +136,8 @@ def train_with_hsync(rank: int, world_size: int, task: str, shares: list[int] | 
             "find_unused": trainer.weighted_model.find_unused_parameters, "log": trainer.state.log_history,
             "compiled": type(trainer.model_wrapped).__name__,
             "best_checkpoint": trainer.state.best_model_checkpoint, "skipped": skipped,
-            "sharded": type(trainer.sharded_optimizer).__name__}
+            "sharded": type(trainer.sharded_optimizer).__name__, "tokens_seen": trainer.state.num_input_tokens_seen,
+            "flos": trainer.state.total_flos, "flos_per_token": 6 * model.num_parameters(exclude_embeddings=True)}
 
 
 def one_process(task: str, steps: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -190,15 +191,20 @@ def test_trainer_steps_equal_one_process_over_the_same_global_batches(task, shar
             torch.testing.assert_close(base[name.removeprefix("bert.")], value, rtol=1e-5, atol=1e-6)
 
 
-def test_dataloader_drop_last_and_sequential_sampling_are_honoured(tmp_path):
-    # 96 examples in global batches of 40: two whole steps an epoch, the short third dropped, in the data's order.
-    overrides = {"dataloader_drop_last": True, "train_sampling_strategy": "sequential"}
+def test_dataloader_drop_last_sequential_sampling_and_the_tokens_seen_are_trainers(tmp_path):
+    # 96 examples in global batches of 40: two whole steps an epoch, the short third dropped, in the data's order;
+    # the tokens seen counted over every micro-batch of every rank (Trainer read a step's list of them as none).
+    overrides = {"dataloader_drop_last": True, "train_sampling_strategy": "sequential",
+                 "include_num_input_tokens_seen": "non_padding"}
     ranks = run_ranks(train_with_hsync, 2, "classify", [30, 10], str(tmp_path), None, overrides, 40, env=ENV,
                       timeout=240)
-    for result in ranks:
-        assert result["global_step"] == 2 * EPOCHS and result["loader_length"] == 2
     global_batches = [sorted(a + b) for a, b in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True)]
     assert global_batches == [list(range(40)), list(range(40, 80))] * EPOCHS
+    tokens = EPOCHS * sum(len(Texts("classify").items[i]["input_ids"]) for i in range(80))
+    for result in ranks:
+        assert result["global_step"] == 2 * EPOCHS and result["loader_length"] == 2
+        assert result["tokens_seen"] == tokens
+        assert result["flos"] >= result["flos_per_token"] * tokens > 0  # padding counts there too
 
 
 def test_a_resume_through_trainers_checkpoint_ends_as_an_uninterrupted_run(tmp_path):
