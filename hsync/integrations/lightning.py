@@ -328,7 +328,7 @@ class HsyncStrategy(DDPStrategy):
         try:
             for micro in leading:
                 self._logs_weigh(micro)
-                output = self._take_weight(super().training_step(micro, *rest, **kwargs))
+                output = self._take_weight(self._skipped_as_weightless(super().training_step(micro, *rest, **kwargs)))
                 loss = output["loss"] if isinstance(output, dict) else output
                 self.backward(loss, None)
         finally:
@@ -341,9 +341,19 @@ class HsyncStrategy(DDPStrategy):
             p.grad = None
         self._last_micro_batch_examples = self._logs_weigh(last)
         try:
-            return self._take_weight(super().training_step(last, *rest, **kwargs))
+            return self._take_weight(self._skipped_as_weightless(super().training_step(last, *rest, **kwargs)))
         finally:
             self._last_micro_batch_examples = None
+
+    def _skipped_as_weightless(self, output: Any) -> Any:
+        """A training_step that returns None skips its batch in Lightning. Every rank must still run each of its
+        micro-batches' backward (the step's collectives), so a skipped one runs with weight 0: gradients of
+        zeros that count for nothing in the weighted mean, as if the batch had not been there."""
+        if output is not None:
+            return output
+        self._weight = 0
+        trainable = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        return torch.stack([p.sum() for p in trainable]).sum() * 0
 
     def _logs_weigh(self, micro: Any) -> int | None:
         """Lightning weighs a value logged for the epoch by its batch's size, which it would infer from the whole

@@ -29,7 +29,10 @@ def example_weights(index: torch.Tensor) -> torch.Tensor:
     return 1.0 + (index % 3).float()
 
 
-def module_class(weighted: bool = False, sharded: bool = False):
+SKIPPED = (5, 50)  # the "skip" variant's training_step returns None for a batch that holds one of these examples
+
+
+def module_class(weighted: bool = False, sharded: bool = False, skip: bool = False):
     import lightning as L
 
     import hsync
@@ -50,7 +53,9 @@ def module_class(weighted: bool = False, sharded: bool = False):
 
         def training_step(self, batch, batch_idx):
             x, y, index = batch
-            self.steps[-1] += index.tolist()
+            skipped = skip and any(i in SKIPPED for i in index.tolist())
+            if not skipped:
+                self.steps[-1] += index.tolist()
             if weighted:
                 w = example_weights(index)
                 loss = (w * ((self.net(x).float() - y) ** 2).squeeze(1)).sum() / w.sum()
@@ -59,7 +64,7 @@ def module_class(weighted: bool = False, sharded: bool = False):
             loss = nn.functional.mse_loss(self.net(x).float(), y)
             self.log("train_loss", loss, sync_dist=True)
             self.log("epoch_loss", loss, sync_dist=True, on_step=False, on_epoch=True)
-            return loss
+            return None if skipped else loss  # None: Lightning's way to skip a batch (logged alike on every rank)
 
         def on_before_optimizer_step(self, optimizer):
             scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # 16-mixed's GradScaler
@@ -99,15 +104,16 @@ def fit(rank: int, world_size: int, strategy_options: dict | None, accumulate: i
         resume_from: str | None = None, max_steps: int = -1, variant: str = "") -> dict:
     """Trainer.fit on this rank; `variant`: "bf16" (precision bf16-mixed), "clip-compiled" (gradient_clip_val
     0.05, a torch.compile'd module), "weighted" (a module whose loss says its weight), "drop-last" (a train
-    loader of 90 examples that drops its last batch) or "fp16" (on the GPU, with precision 16-mixed; every rank on
-    the one GPU, as if each were a node of its own)."""
+    loader of 90 examples that drops its last batch), "skip" (a training_step that skips some batches) or "fp16"
+    (on the GPU, with precision 16-mixed; every rank on the one GPU, as if each were a node of its own)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from hsync.integrations.lightning import HsyncStrategy
 
     torch.manual_seed(0)
-    module = module_class(weighted=variant == "weighted", sharded=variant.startswith("sharded"))()
+    module = module_class(weighted=variant == "weighted", sharded=variant.startswith("sharded"),
+                          skip=variant == "skip")()
     if variant == "drop-last":  # 90 examples: an epoch's last step would hold 10 of 16
         module.train_dataloader = lambda: torch.utils.data.DataLoader(
             torch.utils.data.Subset(data(), range(90)), batch_size=BATCH, shuffle=True, drop_last=True)
@@ -198,7 +204,7 @@ def test_lightning_steps_equal_one_process_over_the_same_global_batches(options,
 
 
 @pytest.mark.parametrize("variant", ["clip-compiled", "weighted", "comm-hook", "sharded-clipped",
-                                     "backbone-finetuning", "sharded-backbone-finetuning"])
+                                     "backbone-finetuning", "sharded-backbone-finetuning", "skip"])
 def test_lightnings_options_keep_the_steps_exact(variant, tmp_path):
     # Fixed shares, rank 0's 24 in three micro-batches: clipping acts on the step's whole gradient, after the
     # last, and a compiled module runs the same steps (both in one run); a loss that gives its weight is
@@ -206,7 +212,8 @@ def test_lightnings_options_keep_the_steps_exact(variant, tmp_path):
     # an hsync.ShardedOptimizer (SGD with momentum) is clipped over both ranks' shards; Lightning's
     # BackboneFinetuning unfreezes the first layer after the model was wrapped, and it trains on averaged gradients
     # (under torch's DDP each rank's copy of it would train on its own); with a ShardedOptimizer too, whose
-    # add_param_group takes the layer into the buckets and shares its state.
+    # add_param_group takes the layer into the buckets and shares its state; a training_step that returns None
+    # (Lightning's skip) leaves its micro-batch out of the step, which runs on the others' examples.
     import hsync
     from tests.distributed.test_comm_hooks import mean_allreduce_hook
 
@@ -215,6 +222,9 @@ def test_lightnings_options_keep_the_steps_exact(variant, tmp_path):
     if variant == "comm-hook":
         options["ddp_comm_hook"] = mean_allreduce_hook
     ranks = run_ranks(fit, 2, options, 1, str(tmp_path), None, -1, variant, env=ENV, timeout=240)
+    if variant == "skip":  # each epoch, the micro-batch of each skipped example left out
+        trained = [i for batch in global_batches(ranks) for i in batch]
+        assert not set(trained) & set(SKIPPED) and EPOCHS * (EXAMPLES - 16) <= len(trained) < EPOCHS * EXAMPLES
     clipped = variant in ("clip-compiled", "sharded-clipped")
     expected, losses = one_process(global_batches(ranks), clip=CLIP if clipped else None,
                                    weights=example_weights if variant == "weighted" else None,
