@@ -64,6 +64,15 @@ class BalancedLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    @property
+    def dataset(self) -> torch.utils.data.Dataset:
+        return self.loader.dataset
+
+    @property
+    def total_batch_size(self) -> int:
+        """Examples in one optimizer step over every rank, as Accelerate's sharded loaders say."""
+        return self.balancer.config.global_batch_size
+
     def __iter__(self) -> Iterator[Any]:
         for batch in self.loader:
             yield send_to_device(batch, self.device, non_blocking=self.non_blocking)
@@ -152,6 +161,14 @@ class Accelerator(accelerate.Accelerator):
         if self.sharded_optimizer is not None:  # every rank reads state_dict(): the whole state on each
             self.sharded_optimizer.consolidate_state_dict(to=self.process_index)
         return super().save_state(*args, **kwargs)
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        if isinstance(dataloader, BalancedLoader):
+            if num_batches:  # Accelerate's recipe for a resume, which here would skip the batches twice
+                raise ValueError("hsync.integrations.accelerate: a balanced loader resumes where load_state() left "
+                                 "its Balancer; iterate it as it is, with no batches skipped")
+            return dataloader
+        return super().skip_first_batches(dataloader, num_batches)
 
     def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Any = None) -> Any:

@@ -52,8 +52,13 @@ def train(rank: int, world_size: int, shares: list[int] | None, state_dir: str, 
     balancer = hsync.Balancer(model, EXAMPLES, hsync.BalanceConfig(
         global_batch_size=GLOBAL_BATCH, rank_batch_sizes=shares, micro_batch_limit=MICRO_LIMIT, replan_every=2))
     loader = accelerator.prepare(torch.utils.data.DataLoader(data(), batch_sampler=balancer))
+    assert len(loader.dataset) == EXAMPLES and loader.total_batch_size == GLOBAL_BATCH  # as Accelerate's loaders
     if resume:
         accelerator.load_state(state_dir)
+        # Accelerate's recipe for a resume skips the batches already trained: here the Balancer's state did.
+        with pytest.raises(ValueError, match="a balanced loader resumes where load_state.. left its Balancer"):
+            accelerator.skip_first_batches(loader, balancer.global_step)
+        assert accelerator.skip_first_batches(loader, 0) is loader
     steps: list[list[int]] = [[]]
     losses, skipped = [], []
     for epoch in range(balancer.epoch, EPOCHS):
