@@ -52,8 +52,15 @@ class Parser(argparse.ArgumentParser):
 def refuse(message: str, prog: str | None = None) -> NoReturn:
     """Ends the program with a flag's or file's error in one line (exit status 2, as argparse's), before any work:
     for one found after parsing (a --model folder that does not load)."""
-    print(f"{prog or Path(sys.argv[0]).name}: error: {message} (see --help)", file=sys.stderr, flush=True)
+    say_once(f"{prog or Path(sys.argv[0]).name}: error: {message} (see --help)")
     sys.exit(2)
+
+
+def say_once(line: str) -> None:
+    """`line` on stderr in one write: under torchrun every rank writes its own to the same terminal, and print()
+    (or a SystemExit's message) writes a line and its end apart, so that ranks' lines ran together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def unwritable_folder(path: Path) -> str | None:

@@ -210,6 +210,11 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path
     (refusal,) = refusals_in_ranks(tmp_path, "--max-steps", "8", "--save-dir", str(split), "--resume", "--lr", "1e-4",
                                    nproc=1, data_dir=straight_run.data_dir)
     assert "was written with lr=0.002, this run has lr=0.0001" in refusal, refusal
+    # Another seed would have trained its own vocabulary first (minutes for the base preset), then been refused.
+    (refusal,) = refusals_in_ranks(tmp_path, "--max-steps", "8", "--save-dir", str(split), "--resume", "--seed", "7",
+                                   nproc=1, data_dir=tmp_path / "unused")
+    assert "was written with seed=0, this run has seed=7" in refusal, refusal
+    assert not (tmp_path / "unused").exists(), "no data prepared before the checkpoint was found another run's"
     assert [p.name for p in split.iterdir()] == [written.name]
     assert hashlib.sha256(written.read_bytes()).hexdigest() == digest
 

@@ -112,6 +112,32 @@ def save(save_dir: Path, step: int, state: dict[str, Any]) -> Path | None:
     return path
 
 
+def another_run(path: Path, meta: dict[str, Any], expected: dict[str, Any]) -> str | None:
+    """Why the checkpoint at `path`, written with `meta`, is of another run than `expected` (None: it is not)."""
+    for key, value in expected.items():
+        if meta.get(key, value) != value:  # (a key added since the checkpoint was written: not checked)
+            return (f"{path} was written with {key}={meta.get(key)!r}, this run has {key}={value!r}; start a new "
+                    "--save-dir or match the run")
+    return None
+
+
+def refuse_another_run(save_dir: Path, settings: dict[str, Any]) -> None:
+    """Collective, before any work: a resume with no checkpoint, or from another run's as far as the flags alone
+    tell (`settings`), stops every rank before the data is prepared (a vocabulary trained, say). Rank 0 reads only
+    the file's settings (memory-mapped); load() checks the rest, and says what is wrong with a damaged file."""
+    problem = None
+    path = latest(save_dir) if dist.get_rank() == 0 else None
+    if dist.get_rank() == 0 and path is None:
+        problem = f"no checkpoint in {save_dir}"
+    elif path is not None:
+        try:
+            meta = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("meta", {})
+        except Exception:  # noqa: BLE001 - load() reads it again and names the problem
+            meta = {}
+        problem = another_run(path, meta, settings) if isinstance(meta, dict) else None
+    fail_together(problem, "cannot --resume")
+
+
 def load(save_dir: Path, expected: dict[str, Any], may_change: dict[str, Any], stop_at: int = 0,
          max_steps: int | None = None) -> dict[str, Any]:
     """The latest checkpoint; collective: every rank stops with the same error if any rank cannot
@@ -130,10 +156,8 @@ def load(save_dir: Path, expected: dict[str, Any], may_change: dict[str, Any], s
         written = state.pop("checksum", None)  # (none in a checkpoint written before it was added: not checked)
         if written is not None and checksum(state) != written:
             raise ValueError(f"{path} is damaged: what it holds does not match the checksum written with it")
-        for key, value in expected.items():
-            if state["meta"].get(key, value) != value:  # (a key added since the checkpoint was written: not checked)
-                raise ValueError(f"{path} was written with {key}={state['meta'].get(key)!r}, this run has "
-                                 f"{key}={value!r}; start a new --save-dir or match the run")
+        if mismatch := another_run(path, state["meta"], expected):
+            raise ValueError(mismatch)
         if stop_at and state["step"] >= stop_at:
             raise ValueError(f"the checkpoint is at step {state['step']}, not before --stop-at {stop_at}")
         if max_steps is not None and state["step"] > max_steps:

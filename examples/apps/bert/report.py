@@ -40,6 +40,7 @@ class Logger:
 
     def __init__(self, cfg: TrainConfig, rank: int, world: int) -> None:
         self.every, self.world, self.enabled = cfg.log_every, world, rank == 0
+        self.validates = cfg.valid_fraction > 0
         self.last_evaluation: dict[str, float] | None = None
         # unwritable_outputs() has opened the file once already, before any work.
         self.file = open(cfg.log_file, "a") if cfg.log_file and self.enabled else None  # noqa: SIM115
@@ -83,7 +84,8 @@ class Logger:
                  "the model was not kept (pass --save-dir to keep it)")
         v = self.last_evaluation
         if v is None:
-            return f"{where}; no validation (--valid-fraction 0)"
+            why = "no step ran: the run had reached --max-steps" if self.validates else "--valid-fraction 0"
+            return f"{where}; no validation ({why})"
         return (f"{where}; validation loss {v['valid_loss']:.3f} on {v['valid_examples']} held-out examples "
                 f"(masked LM {v['valid_mlm_loss']:.3f}, accuracy {v['valid_mlm_accuracy']:.3f}; "
                 f"next sentence {v['valid_nsp_loss']:.3f}, accuracy {v['valid_nsp_accuracy']:.3f})")

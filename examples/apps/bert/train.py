@@ -60,6 +60,13 @@ def main(argv: list[str] | None = None) -> None:
     fail_together(checkpoint.earlier_run(cfg.save_dir, cfg.resume) if rank == 0 else None, "cannot start")
     import_transformers()
     slowdown = parse_rank_values(cfg.simulate_slowdown, world, "--simulate-slowdown", 1.0)[rank]
+    # What makes the updates: not the world size, nor how each rank's share is cut into micro-batches.
+    # The optimizer's settings too: its saved state would silently override other flags.
+    settings = {"preset": asdict(preset), "seed": cfg.seed, "global_batch_size": cfg.global_batch_size,
+                "lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    resuming = checkpoint.should_resume(cfg.save_dir, cfg.resume)
+    if resuming:
+        checkpoint.refuse_another_run(Path(cfg.save_dir), settings)
     corpus = prepare_data(cfg, preset)
     examples, vocab = corpus.train, corpus.vocab
 
@@ -75,15 +82,11 @@ def main(argv: list[str] | None = None) -> None:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
     balancer = hsync.Balancer(model, len(examples), balancing(cfg, world),
                               clock=SimulatedSlowdown(slowdown, device) if slowdown > 1 else None)
-    # What makes the updates: not the world size, nor how each rank's share is cut into micro-batches.
-    # The optimizer's settings too: its saved state would silently override other flags.
-    meta = {"preset": asdict(preset), "examples": len(examples), "seed": cfg.seed,
-            "vocab_sha256": vocab.digest, "global_batch_size": cfg.global_batch_size,
-            "lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    meta = {**settings, "examples": len(examples), "vocab_sha256": vocab.digest}
     # What a resumed run may change (extend the run, say), with a word.
     may_change = {"max_steps": cfg.max_steps, "warmup_steps": cfg.warmup_steps, "dropout": cfg.dropout,
                   "comm_dtype": cfg.comm_dtype, "shard_optimizer": cfg.shard_optimizer}
-    if checkpoint.should_resume(cfg.save_dir, cfg.resume):
+    if resuming:
         state = checkpoint.load(Path(cfg.save_dir), meta, may_change, stop_at=cfg.stop_at, max_steps=cfg.max_steps)
         net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
