@@ -310,6 +310,7 @@ def shifts_labels(model: nn.Module) -> bool:
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's, as Trainer's
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):  # the decoder's inputs come shifted
         return False
     loss_type = getattr(model, "loss_type", None)
