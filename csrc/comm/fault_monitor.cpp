@@ -322,21 +322,27 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
     const Clock::time_point now = Clock::now();
     const bool waited_long = since != State::kNotWaiting &&
                              now - Clock::time_point(Clock::duration(since)) >= s->store_poll_after;
-    if (now < next_store_poll || !(waited_long || read_processes)) continue;
+    // A posted wait that ended is taken back: a stale one would read as this rank waiting (Note [Naming the lost
+    // rank]). Only waits long enough to post come to this, so it costs the store nothing on a healthy step.
+    const bool take_back = since == State::kNotWaiting && posted_seq != 0;
+    if (now < next_store_poll || !(waited_long || read_processes || take_back)) continue;
     next_store_poll = now + (waited_long ? FaultMonitor::kStorePollInterval : processes_read_interval);
     processes_read_interval = std::min<std::chrono::milliseconds>(2 * processes_read_interval,
                                                                   FaultMonitor::kStorePollInterval);
     const uint64_t seq = s->waiting_seq.load();
     const uint64_t post_seq = waited_long && seq != 0 && seq != posted_seq ? seq : 0;
-    if (post_seq != 0) posted_seq = post_seq;
+    std::optional<std::string> posting;  // what this visit posts as the collective this rank waits for
+    if (post_seq != 0) posting = std::to_string(post_seq);
+    if (take_back) posting = "";
+    if (posting) posted_seq = post_seq;
     visit = std::make_shared<BoardVisit>();
     // On a thread of its own, not waited for (a limit of zero): a store whose host froze must not stop this
     // thread's poll, which is NCCL's deadline.
     run_bounded(
-        [visit, store, key = s->key, rank = s->rank, world_size = s->world_size, post_seq, waited_long,
+        [visit, store, key = s->key, rank = s->rank, world_size = s->world_size, posting, waited_long,
          read_processes] {
           try {
-            if (post_seq != 0) store->set(peer_key(key, "waiting", rank), bytes(std::to_string(post_seq)));
+            if (posting) store->set(peer_key(key, "waiting", rank), bytes(*posting));
             if (waited_long && store->check({key})) {
               const std::vector<uint8_t> value = store->get(key);
               visit->failure = std::string(value.begin(), value.end());
@@ -526,10 +532,22 @@ std::string FaultMonitor::peers_not_there(uint64_t seq) const {
   if (!store || seq == 0 || state_->world_size <= 1) return {};
   const auto waiting = read_peers(store, state_->key, "waiting", state_->rank, state_->world_size);
   if (!waiting) return {};
-  std::vector<int> absent;
+  // What each peer posted: the collective it waits for now, or nothing (it waits for none, or not for long).
+  // One waiting for this collective or a later one has reached it; one waiting for an earlier one is stuck
+  // behind another peer, and is named only where no peer is found waiting for nothing.
+  std::vector<int> not_waiting, behind;
   for (int peer = 0; peer < state_->world_size; ++peer) {
-    if (peer != state_->rank && (*waiting)[peer] != std::to_string(seq)) absent.push_back(peer);
+    if (peer == state_->rank) continue;
+    const std::string& posted = (*waiting)[peer];
+    char* end = nullptr;
+    const unsigned long long posted_seq = std::strtoull(posted.c_str(), &end, 10);
+    if (posted.empty() || *end != '\0' || posted_seq == 0) {
+      not_waiting.push_back(peer);
+    } else if (posted_seq < seq) {
+      behind.push_back(peer);
+    }
   }
+  const std::vector<int>& absent = not_waiting.empty() ? behind : not_waiting;
   if (absent.empty()) return {};
   std::string text = absent.size() == 1 ? "; rank " : "; ranks ";
   for (size_t i = 0; i < absent.size(); ++i) {

@@ -32,8 +32,11 @@
 // waited for is named from the store.
 // - A frozen peer closes no socket. Each rank that has waited for a collective long enough to poll
 //   the board posts which collective it waits for (its number on this communicator) under a key of
-//   its own; at the deadline the survivor reads its peers' keys and names those not waiting for the
-//   same one: they are stopped, hung, or elsewhere. The polling starts at half the deadline (at
+//   its own, and takes it back once that wait ends; at the deadline the survivor reads its peers' keys
+//   and names those waiting for none: they are stopped, hung, or elsewhere. A peer waiting for a later
+//   collective has passed this one, and one waiting for an earlier collective is stuck behind another
+//   (where broadcasts from different roots follow each other, survivors wait at different ones): it is
+//   named only where no peer waits for none. The polling starts at half the deadline (at
 //   most kStorePollAfter), so the survivors have posted by then. A wait outside the communicator's
 //   collectives (a user's communication hook, Note [Hook order]) posts the last collective it waits
 //   beyond, which its peers stuck with it have completed too.

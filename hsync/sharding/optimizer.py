@@ -253,7 +253,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         engine = self._model._ensure_engine()
         stepped = set(self._stepped())
         for owner, owned in enumerate(self.layout.owned):
-            engine.broadcast_coalesced([self._all[i].detach() for i in owned if self._all[i] in stepped], owner)
+            engine.broadcast_coalesced([self._all[i].detach() for i in owned if self._all[i] in stepped], owner,
+                                       "the parameters a ShardedOptimizer's step updated")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every parameter's gradient, owned or not, as torch.optim.Optimizer's."""

@@ -169,6 +169,39 @@ def test_the_survivors_name_the_lost_rank_not_each_other(where, how):
         assert "rank 0 (process" not in survivor.error and "rank 2 (process" not in survivor.error, survivor.error
 
 
+def frozen_before_its_sharded_step(rank: int, world_size: int) -> None:
+    """Three ranks, a ShardedOptimizer owning two buckets a rank; the victim freezes between its backward and its
+    optimizer step. Each owner broadcasts its updated parameters: a survivor whose piece of rank 0's broadcast
+    has arrived goes on to rank 1's, so the survivors wait at different collectives."""
+    import hsync
+
+    model = hsync.WeightedDDP(nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]), bucket_cap_mb=0.02,
+                              timeout=datetime.timedelta(seconds=DEADLINE_S))
+    optimizer = hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.01)
+    for _ in range(2):
+        model(torch.randn(8, 64)).square().mean().backward()
+        if _ == 1 and rank == VICTIM:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        started = time.monotonic()
+        try:
+            optimizer.step()
+        except RuntimeError as error:
+            raise RuntimeError(f"noticed after {time.monotonic() - started:.2f} s: {error}") from None
+        optimizer.zero_grad()
+    raise AssertionError(f"rank {rank} went on although rank {VICTIM} was stopped")
+
+
+def test_survivors_at_different_collectives_name_the_frozen_rank_alone():
+    # A survivor posted as waiting at a later collective has passed the one a peer's deadline ran out on: it was
+    # named as not there, beside the frozen rank.
+    survivors = run_ranks_with_victim(frozen_before_its_sharded_step, 3, VICTIM, timeout=40)
+    for rank, survivor in survivors.items():
+        assert survivor.error is not None, f"rank {rank} raised nothing: {survivor}"
+        assert "the parameters a ShardedOptimizer's step updated" in survivor.error, survivor.error
+        assert re.search(f"; rank {VICTIM} has not reached it(\\.|$)", survivor.error.strip()), survivor.error
+        assert "have not reached it" not in survivor.error, survivor.error
+
+
 def failure_seen_in_another_group(rank: int, world_size: int) -> None:
     """Rank 0 works with rank 2 in one group (a short deadline) and with rank 1 in another (a long one). Rank 2
     freezes; rank 0 sees it and stays alive (as a rank writing a checkpoint would), so nothing closes the
