@@ -178,9 +178,9 @@ def frozen_before_its_sharded_step(rank: int, world_size: int) -> None:
     model = hsync.WeightedDDP(nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]), bucket_cap_mb=0.02,
                               timeout=datetime.timedelta(seconds=DEADLINE_S))
     optimizer = hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.01)
-    for _ in range(2):
+    for step_index in range(2):
         model(torch.randn(8, 64)).square().mean().backward()
-        if _ == 1 and rank == VICTIM:
+        if step_index == 1 and rank == VICTIM:
             os.kill(os.getpid(), signal.SIGSTOP)
         started = time.monotonic()
         try:
