@@ -322,8 +322,8 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
     const Clock::time_point now = Clock::now();
     const bool waited_long = since != State::kNotWaiting &&
                              now - Clock::time_point(Clock::duration(since)) >= s->store_poll_after;
-    // A posted wait that ended is taken back: a stale one would read as this rank waiting (Note [Naming the lost
-    // rank]). Only waits long enough to post come to this, so it costs the store nothing on a healthy step.
+    // A posted wait that ended is taken back: a stale one would read as this rank waiting
+    // (Note [Naming the lost rank]). Only waits long enough to post come to this: a healthy step never does.
     const bool take_back = since == State::kNotWaiting && posted_seq != 0;
     if (now < next_store_poll || !(waited_long || read_processes || take_back)) continue;
     next_store_poll = now + (waited_long ? FaultMonitor::kStorePollInterval : processes_read_interval);
