@@ -169,10 +169,10 @@ def test_the_survivors_name_the_lost_rank_not_each_other(where, how):
         assert "rank 0 (process" not in survivor.error and "rank 2 (process" not in survivor.error, survivor.error
 
 
-def frozen_before_its_sharded_step(rank: int, world_size: int) -> None:
-    """Three ranks, a ShardedOptimizer owning two buckets a rank; the victim freezes between its backward and its
-    optimizer step. Each owner broadcasts its updated parameters: a survivor whose piece of rank 0's broadcast
-    has arrived goes on to rank 1's, so the survivors wait at different collectives."""
+def lost_before_its_sharded_step(rank: int, world_size: int, how: str) -> None:
+    """Three ranks, a ShardedOptimizer owning two buckets a rank; the victim freezes or dies between its backward
+    and its optimizer step. Each owner broadcasts its updated parameters: a survivor whose piece of rank 0's
+    broadcast has arrived goes on to rank 1's, so the survivors wait at different collectives."""
     import hsync
 
     model = hsync.WeightedDDP(nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]), bucket_cap_mb=0.02,
@@ -181,7 +181,7 @@ def frozen_before_its_sharded_step(rank: int, world_size: int) -> None:
     for step_index in range(2):
         model(torch.randn(8, 64)).square().mean().backward()
         if step_index == 1 and rank == VICTIM:
-            os.kill(os.getpid(), signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
         started = time.monotonic()
         try:
             optimizer.step()
@@ -191,15 +191,21 @@ def frozen_before_its_sharded_step(rank: int, world_size: int) -> None:
     raise AssertionError(f"rank {rank} went on although rank {VICTIM} was stopped")
 
 
-def test_survivors_at_different_collectives_name_the_frozen_rank_alone():
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_survivors_at_different_collectives_name_the_lost_rank_alone(how):
     # A survivor posted as waiting at a later collective has passed the one a peer's deadline ran out on: it was
-    # named as not there, beside the frozen rank.
-    survivors = run_ranks_with_victim(frozen_before_its_sharded_step, 3, VICTIM, timeout=40)
+    # named as not there, beside the frozen rank. A dead one is named from its process, within the deadline.
+    survivors = run_ranks_with_victim(lost_before_its_sharded_step, 3, VICTIM, how, timeout=40)
     for rank, survivor in survivors.items():
         assert survivor.error is not None, f"rank {rank} raised nothing: {survivor}"
         assert "the parameters a ShardedOptimizer's step updated" in survivor.error, survivor.error
-        assert re.search(f"; rank {VICTIM} has not reached it(\\.|$)", survivor.error.strip()), survivor.error
-        assert "have not reached it" not in survivor.error, survivor.error
+        if how == "stop":
+            assert re.search(f"; rank {VICTIM} has not reached it(\\.|$)", survivor.error.strip()), survivor.error
+            assert "have not reached it" not in survivor.error, survivor.error
+        else:
+            assert re.search(f"rank {VICTIM} \\(process [0-9]+, on this host\\) has exited", survivor.error), \
+                survivor.error
+            assert seconds_to_notice(survivor.error) < DEADLINE_S, survivor.error
 
 
 def failure_seen_in_another_group(rank: int, world_size: int) -> None:
