@@ -290,6 +290,12 @@ class Balancer:
         except on this rank's last micro-batch of the step, where it synchronises, feeds the
         measurements back and returns the step's StepStats (None before). `weight` defaults to the
         micro-batch's number of examples; pass tokens when the loss is a mean over tokens."""
+        if self.model._join_config.enable:
+            # Under Join every forward is a collective, and ranks here run different numbers of micro-batches.
+            # Raised on every rank at its first micro-batch, before its backward's collectives.
+            raise RuntimeError("hsync.Balancer does not run under model.join(), and needs no Join: every rank runs "
+                               "every step (one without examples runs a filler of weight 0), so no rank runs out "
+                               "of inputs before the others")
         self._forget_memory_after_a_refresh()
         micro = self._take_micro_batch()
         weight = _weight(micro, weight, micro.examples)

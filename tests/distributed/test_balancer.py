@@ -619,6 +619,25 @@ def refused_on_every_rank(rank, world_size):
     return True
 
 
+def balancer_under_join(rank, world_size):
+    import hsync
+
+    model = hsync.WeightedDDP(make_model())
+    balancer = hsync.Balancer(model, 20, hsync.BalanceConfig(global_batch_size=8, rank_batch_sizes=[6, 2],
+                                                             micro_batch_limit=2))
+    with model.join():
+        for indices in balancer:  # rank 0 would run three micro-batches a step, rank 1 one: three forwards to one
+            x = torch.randn(len(indices), 6, dtype=torch.float64)
+            with pytest.raises(RuntimeError, match=r"hsync.Balancer does not run under model.join\(\), and needs no "
+                                                   "Join: every rank runs every step"):
+                balancer.backward(model(x).sum())
+            return True
+
+
+def test_a_balancer_under_join_is_refused_on_every_rank_before_its_collectives():
+    assert run_ranks(balancer_under_join, 2, timeout=60) == [True, True]
+
+
 def test_different_data_or_settings_are_refused_on_every_rank():
     assert run_ranks(refused_on_every_rank, 2, timeout=60) == [True, True]
 
