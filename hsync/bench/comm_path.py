@@ -78,7 +78,6 @@ def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: t
             "nosync": Gradients(64, numel, device)}
     if comm_dtype is None:  # the same path without the write-back (Note [The CPU comm path's limit])
         nets["hsync_views"] = hsync.WeightedDDP(Gradients(64, numel, device), gradient_as_bucket_view=True)
-        nets["one_pass"] = Gradients(64, numel, device)
     if comm_dtype is not None:
         nets["hsync_fp32"] = hsync.WeightedDDP(Gradients(64, numel, device))
     grads = [torch.ones(numel, device=device) for _ in range(64)]
@@ -111,18 +110,17 @@ def comm_path(device: torch.device, megabytes: float, rounds: int, comm_dtype: t
         return run
 
     steps = {name: backward_of(net) for name, net in nets.items()}
-    if "one_pass" in nets:
+    if comm_dtype is None:
         # The least that any path which reads each gradient once can take: the backward without sync, each
         # gradient copied into one flat buffer, and that buffer all-reduced (Note [The CPU comm path's limit]).
-        one_pass_buffer = torch.empty(64 * numel, device=device)
-        one_pass_slots = one_pass_buffer.split(numel)
+        one_pass_net, one_pass_buffer = Gradients(64, numel, device), torch.empty(64 * numel, device=device)
 
         def one_pass() -> None:
-            torch.autograd.backward(nets["one_pass"](), grads)
-            for slot, param in zip(one_pass_slots, nets["one_pass"].parameters(), strict=True):
+            torch.autograd.backward(one_pass_net(), grads)
+            for slot, param in zip(one_pass_buffer.split(numel), one_pass_net.parameters(), strict=True):
                 slot.copy_(param.grad)
             dist.all_reduce(one_pass_buffer)
-            nets["one_pass"].zero_grad(set_to_none=True)
+            one_pass_net.zero_grad(set_to_none=True)
 
         steps["one_pass"] = one_pass
     steps |= {"flat": lambda: dist.all_reduce(flat), "per_tensor": per_tensor,

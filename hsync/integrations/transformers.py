@@ -277,10 +277,11 @@ class Trainer(transformers.Trainer):
     def _track_num_input_tokens(self, inputs: Any) -> None:
         # A step is this rank's micro-batches: counted as one batch, whose tensors hold every micro-batch's
         # elements (flattened, as only sums and sizes are counted), in one gather a step on every rank.
-        if isinstance(inputs, MicroBatches):
-            names = set.intersection(*(set(micro) for micro in inputs))
-            inputs = {name: torch.cat([micro[name].reshape(-1) for micro in inputs]) for name in names
-                      if all(isinstance(micro[name], torch.Tensor) for micro in inputs)}
+        if isinstance(inputs, MicroBatches) and self.args.include_num_input_tokens_seen != "no":
+            # Only what Trainer counts: the model's main input, and the attention mask for non-padding tokens.
+            counted = {getattr(self.model, "main_input_name", "input_ids"), "attention_mask"}
+            inputs = {name: torch.cat([micro[name].reshape(-1) for micro in inputs]) for name in counted
+                      if all(isinstance(micro.get(name), torch.Tensor) for micro in inputs)}
         super()._track_num_input_tokens(inputs)
 
     def floating_point_ops(self, inputs: Any) -> int:

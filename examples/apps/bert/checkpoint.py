@@ -126,15 +126,16 @@ def refuse_another_run(save_dir: Path, settings: dict[str, Any]) -> None:
     tell (`settings`), stops every rank before the data is prepared (a vocabulary trained, say). Rank 0 reads only
     the file's settings (memory-mapped); load() checks the rest, and says what is wrong with a damaged file."""
     problem = None
-    path = latest(save_dir) if dist.get_rank() == 0 else None
-    if dist.get_rank() == 0 and path is None:
-        problem = f"no checkpoint in {save_dir}"
-    elif path is not None:
-        try:
-            meta = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("meta", {})
-        except Exception:  # noqa: BLE001 - load() reads it again and names the problem
-            meta = {}
-        problem = another_run(path, meta, settings) if isinstance(meta, dict) else None
+    if dist.get_rank() == 0:
+        path = latest(save_dir)
+        if path is None:
+            problem = f"no checkpoint in {save_dir}"
+        else:
+            try:
+                meta = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("meta", {})
+            except Exception:  # noqa: BLE001 - load() reads it again and names the problem
+                meta = {}
+            problem = another_run(path, meta, settings) if isinstance(meta, dict) else None
     fail_together(problem, "cannot --resume")
 
 
