@@ -66,8 +66,9 @@ void BusyClock::begin_wait() {
 void BusyClock::end_wait() {
   const std::lock_guard<std::mutex> lock(mutex_);
   if (!start_ || wait_depth_ == 0 || --wait_depth_ > 0) return;
-  waits_.emplace_back(std::move(*wait_begun_), Instant::now(device_));
-  wait_begun_.reset();
+  Instant begun = std::move(*wait_begun_);
+  wait_begun_.reset();  // first: should reading the time throw, the clock is left as if the wait were not there
+  waits_.emplace_back(std::move(begun), Instant::now(device_));
 }
 
 }  // namespace hsync

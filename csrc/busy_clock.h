@@ -110,7 +110,14 @@ class BusyClock {
 class PeerWait {
  public:
   explicit PeerWait(BusyClock& clock) : clock_(clock) { clock_.begin_wait(); }
-  ~PeerWait() { clock_.end_wait(); }
+  // Runs while an error unwinds the stack too (a CUDA error in the wait): one from reading the time then would
+  // end the process, so the clock loses this wait instead (end_wait leaves it whole) and the first error is raised.
+  ~PeerWait() {
+    try {
+      clock_.end_wait();
+    } catch (...) {  // NOLINT(bugprone-empty-catch): see above
+    }
+  }
   PeerWait(const PeerWait&) = delete;
   PeerWait& operator=(const PeerWait&) = delete;
 

@@ -228,7 +228,9 @@ int Engine::take_in_flight_buffer() {
     chosen = static_cast<int>(in_flight_buffers_.size()) - 1;
   } else if (busy) {
     // Launched on every rank in bucket order, so it completes without this rank going further. On a GPU
-    // the current stream waits for it, not the host; the caller's packs follow on that stream.
+    // the current stream waits for it, not the host; the caller's packs follow on that stream. Until every
+    // rank has reached that reduce, this is a wait for the slowest of them: Note [Busy time].
+    const PeerWait wait(clock_);
     comm_->synchronize_through(*in_flight_buffers_[chosen].reduce);
   }
   in_flight_buffers_[chosen].filling = true;

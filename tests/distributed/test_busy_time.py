@@ -13,27 +13,37 @@ pytestmark = pytest.mark.distributed
 SLEEP_S = 0.4
 STEPS = 6
 
-# (the slow rank, where it sleeps, gradients as bucket views): where the fast rank waits for it.
+# (the slow rank, where it sleeps, gradients as bucket views, a ShardedOptimizer): where the fast rank waits for it.
 CASES = {
     # for rank 0's buffers, in its forward's broadcast
-    "buffers-from-a-slow-root": (0, "before-forward", False),
+    "buffers-from-a-slow-root": (0, "before-forward", False, False),
     # for the step's total weight, at its first gradient (on the CPU only with bucket views)
-    "total-weight-after-a-slow-forward": (1, "before-backward", True),
+    "total-weight-after-a-slow-forward": (1, "before-backward", True, False),
     # on the CPU, nowhere before its backward ends; on a GPU, for the total weight
-    "a-slow-rank-before-its-forward": (1, "before-forward", False),
+    "a-slow-rank-before-its-forward": (1, "before-forward", False, False),
+    # for an earlier bucket's reduce to its owner, whose buffer the next bucket needs (one bucket a parameter; 3
+    # ranks, as gloo's reduce over 2 may complete a sender's part before its peer takes part)
+    "reduces-to-owners-after-a-slow-forward": (2, "before-backward", False, True),
 }
 
 
-def busy_times(rank: int, world_size: int, device: str, slow_rank: int, sleep_at: str, views: bool):
+def busy_times(rank: int, world_size: int, device: str, slow_rank: int, sleep_at: str, views: bool,
+               sharded: bool):
     import hsync
 
     if device == "cuda":
         torch.cuda.set_device(0)
     torch.manual_seed(0)
     # BatchNorm's running statistics are buffers, broadcast from rank 0 before every forward.
-    net = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.Tanh(), nn.Linear(64, 1)).to(device)
-    model = hsync.WeightedDDP(net, gradient_as_bucket_view=views)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    # Sharded, deeper: the fast rank's backward then has more of its peer's buckets than in-flight buffers.
+    hidden = [layer for _ in range(6 if sharded else 0) for layer in (nn.Linear(64, 64), nn.Tanh())]
+    net = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.Tanh(), *hidden, nn.Linear(64, 1)).to(device)
+    caps = {"bucket_cap_mb": 1e-3, "first_bucket_cap_mb": 1e-3} if sharded else {}  # a bucket or two a layer
+    model = hsync.WeightedDDP(net, gradient_as_bucket_view=views, **caps)
+    if sharded:
+        optimizer = hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.01)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(32, 16, device=device), torch.randn(32, 1, device=device)
     busy = []
     for _ in range(STEPS):
@@ -67,9 +77,10 @@ def check_busy_times(results: list[list[float | None]], slow_rank: int) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_fast_rank_does_not_count_its_waits_for_a_slow_one(case, debug):
     # In debug mode each collective begins with a host wait for every rank's fingerprint of it.
-    slow_rank, sleep_at, views = CASES[case]
+    slow_rank, sleep_at, views, sharded = CASES[case]
     env = {"HSYNC_DEBUG_COLLECTIVES": "1"} if debug else None
-    check_busy_times(run_ranks(busy_times, 2, "cpu", slow_rank, sleep_at, views, env=env), slow_rank)
+    results = run_ranks(busy_times, max(2, slow_rank + 1), "cpu", slow_rank, sleep_at, views, sharded, env=env)
+    check_busy_times(results, slow_rank)
 
 
 def with_a_collective_of_the_loops_own(rank: int, world_size: int, bracketed: bool) -> list[float | None]:
