@@ -268,6 +268,9 @@ class FaultTolerantSteps:
         stats = None
         for indices in micro_batches:
             stats = self.balancer.forward_backward(indices, loss_of)
+        # On a GPU the step's reductions may still be running: one that a lost replica failed is raised where
+        # the step's flag is read (it waits for them), so it is read here, before torchft decides to commit.
+        stats.finite  # noqa: B018
         return stats
 
     def _regroup(self) -> None:
