@@ -530,22 +530,36 @@ void FaultMonitor::set_waiting_since(std::optional<Clock::time_point> since, uin
 std::string FaultMonitor::peers_not_there(uint64_t seq) const {
   const c10::intrusive_ptr<c10d::Store> store = store_copy();
   if (!store || seq == 0 || state_->world_size <= 1) return {};
-  const auto waiting = read_peers(store, state_->key, "waiting", state_->rank, state_->world_size);
-  if (!waiting) return {};
   // What each peer posted: the collective it waits for now, or nothing (it waits for none, or not for long).
   // One waiting for this collective or a later one has reached it; one waiting for an earlier one is stuck
   // behind another peer, and is named only where no peer is found waiting for nothing.
   std::vector<int> not_waiting, behind;
-  for (int peer = 0; peer < state_->world_size; ++peer) {
-    if (peer == state_->rank) continue;
-    const std::string& posted = (*waiting)[peer];
-    char* end = nullptr;
-    const unsigned long long posted_seq = std::strtoull(posted.c_str(), &end, 10);
-    if (posted.empty() || *end != '\0' || posted_seq == 0) {
-      not_waiting.push_back(peer);
-    } else if (posted_seq < seq) {
-      behind.push_back(peer);
+  const auto read_board = [&] {
+    const auto waiting = read_peers(store, state_->key, "waiting", state_->rank, state_->world_size);
+    if (!waiting) return false;
+    not_waiting.clear();
+    behind.clear();
+    for (int peer = 0; peer < state_->world_size; ++peer) {
+      if (peer == state_->rank) continue;
+      const std::string& posted = (*waiting)[peer];
+      char* end = nullptr;
+      const unsigned long long posted_seq = std::strtoull(posted.c_str(), &end, 10);
+      if (posted.empty() || *end != '\0' || posted_seq == 0) {
+        not_waiting.push_back(peer);
+      } else if (posted_seq < seq) {
+        behind.push_back(peer);
+      }
     }
+    return true;
+  };
+  if (!read_board()) return {};
+  // A peer posts once its own wait is half its deadline old, at most kStorePollAfter: one with a longer deadline
+  // than this rank's, stuck behind the lost rank too, may not have posted yet. Where several have not, each gets
+  // that long to post before the board is read for good (a lost rank alone is named at once).
+  const Clock::time_point until = Clock::now() + kStorePollAfter + 2 * kPollInterval;
+  while (not_waiting.size() > 1 && Clock::now() < until) {
+    std::this_thread::sleep_for(2 * kPollInterval);
+    if (!read_board()) return {};
   }
   const std::vector<int>& absent = not_waiting.empty() ? behind : not_waiting;
   if (absent.empty()) return {};

@@ -37,7 +37,9 @@
 //   collective has passed this one, and one waiting for an earlier collective is stuck behind another
 //   (where broadcasts from different roots follow each other, survivors wait at different ones): it is
 //   named only where no peer waits for none. The polling starts at half the deadline (at
-//   most kStorePollAfter), so the survivors have posted by then. A wait outside the communicator's
+//   most kStorePollAfter), so survivors with this rank's deadline have posted by then; one with a
+//   longer deadline posts later, so where several peers have not posted, the board is read again
+//   until they have or kStorePollAfter has passed. A wait outside the communicator's
 //   collectives (a user's communication hook, Note [Hook order]) posts the last collective it waits
 //   beyond, which its peers stuck with it have completed too.
 // - A dead peer's sockets close at once, before anyone has waited. Each monitor posts its process
@@ -164,7 +166,8 @@ class FaultMonitor {
 
   // For a collective past its deadline, "; rank 1 has not reached it" (or "ranks 1 and 3 have"),
   // naming the peers not seen waiting for the collective numbered `seq`; empty where all were, or
-  // the store does not answer within seconds. Note [Naming the lost rank].
+  // the store does not answer within seconds. Where several were not, it may wait up to
+  // kStorePollAfter for them to post. Note [Naming the lost rank].
   std::string peers_not_there(uint64_t seq) const;
 
   // For a collective that failed, "; rank 1 (process 4242, on this host) has exited" (or "is

@@ -181,6 +181,9 @@ def test_a_rank_that_gives_up_tells_its_peers(history):
                                       history, timeout=20, until_exit=False)
     first, told = survivors[0].error, survivors[1].error
     assert first is not None and "did not complete within the 2.00 s deadline" in first, first
+    # Rank 1 posts its wait only after 2 s of it, as rank 0's deadline passes: it is given the time to, and is
+    # not named beside the frozen rank.
+    assert f"; rank {VICTIM} has not reached it" in first, first
     assert told is not None and "hsync: rank 1 (gloo): stopped waiting for all-reduce #" in told, told
     assert "a peer failed first. hsync: rank 0 (gloo)" in told, told
     assert noticed_after(told) < 2.0 + 1.0, told
