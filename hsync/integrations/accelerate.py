@@ -40,11 +40,13 @@ clip_grad_norm_ clips over every rank's shard, and save_state gathers the whole 
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import accelerate
 import torch
+import torch.distributed as dist
 from accelerate.utils import DistributedType, send_to_device
 
 import hsync
@@ -89,7 +91,16 @@ class Accelerator(accelerate.Accelerator):
     def __init__(self, *args: Any, shard_optimizer: bool = False, memory_budget: MemoryBudget = None,
                  **kwargs: Any) -> None:
         check_framework_version(accelerate)
+        launched = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and not args and "cpu" not in kwargs and not torch.accelerator.is_available():
+            # Launched as several processes on a machine without GPUs, Accelerate runs each as a job of its own
+            # unless told cpu=True (as `accelerate launch --cpu` tells it), while hsync's ranks train together.
+            kwargs["cpu"] = True
         super().__init__(*args, **kwargs)
+        if launched > 1 and self.num_processes != launched:
+            raise ValueError(f"hsync.integrations.accelerate: launched as {launched} processes, but "
+                             f"Accelerate runs as {self.num_processes} ({self.distributed_type}), so each rank would "
+                             "take itself for the main process; on CPUs pass Accelerator(cpu=True)")
         if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
             raise ValueError(f"hsync.integrations.accelerate cannot weigh gradients under {self.distributed_type}: "
                              "shards of a model are not whole gradients; use accelerate.Accelerator")

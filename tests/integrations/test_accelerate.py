@@ -208,6 +208,27 @@ def test_an_accelerate_release_outside_the_tested_range_is_refused(monkeypatch):
         integration.Accelerator(cpu=True)
 
 
+def as_accelerate_sees_it(rank: int, world_size: int, cpu: bool | None) -> tuple | str:
+    from hsync.integrations.accelerate import Accelerator
+
+    try:
+        accelerator = Accelerator() if cpu is None else Accelerator(cpu=cpu)
+    except ValueError as error:
+        return str(error)
+    return accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
+
+
+def test_launched_on_cpus_every_rank_knows_its_place_and_accelerate_kept_to_one_process_is_refused():
+    # Accelerate alone, under torchrun on a machine without GPUs, runs each rank as a job of its own unless told
+    # cpu=True: each took itself for the main process (saving, say, on every rank) while hsync's ranks trained
+    # together. Told nothing, the ranks are Accelerate's too; told cpu=False, it is refused on every rank.
+    assert run_ranks(as_accelerate_sees_it, 2, None, env=ENV) == [(2, 0, True), (2, 1, False)]
+    for message in run_ranks(as_accelerate_sees_it, 2, False, env=ENV):
+        assert message == ("hsync.integrations.accelerate: launched as 2 processes, but Accelerate runs as 1 "
+                           "(DistributedType.NO), so each rank would take itself for the main process; on "
+                           "CPUs pass Accelerator(cpu=True)"), message
+
+
 def prepare_a_wrapped_model(rank: int, world_size: int, wrapper: str) -> str:
     from hsync.integrations.accelerate import Accelerator
 
@@ -293,5 +314,5 @@ def scheduled_lr(rank: int, world_size: int) -> list[float]:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_prepared_scheduler_steps_once_per_global_step_on_any_number_of_ranks(world_size):
     steps = EXAMPLES // GLOBAL_BATCH  # what len(loader) says on every rank
-    for lr in run_ranks(scheduled_lr, world_size, env=ENV, timeout=120):
+    for lr in run_ranks(scheduled_lr, world_size, env={**ENV, "WORLD_SIZE": str(world_size)}, timeout=120):
         assert lr == [pytest.approx(LR / (1 + steps))]
