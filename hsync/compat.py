@@ -141,9 +141,8 @@ class WrapSettings:
         for name, cap in dict(bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb).items():
             if not isinstance(cap, numbers.Real) or isinstance(cap, bool):
                 raise TypeError(f"hsync.WeightedDDP: {name} must be a number of MiB, got {describe(cap)}")
-        if not (0 < bucket_cap_mb < math.inf and 0 < first_bucket_cap_mb < math.inf):
-            raise ValueError(f"bucket caps must be positive and finite, got {bucket_cap_mb} and {first_bucket_cap_mb} "
-                             "MiB")
+            if not 0 < cap < math.inf:
+                raise ValueError(f"hsync.WeightedDDP: {name} must be a positive and finite number of MiB, got {cap}")
         if isinstance(metric_names, str | bytes) or not isinstance(metric_names, Sequence) or not all(
                 isinstance(name, str) for name in metric_names):
             raise TypeError(f"hsync.WeightedDDP: metric_names must be a list or tuple of names, got "

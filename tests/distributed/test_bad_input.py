@@ -122,6 +122,7 @@ def wrap(rank: int, world_size: int, variant: str) -> None:
         "comm_dtype str": dict(comm_dtype="bf16"),
         "bucket cap str": dict(bucket_cap_mb="25"),  # torch's DDP multiplies the string by 2**20
         "bucket cap inf": dict(bucket_cap_mb=float("inf")),
+        "first bucket cap 0": dict(first_bucket_cap_mb=0),
         "metric names str": dict(metric_names="correct"),  # would be seven one-letter names
         "metric names twice": dict(metric_names=("correct", "correct")),
     }
@@ -156,7 +157,10 @@ def wrap(rank: int, world_size: int, variant: str) -> None:
         ("comm_dtype str", "TypeError: hsync.WeightedDDP: comm_dtype must be None or one of torch.float32, "
                            "torch.float64, torch.float16, torch.bfloat16, got str 'bf16'"),
         ("bucket cap str", "TypeError: hsync.WeightedDDP: bucket_cap_mb must be a number of MiB, got str '25'"),
-        ("bucket cap inf", "ValueError: bucket caps must be positive and finite, got inf and"),
+        ("bucket cap inf", "ValueError: hsync.WeightedDDP: bucket_cap_mb must be a positive and finite number of MiB, "
+                           "got inf"),
+        ("first bucket cap 0", "ValueError: hsync.WeightedDDP: first_bucket_cap_mb must be a positive and finite "
+                               "number of MiB, got 0"),
         ("metric names str", "TypeError: hsync.WeightedDDP: metric_names must be a list or tuple of names, got str "
                              "'correct'"),
         ("metric names twice", "ValueError: hsync.WeightedDDP: metric_names must be distinct and not empty, got "
