@@ -188,7 +188,7 @@ def metric_values(metrics: Mapping, names: tuple[str, ...],
     for name in names:
         value = metrics.get(name, 0.0)
         if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
-            values.append(value.detach().reshape(()).to(device=device, dtype=torch.float64))
+            values.append(scalar_on(value, device))
         elif isinstance(value, numbers.Real) and not isinstance(value, bool):
             values.append(float(value))
         else:
@@ -205,13 +205,22 @@ def to_device(values: list[float], device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
+def scalar_on(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A one-element tensor as a float64 scalar on `device`. From the host to a GPU through pinned memory: a copy
+    from pageable memory would first wait for everything queued on the device."""
+    value = value.detach().reshape(()).to(torch.float64)
+    if device.type == "cuda" and value.device.type == "cpu":
+        return value.pin_memory().to(device, non_blocking=True)
+    return value.to(device)
+
+
 def as_weight(weight, device: torch.device) -> tuple[torch.Tensor, BadInput | None, str | None]:
     """The weight as a float64 scalar on `device`; host-side numbers are checked here, tensors on device."""
     zero = torch.zeros((), dtype=torch.float64, device=device)
     if isinstance(weight, torch.Tensor):
         if weight.numel() != 1 or weight.is_complex() or weight.dtype == torch.bool:
             return zero, BadInput.WEIGHT_NOT_A_NUMBER, f"weight must be a real scalar, got {describe(weight)}"
-        return weight.detach().reshape(()).to(device=device, dtype=torch.float64), None, None
+        return scalar_on(weight, device), None, None
     if getattr(weight, "size", None) == 1 and hasattr(weight, "item") and not isinstance(weight, numbers.Number):
         weight = weight.item()  # an array of one number (numpy's), taken as a tensor of one element is
     if isinstance(weight, bool) or not isinstance(weight, numbers.Real):

@@ -132,8 +132,11 @@ def train_weighted(rank: int, world_size: int, steps, branch_ranks=frozenset(), 
             x, y = slices[rank] if sizes[rank] > 0 else (x_all[:1], y_all[:1])
             x, y = x.to(device), y.to(device)
             last = micro == len(micro_steps) - 1
+            # On odd steps a host tensor, as a loop that counts its examples in one may pass: on a GPU it is copied
+            # there without waiting for the device's queue.
+            weight = sizes[rank] if step % 2 == 0 else torch.tensor(sizes[rank])
             with contextlib.nullcontext() if last else model.no_sync():
-                out = model.backward(mse(model(x, rank in branch_ranks), y), weight=sizes[rank])
+                out = model.backward(mse(model(x, rank in branch_ranks), y), weight=weight)
         stats.append((out.loss, out.weight, out.finite))
         last_grads = {name: None if p.grad is None else p.grad.detach().cpu().clone()
                       for name, p in net.named_parameters()}
