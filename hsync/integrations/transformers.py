@@ -274,6 +274,17 @@ class Trainer(transformers.Trainer):
         scale = self.accelerator.scaler.get_scale() if self.accelerator.scaler is not None else 1.0
         return torch.tensor(stats.loss / scale, device=self.args.device)
 
+    def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
+        # An evaluation batch's loss as one process computes it, averaged over the examples of every rank as
+        # there. Trainer's own, across ranks, is multiplied by their number, which only a model dividing its
+        # loss by every rank's tokens undoes: a classifier's evaluation loss came out that many times too high.
+        averaged = self.args.average_tokens_across_devices
+        self.args.average_tokens_across_devices = False
+        try:
+            return super().prediction_step(*args, **kwargs)
+        finally:
+            self.args.average_tokens_across_devices = averaged
+
     def _track_num_input_tokens(self, inputs: Any) -> None:
         # A step is this rank's micro-batches: counted as one batch, whose tensors hold every micro-batch's
         # elements (flattened, as only sums and sizes are counted), in one gather a step on every rank.

@@ -296,6 +296,29 @@ def test_early_stopping_stops_every_rank_at_the_same_step_with_the_best_model(tm
             torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def evaluation_loss(rank: int, world_size: int, task: str, output_dir: str, plain: bool = False) -> float:
+    from hsync.integrations.transformers import Trainer
+
+    trainer = (transformers.Trainer if plain else Trainer)(
+        model=tiny_model(task), args=training_args(output_dir, per_device_eval_batch_size=8), train_dataset=Texts(task),
+        eval_dataset=Texts(task), data_collator=collate)
+    return trainer.evaluate()["eval_loss"]
+
+
+@pytest.mark.parametrize("task", ["classify", "causal"])
+def test_the_evaluation_loss_is_one_processs(task, tmp_path):
+    # Ranks evaluate batches of 8 in turn, as one process does all of them: the same batches, each one's loss
+    # averaged over the examples. transformers' own, under DDP, multiplies each rank's batch loss by the number of
+    # ranks, which only a model dividing its loss by every rank's tokens undoes: a classifier's was twice as high.
+    # (A causal LM's is a mean over the tokens after the first, where plain transformers counts the first too.)
+    one = run_ranks(integrations.alone, 1, evaluation_loss, task, str(tmp_path / "one"), timeout=120)[0]
+    if task == "classify":
+        plain = run_ranks(integrations.alone, 1, evaluation_loss, task, str(tmp_path / "plain"), True, timeout=120)
+        assert one == pytest.approx(plain[0], rel=1e-6)
+    for loss in run_ranks(evaluation_loss, 2, task, str(tmp_path / "two"), env=ENV, timeout=120):
+        assert loss == pytest.approx(one, rel=1e-6), (loss, one)
+
+
 def wrapped_in_torch_ddp(rank: int, world_size: int) -> str:
     import hsync
 
