@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,7 @@ from torch.utils.data import DataLoader
 
 import hsync
 from apps import labelled
-from apps.cli import Parser, at_least, init_distributed
+from apps.cli import Parser, at_least, init_distributed, path_flag
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.Rows, labelled.Rows, int, list[str]]:
@@ -37,7 +36,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.R
     parser.add_argument("--warmup-fraction", type=float, default=0.1,
                         help="share of the steps over which the learning rate rises linearly, before it decays to 0")
     labelled.add_run_flags(parser, save_dir_help=None)
-    parser.add_argument("--save-dir", type=Path, help="where rank 0 saves the fine-tuned model and its tokenizer "
+    parser.add_argument("--save-dir", type=path_flag, help="where rank 0 saves the fine-tuned model and its tokenizer "
                                                       "(save_pretrained), for from_pretrained to load")
 
     def check(args: argparse.Namespace):

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from apps import labelled
-from apps.cli import Parser, at_least
+from apps.cli import Parser, at_least, path_flag
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.Rows, labelled.Rows, int, list[str]]:
@@ -31,7 +31,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.R
     parser.add_argument("--accumulation", type=at_least(1), default=2,
                         help="micro-batches per step on a rank at the starting share (gradient_accumulation_steps)")
     labelled.add_run_flags(parser, save_dir_help=None)
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/trainer"),
+    parser.add_argument("--output-dir", type=path_flag, default=Path("runs/trainer"),
                         help="Trainer's output_dir; the fine-tuned model goes to its final/")
 
     return parser.parse_checked(argv, lambda args: (args, *labelled.checked(args, ["output_dir"])))

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     class Classifier(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = model.train()  # from_pretrained gives it in eval mode, which Lightning keeps
+            self.model = model
 
         def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
             loss = self.model(**batch).loss

@@ -96,6 +96,13 @@ def at_least(least: int):
     return parse
 
 
+def path_flag(text: str) -> Path:
+    """An argparse type: a path, not an empty one (which Path takes for the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty one")
+    return Path(text)
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0."""
     try:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from apps.cli import at_least, device_flag, is_count, positive_float, refuse, unwritable_folder
+from apps.cli import at_least, device_flag, is_count, path_flag, positive_float, refuse, unwritable_folder
 
 Rows = list[tuple[int, str]]
 
@@ -99,9 +99,9 @@ def load(path: Path | None) -> tuple[Rows, Rows, int, list[str]]:
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """--data, --model and --epochs, as every fine-tuning example takes them."""
-    parser.add_argument("--data", type=Path, help=LABEL_HELP)
-    parser.add_argument("--model", type=Path, help="a folder from_pretrained reads, e.g. bert.py's --save-dir/final "
-                                                   "(default: all-MiniLM-L6-v2)")
+    parser.add_argument("--data", type=path_flag, help=LABEL_HELP)
+    parser.add_argument("--model", type=path_flag, help="a folder from_pretrained reads, e.g. bert.py's "
+                                                        "--save-dir/final (default: all-MiniLM-L6-v2)")
     parser.add_argument("--epochs", type=at_least(1), default=3, help="passes over the training set")
 
 
@@ -114,7 +114,7 @@ def add_run_flags(parser: argparse.ArgumentParser, lr_help: str = "peak AdamW le
     parser.add_argument("--lr", type=positive_float, default=1e-4, help=lr_help)
     parser.add_argument("--device", type=device_flag, default="auto", help="cpu, cuda or auto (cuda when available)")
     if save_dir_help is not None:
-        parser.add_argument("--save-dir", type=Path, help=save_dir_help)
+        parser.add_argument("--save-dir", type=path_flag, help=save_dir_help)
 
 
 def checked(args: argparse.Namespace, output_flags: Sequence[str] = ()) -> tuple[Rows, Rows, int, list[str]]:
@@ -132,8 +132,9 @@ def checked(args: argparse.Namespace, output_flags: Sequence[str] = ()) -> tuple
 
 
 def pretrained_classifier(folder: Path | None, num_labels: int) -> tuple[Any, Any, int]:
-    """(tokenizer, model, the longest input it takes) of --model or the shipped MiniLM, offline, with a new
-    classifier head of `num_labels` drawn from seed 0."""
+    """(tokenizer, model in training mode, the longest input it takes) of --model or the shipped MiniLM, offline,
+    with a classifier head of `num_labels`: the model's own where it has one of that size (a fine-tuned model's),
+    else a new one drawn from seed 0."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
@@ -144,7 +145,8 @@ def pretrained_classifier(folder: Path | None, num_labels: int) -> tuple[Any, An
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(source)
         torch.manual_seed(0)
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels)
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(
+            source, num_labels=num_labels, ignore_mismatched_sizes=True).train()  # from_pretrained gives eval mode
     except Exception as error:  # noqa: BLE001 - whatever from_pretrained raises, the folder is the cause
         if folder is None:
             raise

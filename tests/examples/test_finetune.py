@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.examples import EXAMPLES, load, output_on_ranks
 
@@ -41,8 +42,11 @@ def test_demo_task_is_learned_across_two_ranks(tmp_path):
                                                          "label 0"),
     ("1\tfine\n0\tpoor\n1\tgood\n1\tok\n0\tmeh\n", ("--save-dir", "{tmp}/bad.txt/out"),
      "bad.txt/out cannot be written: NotADirectoryError"),
+    # Path("") is the current folder: the model and tokenizer files went loose there.
+    ("1\tfine\n0\tpoor\n1\tgood\n1\tok\n0\tmeh\n", ("--save-dir", ""),
+     "argument --save-dir: expected a path, got an empty one"),
 ], ids=["malformed", "too-small", "negative-label", "stray-label", "superscript-label", "batch-size", "warmup",
-        "empty", "one-class", "unwritable-save-dir"])
+        "empty", "one-class", "unwritable-save-dir", "empty-save-dir"])
 def test_a_bad_file_or_flag_is_one_line_before_any_work(tmp_path, capsys, lines, args, message):
     bad = tmp_path / "bad.txt"
     bad.write_text(lines)
@@ -83,3 +87,15 @@ def test_a_batch_larger_than_the_data_is_noted(tmp_path):
         in notes, notes
     *_, notes = finetune.parse(["--data", str(data), "--batch-size", "8"])
     assert not any("--batch-size" in note for note in notes), notes
+
+
+def test_the_classifier_starts_in_training_mode_with_a_head_for_the_tasks_classes(tmp_path):
+    # from_pretrained gives a model in eval mode: the first epoch ran without dropout. And a classifier fine-tuned
+    # for another number of classes failed to load, where a new head is what the task needs.
+    _, two, _ = finetune.labelled.pretrained_classifier(None, 2)
+    assert two.training and all(module.training for module in two.modules())
+    two.save_pretrained(tmp_path / "two")
+    _, again, _ = finetune.labelled.pretrained_classifier(tmp_path / "two", 2)
+    assert torch.equal(again.classifier.weight, two.classifier.weight), "a head of the task's size is kept"
+    _, three, _ = finetune.labelled.pretrained_classifier(tmp_path / "two", 3)
+    assert three.training and three.classifier.weight.shape[0] == 3 and three.config.num_labels == 3
