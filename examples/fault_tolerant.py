@@ -26,6 +26,8 @@ from torch import nn
 import hsync
 from apps.cli import Parser, at_least, device_flag, is_count
 
+MAX_EXAMPLES = 2**24
+
 
 def main() -> None:
     parser = Parser(description=__doc__)
@@ -37,12 +39,19 @@ def main() -> None:
     parser.add_argument("--crash", metavar="GROUP:STEP", default=None,
                         help="for a demonstration: replica group GROUP kills itself at step STEP, once")
     args = parser.parse_args()
+    if args.examples > MAX_EXAMPLES:  # made in this process's memory, before any step
+        parser.error(f"argument --examples: at most {MAX_EXAMPLES} (the data is made in memory, 68 bytes an "
+                     f"example), got {args.examples}")
     crash_group, crash_step = None, None
     if args.crash is not None:
         crash_group, _, step_text = args.crash.partition(":")
         if not crash_group or not is_count(step_text):
             parser.error(f"argument --crash: expected GROUP:STEP (group1:40), got {args.crash!r}")
         crash_step = int(step_text)
+        per_epoch = -(-args.examples // args.global_batch_size)  # the last step of an epoch may be short
+        if crash_step >= args.epochs * per_epoch:
+            parser.error(f"argument --crash: the run's steps are 0 to {args.epochs * per_epoch - 1} ({args.epochs} "
+                         f"epochs of {per_epoch}), got step {crash_step}")
     replica = os.environ.get("REPLICA_GROUP_ID")
     if not replica or not os.environ.get("TORCHFT_LIGHTHOUSE"):
         parser.error("set REPLICA_GROUP_ID and TORCHFT_LIGHTHOUSE (scripts/fault_tolerant_local.sh does)")

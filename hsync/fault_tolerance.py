@@ -176,6 +176,7 @@ class FaultTolerantSteps:
         self._examples, self._balance = examples, balance
         self._wrap_options = dict(wrap_options or {})
         self._timeout = datetime.timedelta(seconds=resolve_timeout(config.timeout))
+        self._quorum_timeout = config.quorum_timeout
         self._wrap_options.setdefault("timeout", self._timeout)
         # Where the loop is, as of the last committed step: what a new Balancer starts from.
         self._position: dict | None = None
@@ -230,7 +231,14 @@ class FaultTolerantSteps:
             if self._position is not None and self._position["epoch"] > self._epoch:
                 return None
             self.optimizer.zero_grad(set_to_none=True)
-            self.manager.start_quorum()
+            try:
+                self.manager.start_quorum()
+            except TimeoutError as error:  # torchft's says only "Timeout expired"
+                raise TimeoutError(
+                    f"hsync.fault_tolerance: replica {self._replica_id}: no quorum formed within the quorum timeout of "
+                    f"{self._quorum_timeout.total_seconds():g} s (FaultToleranceConfig.quorum_timeout): fewer replica "
+                    "groups than the Lighthouse's --min_replicas have joined (one lost before its first step, or not "
+                    f"started yet). torchft: {error}") from None
             stats, lost = None, None
             try:
                 if self._quorum.pending is not None or self.balancer is None:

@@ -119,3 +119,27 @@ def test_a_process_group_of_the_programs_own_and_a_sharded_optimizer_are_refused
     assert len(errors) == 2, errors
     assert "builds the process group of each quorum itself" in errors[0]
     assert "a ShardedOptimizer keeps each shard of the optimizer state on one rank only" in errors[1]
+
+
+def test_a_quorum_that_does_not_form_is_named_at_the_quorum_timeout():
+    # The Lighthouse waits for two replica groups, and one alone joins (the other lost before its first step): torchft
+    # said only "Timeout expired", after 5 minutes by default.
+    import subprocess
+
+    from hsync.fault_tolerance import lighthouse_command
+
+    port = closed_port()
+    lighthouse = subprocess.Popen(lighthouse_command(port, 2), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        steps = steps_for(lighthouse=f"http://localhost:{port}", replica_id="g0",
+                          quorum_timeout=datetime.timedelta(seconds=2))
+        start = time.monotonic()
+        with steps, pytest.raises(TimeoutError, match=(
+                r"^hsync.fault_tolerance: replica g0: no quorum formed within the quorum timeout of 2 s "
+                r"\(FaultToleranceConfig.quorum_timeout\): fewer replica groups than the Lighthouse's --min_replicas "
+                r"have joined .* torchft: ")):
+            steps.step(lambda indices: steps.model(torch.zeros(len(indices), 2)).sum())
+        assert time.monotonic() - start < 10
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()

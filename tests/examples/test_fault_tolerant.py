@@ -49,8 +49,13 @@ def test_a_group_killed_mid_run_is_restarted_and_every_group_ends_with_the_same_
      "argument --crash: expected GROUP:STEP (group1:40), got 'group1'"),
     ((sys.executable, str(PROGRAM), "--crash", "group1:\u00b2"),  # a digit to str.isdigit(), not to int()
      "argument --crash: expected GROUP:STEP (group1:40), got 'group1:\u00b2'"),
+    # A step the run never reaches crashed nothing, silently; a huge data set ended in an allocation's traceback.
+    ((sys.executable, str(PROGRAM), "--examples", "256", "--global-batch-size", "16", "--epochs", "2", "--crash",
+      "group1:32"), "argument --crash: the run's steps are 0 to 31 (2 epochs of 16), got step 32"),
+    ((sys.executable, str(PROGRAM), "--examples", "10000000000000"),
+     "argument --examples: at most 16777216 (the data is made in memory, 68 bytes an example), got 10000000000000"),
 ], ids=["groups", "huge-groups", "min-replicas", "program", "program-flag", "bert-flag", "crash",
-        "crash-superscript"])
+        "crash-superscript", "crash-past-the-end", "huge-data"])
 def test_a_bad_argument_is_one_line(tmp_path, command, message):
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
