@@ -412,10 +412,10 @@ class HsyncStrategy(DDPStrategy):
                 # A value of the step (on_step), logged at its last micro-batch: each rank's weighs that
                 # micro-batch's examples, as Lightning weighs batches within a rank, since the ranks' differ.
                 pair = torch.stack([tensor.detach().double().reshape(()) * examples,
-                                    torch.tensor(float(examples), dtype=torch.float64, device=tensor.device)])
+                                    torch.full((), float(examples), dtype=torch.float64, device=tensor.device)])
                 value, weight = channel.all_reduce_sum(pair, "a logged value's sync_dist").tolist()
-                return torch.tensor(value / weight if weight else math.nan, dtype=dtype,
-                                    device=tensor.device).reshape(tensor.shape)
+                return torch.full(tensor.shape, value / weight if weight else math.nan, dtype=dtype,
+                                  device=tensor.device)
             total = channel.all_reduce_sum(tensor.double(), "a logged value's sync_dist")
         if op == "sum":
             return total.to(tensor.device, tensor.dtype)

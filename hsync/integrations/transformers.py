@@ -272,7 +272,15 @@ class Trainer(transformers.Trainer):
         if stats is None:
             raise RuntimeError("hsync.integrations.transformers.Trainer: a step ended before its last micro-batch")
         scale = self.accelerator.scaler.get_scale() if self.accelerator.scaler is not None else 1.0
-        return torch.tensor(stats.loss / scale, device=self.args.device)
+        # torch.full, not torch.tensor: that copies from pageable memory, and the host would wait for the device.
+        return torch.full((), stats.loss / scale, device=self.args.device)
+
+    def _prepare_input(self, data: Any) -> Any:
+        # Trainer's copies each tensor with the host waiting for the device's queue (every micro-batch of a step,
+        # behind the one before); the balanced loader pins its batches, which are copied without that wait.
+        if isinstance(data, torch.Tensor) and data.is_pinned():
+            return data.to(self.args.device, non_blocking=True)
+        return super()._prepare_input(data)
 
     def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
         # An evaluation batch's loss as one process computes it, averaged over the examples of every rank as
