@@ -141,9 +141,20 @@ class Channel:
 
     def all_reduce_sum(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
         """The sum over ranks of `tensor`, on the host; `label` names the collective in errors."""
+        on_device = self.all_reduce_sum_on_device(tensor, label)
+        # On a GPU the copy waits for the collective on the device; a failure meanwhile leaves garbage there
+        # (hsync's NCCL watchdog aborts a stuck collective at the deadline), which check() reports.
+        host = on_device.cpu()
+        self.comm.check()
+        return host
+
+    def all_reduce_sum_on_device(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
+        """The sum over ranks of `tensor`, on the channel's device: on a GPU the current stream waits for it, not
+        the host, and a failure meanwhile (its values are then garbage) is raised at the next collective."""
         on_device = tensor.detach().to(self.device, copy=True).contiguous()
         self.comm.all_reduce_sum(on_device, label)
-        return self._to_host(on_device)
+        self.comm.synchronize()
+        return on_device
 
     def max_over_ranks(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
         """The elementwise maximum over ranks of `tensor`, on the host (a gather: the sum is all they reduce)."""
@@ -171,14 +182,6 @@ class Channel:
     def broadcast_object(self, obj: object, root: int, label: str) -> object:
         """`root`'s picklable `obj` on every rank (what the others pass is not sent)."""
         return self.gather_objects(obj if self.rank == root else None, label)[root]
-
-    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        # On a GPU the copy waits for the collective on the device; a failure meanwhile leaves garbage there
-        # (hsync's NCCL watchdog aborts a stuck collective at the deadline), which check() reports.
-        self.comm.synchronize()
-        host = tensor.cpu()
-        self.comm.check()
-        return host
 
 
 class Channels:

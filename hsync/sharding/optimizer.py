@@ -273,14 +273,18 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         with_grad = [p for p in self._stepped() if p.grad is not None]
         grads = [p.grad for p in with_grad]
         mine = [p.grad for p in with_grad if p in self._owned]
+        device = self._model.device
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(torch.float64) for g in mine]) if mine \
-            else torch.zeros(1, dtype=torch.float64, device=self._model.device)
+            else torch.zeros(1, dtype=torch.float64, device=device)
+        # Reduced on the device: the host does not wait for the backward's end here, as torch's own clip does not.
         if math.isinf(norm_type):
-            total = self._channel.max_over_ranks(norms.amax().reshape(1), "the gradient norm")[0]
+            table = torch.zeros(self._channel.world_size, dtype=torch.float64, device=device)
+            table[self._channel.rank] = norms.amax()
+            total = self._channel.all_reduce_sum_on_device(table, "the gradient norm").amax()
         else:
             local = norms.pow(norm_type).sum().reshape(1)
-            total = self._channel.all_reduce_sum(local, "the gradient norm")[0].pow(1.0 / norm_type)
-        total = total.to(self._model.device, torch.float32)
+            total = self._channel.all_reduce_sum_on_device(local, "the gradient norm")[0].pow(1.0 / norm_type)
+        total = total.to(torch.float32)
         coefficient = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
         for grad in grads:
             grad.mul_(coefficient.to(grad.device, grad.dtype))

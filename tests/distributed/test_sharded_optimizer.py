@@ -34,11 +34,12 @@ def sizes_of(step: int, world_size: int) -> list[list[int]]:
     return [uneven, uneven[::-1]] if step % 2 else [uneven]
 
 
-def train_side_by_side(rank: int, world_size: int, optimizer: str, budgets, steps: int = 6, clip: bool = True,
+def train_side_by_side(rank: int, world_size: int, optimizer: str, budgets, steps: int = 6, clip: float | None = 2.0,
                        comm_dtype: torch.dtype | None = None, skip_owner: int | None = None,
                        device: str = "cpu") -> dict:
     """The same steps through an unsharded optimizer and a ShardedOptimizer: each model's parameters after each
-    step (on the CPU), the norms clipping returned, and what the sharded one holds."""
+    step (on the CPU), the norms clipping returned (`clip`: its norm type; None: no clipping), and what the sharded
+    one holds."""
     import hsync
 
     if device == "cuda":
@@ -73,9 +74,9 @@ def train_side_by_side(rank: int, world_size: int, optimizer: str, budgets, step
                     stats = model.backward(mse(model(x, use_branch=rank == 1), y) if len(x) else
                                            model(x).sum() * 0, weight=len(x))
             assert stats.finite
-            if clip:
-                norms.append(float(opt.clip_grad_norm_(0.05) if name == "sharded" else
-                                   torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+            if clip is not None:
+                norms.append(float(opt.clip_grad_norm_(0.05, clip) if name == "sharded" else
+                                   torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, clip)))
             opt.step()
             schedule.step()
             out[name].append({n: p.detach().cpu() for n, p in model.module.named_parameters()})
@@ -115,14 +116,14 @@ def test_sharded_steps_equal_the_unsharded_optimizers_on_uneven_budgets(optimize
 
 def test_without_clipping_two_ranks_step_bitwise_as_the_unsharded_optimizer():
     # A sum of two is the same in any order: each owner's reduce gives the all-reduce's bits.
-    assert_same_training(run_ranks(train_side_by_side, 2, "adamw", ["3MiB", "1MiB"], 6, False), exact=True)
+    assert_same_training(run_ranks(train_side_by_side, 2, "adamw", ["3MiB", "1MiB"], 6, None), exact=True)
 
 
 def test_three_ranks_with_uneven_budgets_step_as_the_unsharded_optimizer():
     # gloo's reduce sums three terms in another order than its all-reduce: equal within float32 rounding.
     # Every collective compared across ranks before it runs (HSYNC_DEBUG_COLLECTIVES): reduces, the owned
     # buckets' flags and the owners' broadcasts line up.
-    results = run_ranks(train_side_by_side, 3, "adamw", ["3MiB", "1MiB", "2MiB"], 6, False,
+    results = run_ranks(train_side_by_side, 3, "adamw", ["3MiB", "1MiB", "2MiB"], 6, None,
                         env={"HSYNC_DEBUG_COLLECTIVES": "1"})
     assert_same_training(results, exact=False)
     assert sorted(i for r in results for i in r["owned"]) == list(range(10))
@@ -131,14 +132,22 @@ def test_three_ranks_with_uneven_budgets_step_as_the_unsharded_optimizer():
         assert set(result["with_grad"]) == set(result["owned"]) - {6, 7}, result
 
 
+@pytest.mark.parametrize("norm_type", [1.0, math.inf], ids=["l1", "largest"])
+def test_clipping_by_another_norm_clips_as_torchs_own_over_three_ranks(norm_type):
+    # The largest entry is what transformers' Trainer asks for its logged norm (max_grad_norm=0): a maximum, not a
+    # sum, over the owners' shards.
+    assert_same_training(run_ranks(train_side_by_side, 3, "adamw", ["3MiB", "1MiB", "2MiB"], 4, norm_type),
+                         exact=False)
+
+
 def test_bf16_on_the_wire_keeps_the_sharded_steps_those_of_the_unsharded_optimizer():
-    results = run_ranks(train_side_by_side, 2, "adamw", None, 4, True, torch.bfloat16)
+    results = run_ranks(train_side_by_side, 2, "adamw", None, 4, 2.0, torch.bfloat16)
     assert_same_training(results, exact=False)
 
 
 def test_a_skipped_owner_range_is_caught():
     """The mutation check: if one owner's updated parameters never reach the others, the comparison fails."""
-    results = run_ranks(train_side_by_side, 2, "adamw", None, 2, False, None, 0)
+    results = run_ranks(train_side_by_side, 2, "adamw", None, 2, None, None, 0)
     with pytest.raises(AssertionError, match=r"rank [01], step [01], "):
         assert_same_training(results, exact=True)
 

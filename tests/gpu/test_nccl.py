@@ -235,7 +235,7 @@ def test_nccl_a_lost_peer_ends_hsyncs_other_collectives_within_the_deadline(wher
 @pytest.mark.parametrize("optimizer", ["adamw-fused", "sgd-momentum"])
 def test_nccl_sharded_optimizer_steps_as_the_unsharded_one(optimizer):
     """Owners broadcast over hsync's NCCL communicator; budgets measured (each rank's free GPU memory)."""
-    results = run_ranks(test_sharded_optimizer.train_side_by_side, 2, optimizer, None, 4, True, None, None, "cuda",
+    results = run_ranks(test_sharded_optimizer.train_side_by_side, 2, optimizer, None, 4, 2.0, None, None, "cuda",
                         env=SOCKET_ENV, timeout=120)
     test_sharded_optimizer.assert_same_training(results, exact=False)
     assert sorted(i for r in results for i in r["owned"]) == list(range(10))
