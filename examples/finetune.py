@@ -36,8 +36,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, labelled.R
     parser.add_argument("--warmup-fraction", type=float, default=0.1,
                         help="share of the steps over which the learning rate rises linearly, before it decays to 0")
     labelled.add_run_flags(parser, save_dir_help=None)
-    parser.add_argument("--save-dir", type=path_flag, help="where rank 0 saves the fine-tuned model and its tokenizer "
-                                                      "(save_pretrained), for from_pretrained to load")
+    parser.add_argument("--save-dir", type=path_flag, help="where rank 0 saves the fine-tuned model and its "
+                                                           "tokenizer (save_pretrained), for from_pretrained to load")
 
     def check(args: argparse.Namespace):
         if not 0 <= args.warmup_fraction < 1:

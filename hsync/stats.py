@@ -201,17 +201,20 @@ def metric_values(metrics: Mapping, names: tuple[str, ...],
 
 def to_device(values: list[float], device: torch.device) -> torch.Tensor:
     """Host numbers as a float64 tensor on `device`, without waiting for the device's queue."""
-    host = torch.tensor(values, dtype=torch.float64)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    return moved_to(torch.tensor(values, dtype=torch.float64), device)
 
 
 def scalar_on(value: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A one-element tensor as a float64 scalar on `device`. From the host to a GPU through pinned memory: a copy
-    from pageable memory would first wait for everything queued on the device."""
-    value = value.detach().reshape(()).to(torch.float64)
-    if device.type == "cuda" and value.device.type == "cpu":
-        return value.pin_memory().to(device, non_blocking=True)
-    return value.to(device)
+    """A one-element tensor as a float64 scalar on `device`, without waiting for the device's queue."""
+    return moved_to(value.detach().reshape(()).to(torch.float64), device)
+
+
+def moved_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`. From the host to a GPU through pinned memory, not blocking: a copy from pageable
+    memory, or a blocking one, would first wait for everything queued on the device."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def as_weight(weight, device: torch.device) -> tuple[torch.Tensor, BadInput | None, str | None]:
