@@ -167,6 +167,11 @@ class WeightedDDP(DistributedDataParallel):
         self._refreshes = 0  # refresh_trainable_parameters() calls that built new buckets: BalancedSteps
         device = next(p.device for p in reduced_parameters(module) if p.requires_grad)
         self.device_ids, self.output_device = check_device_ids(device_ids, output_device, device)
+        if device.type == "cpu" and any(type(m) is nn.SyncBatchNorm for m in module.modules()):
+            # DDP's refusal, at the wrap, where torch's layer would refuse its first training forward (a subclass
+            # of one's own that runs on the CPU is taken).
+            raise ValueError("hsync.WeightedDDP: SyncBatchNorm layers only work with GPU modules (torch's own "
+                             "needs a GPU)")
         # PYTORCH_DDP_USE_SIDE_STREAM: with device_ids, inputs on another GPU are copied on a side stream.
         self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
         # DDP's public attributes, for code that reads them (torch's _sync_module_states

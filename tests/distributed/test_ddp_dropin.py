@@ -628,6 +628,22 @@ def refused_ddp_features(rank, world_size):
     return errors
 
 
+def sync_batch_norm_on_the_cpu(rank, world_size, wrap) -> str:
+    try:
+        wrap(nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4)))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_torchs_sync_batch_norm_on_the_cpu_is_refused_at_the_wrap_as_by_ddp():
+    # It was taken, and torch's layer refused the first training forward on every rank.
+    for result in run_ranks(side_by_side, 2, sync_batch_norm_on_the_cpu):
+        assert result["ddp"] == "SyncBatchNorm layers only work with GPU modules", result
+        assert result["hsync"] == ("hsync.WeightedDDP: SyncBatchNorm layers only work with GPU modules (torch's own "
+                                   "needs a GPU)"), result
+
+
 def test_ddp_features_hsync_lacks_are_refused_on_every_rank_that_asks():
     errors = run_ranks(refused_ddp_features, 3)[2]  # rank 2 is outside the pair
     assert "runs no optimizer inside backward (DDP's _register_fused_optim)" in errors["fused optimizer"]
