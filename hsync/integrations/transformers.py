@@ -32,9 +32,10 @@ rank's shard; _save_optimizer_and_scheduler gathers the whole state first, on ev
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,12 +159,8 @@ class Trainer(transformers.Trainer):
             return super()._prepare_for_training(*args, **kwargs)
         # Accelerate's device placement moves an optimizer's state through a state_dict, which for a sharded one
         # is a collective gathering of the whole state; its state is already where its parameters are.
-        placement = self.accelerator.device_placement
-        self.accelerator.device_placement = False
-        try:
+        with _assigned(self.accelerator, "device_placement", False):
             return super()._prepare_for_training(*args, **kwargs)
-        finally:
-            self.accelerator.device_placement = placement
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         if self.sharded_optimizer is None:
@@ -286,12 +283,8 @@ class Trainer(transformers.Trainer):
         # An evaluation batch's loss as one process computes it, averaged over the examples of every rank as
         # there. Trainer's own, across ranks, is multiplied by their number, which only a model dividing its
         # loss by every rank's tokens undoes: a classifier's evaluation loss came out that many times too high.
-        averaged = self.args.average_tokens_across_devices
-        self.args.average_tokens_across_devices = False
-        try:
+        with _assigned(self.args, "average_tokens_across_devices", False):
             return super().prediction_step(*args, **kwargs)
-        finally:
-            self.args.average_tokens_across_devices = averaged
 
     def _track_num_input_tokens(self, inputs: Any) -> None:
         # A step is this rank's micro-batches: counted as one batch, whose tensors hold every micro-batch's
@@ -320,6 +313,17 @@ class Trainer(transformers.Trainer):
         if first is None:
             raise ValueError("hsync.integrations.transformers.Trainer: a micro-batch without tensors has no size")
         return float(len(first))
+
+
+@contextlib.contextmanager
+def _assigned(holder: Any, name: str, value: Any) -> Iterator[None]:
+    """`holder.name` is `value` inside the block, and what it was again after it."""
+    before = getattr(holder, name)
+    setattr(holder, name, value)
+    try:
+        yield
+    finally:
+        setattr(holder, name, before)
 
 
 def shifts_labels(model: nn.Module) -> bool:
