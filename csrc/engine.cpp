@@ -257,6 +257,8 @@ void Engine::start_step() {
   step_ = Step{};
   step_.active = true;
   step_.ready.assign(params_.size(), false);
+  step_.unused.assign(params_.size(), false);
+  second_backward_task_.store(-1);
   step_.pack_scale = plain_scale_;
   for (Bucket& bucket : buckets_) {
     bucket.pending = bucket.params.size();
@@ -403,20 +405,28 @@ at::Tensor Engine::step_scalars() {
 // it), not left local. A second nested task inside the same outer one is newer than the step's and
 // cannot be told from a later backward through the bare module; its gradients stay local. The
 // wrapper looks for output tensors where DDP does, so only an output of another type meets this.
-void Engine::begin_backward() {
-  if (!expect_gradients_.load()) return;
+void Engine::begin_backward(int64_t forward) {
   // torch.autograd.grad (a gradient penalty, say) computes gradients without filling .grad: not the step.
   const auto* only_some_nodes = torch::autograd::get_current_graph_task_exec_info();
   if (only_some_nodes != nullptr && !only_some_nodes->empty()) return;
-  std::lock_guard<std::mutex> lock(mutex_);
   const int task = torch::autograd::get_current_graph_task_id();
-  if (step_.active && (!step_.plain || task == step_.task_id)) return;  // weighted, or another output's hook
+  if (!expect_gradients_.load()) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!step_.active && forward == step_.forward) second_backward_task_.store(task);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (step_.active && (!step_.plain || task == step_.task_id)) {  // weighted, or another output's hook
+    step_.forward = forward;
+    return;
+  }
   if (step_.active) comm_->check();  // the likelier reason, if it holds
   HSYNC_CHECK(!step_.active, "a new backward started before the previous gradient reduction finished (an earlier "
               "backward was interrupted); wrap the module anew, after model._remove_autograd_hooks() on this "
               "wrapper (as with DDP) or once it is gone");
   start_plain_step(task);
   step_.any_task = true;  // Note [Nested backwards]
+  step_.forward = forward;
 }
 
 void Engine::start_plain_step(int task) {
@@ -469,10 +479,27 @@ void Engine::on_gradient_ready(size_t index) {
   launch_complete_buckets();
 }
 
+// Note [A second backward through one forward]
+// A forward with two outputs, each with its own loss and backward (loss1.backward(); loss2.backward()),
+// where the first reaches only some parameters: DDP waits for every parameter its forward could reach,
+// so the second backward completes its reduction. hsync's step ends with the first backward (unused
+// parameters need no flag), so the parameters only the second reaches would keep local gradients and the
+// ranks' models drift apart, silently. Their gradients are refused instead: a backward through the
+// outputs of the last step's forward (begin_backward sees their nodes) that delivers a gradient the
+// step went without. Gradients the step had are not refused: a second backward that DDP too leaves
+// local (a GAN's generator loss through the discriminator's output, after its own loss's backward).
 void Engine::refuse_a_late_gradient(size_t index) {
+  const int task = torch::autograd::get_current_graph_task_id();
+  if (task >= 0 && task == second_backward_task_.load()) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    HSYNC_CHECK(!step_.unused[index], "the gradient of '", names_[index], "' arrived in a second backward "
+                "through the outputs of one forward, after the first had reduced that forward's gradients "
+                "without it. hsync reduces each forward's gradients with one backward, where DDP waits for "
+                "every parameter: add the losses and call backward once ((loss1 + loss2).backward()), or run a "
+                "forward before each backward");
+  }
   const int ended_task = nested_step_task_.load();
   if (ended_task < 0) return;
-  const int task = torch::autograd::get_current_graph_task_id();
   // Graph tasks are numbered as they start, so one older than the step's, still running after the
   // step ended, is a backward the step's task was nested in: Note [Nested backwards].
   HSYNC_CHECK(task < 0 || task >= ended_task, "the gradient of '", names_[index],
@@ -483,6 +510,7 @@ void Engine::refuse_a_late_gradient(size_t index) {
 }
 
 void Engine::skip_unused(size_t index) {
+  step_.unused[index] = true;
   const auto [b, k] = locator_[index];
   if (!buckets_[b].buffer.defined()) allocate(buckets_[b]);
   buckets_[b].slots[k].zero_();

@@ -23,8 +23,9 @@
 // the end of a plain loss.backward(); a weighted step is finalized by its caller after
 // backward returns. Which graph tasks may feed a step: Note [Nested backwards]. The other Notes
 // of the engine stand in engine.cpp beside the code they explain: [Deferred normalisation],
-// [Gradients as bucket views], [Which backward synchronises], [Nested backwards], [A backward
-// that fails], [Join], [Communication hooks], [Bucket memory], [Owned buckets].
+// [Gradients as bucket views], [Which backward synchronises], [Nested backwards],
+// [A second backward through one forward], [A backward that fails], [Join], [Communication hooks],
+// [Bucket memory], [Owned buckets].
 #pragma once
 
 #include <ATen/ATen.h>
@@ -80,6 +81,8 @@ struct Step {
   bool any_task = false;               // hooks of nested graph tasks feed it: Note [Nested backwards]
   size_t next_bucket = 0;              // the next bucket to launch
   std::vector<bool> ready;             // per parameter: its gradient was delivered
+  std::vector<bool> unused;            // per parameter: it had no gradient here (zeros were sent)
+  int64_t forward = -1;                // the synchronised forward whose outputs its backward reached
   at::Tensor pack_scale;               // 0-dim float64 on the engine's device
   bool pack_scale_resolved = true;     // false from a weighted step's start until N is known
   bool normalise_at_write_back = false;  // Note [Deferred normalisation]
@@ -132,8 +135,9 @@ class Engine {
   // Whether gradient hooks feed a synchronised step: Note [Which backward synchronises].
   void expect_gradients(bool expected) { expect_gradients_.store(expected); }
 
-  // Called when backward reaches an output of the wrapper's forward: Note [Nested backwards].
-  void begin_backward();
+  // Called when backward reaches an output of the wrapper's `forward`-th synchronised forward:
+  // Notes [Nested backwards], [A second backward through one forward].
+  void begin_backward(int64_t forward);
 
   // Each bucket's values go through `hook` instead of hsync's all-reduce: Note [Communication hooks].
   // Before the first step only.
@@ -238,6 +242,7 @@ class Engine {
   bool join_divide_by_world_size_ = true;
   Step step_;                               // Note [Step lifecycle]
   std::atomic<int> nested_step_task_{-1};  // the last step's task, if a gradient hook began it
+  std::atomic<int> second_backward_task_{-1};  // Note [A second backward through one forward]
   std::vector<int64_t> ready_order_;        // recorded until the buckets are rebuilt
   bool rebuilt_ = false;
   at::Tensor plain_scale_;                  // 1 / world_size (1 with a communication hook)

@@ -40,9 +40,11 @@ def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
     if lazy:  # no shape to compare yet
         return [], [f"'{lazy[0]}' is not initialized yet (a lazy module): run a dummy forward pass before wrapping, "
                     "as for DDP"]
-    signature = [("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad)
+    # A parameter's strides too: its gradient is summed as laid out in memory (a bucket slot takes the
+    # parameter's layout), so channels_last on one rank only would add mismatched elements.
+    signature = [("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad, p.stride())
                  for name, p in reduced_parameters(module, named=True)]
-    signature += [("buffer", name, tuple(b.shape), str(b.dtype), False)
+    signature += [("buffer", name, tuple(b.shape), str(b.dtype), False, None)
                   for name, b in module.named_buffers() if name not in ignored]
     problems = []
     wrapping = wrapper_kind(module)
@@ -105,13 +107,17 @@ def verify_same_model(group: dist.ProcessGroup, device: torch.device, module: nn
 
 def _first_difference(reference: list[tuple], other: list[tuple], rank: int) -> str | None:
     def show(entry: tuple) -> str:
-        kind, name, shape, dtype, requires_grad = entry
+        kind, name, shape, dtype, requires_grad, _ = entry
         frozen = "" if requires_grad or kind == "buffer" else ", frozen"
         return f"{kind} '{name}' of shape {list(shape)}, {dtype}{frozen}"
 
     for index, (mine, theirs) in enumerate(zip(reference, other, strict=False)):
-        if mine != theirs:
+        if mine[:-1] != theirs[:-1]:
             return f"entry #{index}: rank 0 has {show(mine)}, rank {rank} has {show(theirs)}"
+        if mine != theirs:
+            return (f"parameter '{mine[1]}' is laid out with strides {mine[-1]} on rank 0 and {theirs[-1]} on rank "
+                    f"{rank} (a memory format such as channels_last on some ranks only); give it the same layout on "
+                    "every rank, as DDP requires")
     if len(reference) != len(other):
         longer, which = (reference, 0) if len(reference) > len(other) else (other, rank)
         return (f"rank 0 has {len(reference)} parameters and buffers, rank {rank} has {len(other)} "

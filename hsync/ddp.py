@@ -158,6 +158,7 @@ class WeightedDDP(DistributedDataParallel):
         self._comm_hook: tuple[object, Callable] | None = None  # a hook of the user's: Note [Communication hooks]
         self._balanced = False  # an hsync.Balancer declared its metrics: it plans for these ranks
         self._steps_begun = False  # a synchronised forward ran: too late for register_comm_hook
+        self._synced_forwards = 0  # numbers the forwards whose backward synchronises (begin_backward)
         self.require_backward_grad_sync = True  # public: nanoGPT-style loops set it per micro-step
         self.require_forward_param_sync = True  # public: the last forward fed a synced step
         self._join = JoinState(self)  # hsync/join.py
@@ -494,6 +495,7 @@ class WeightedDDP(DistributedDataParallel):
             self._refuse_a_sharded_optimizer_dropped()
             engine.expect_gradients(True)
             self._steps_begun = True
+            self._synced_forwards += 1
         buffers_due = self.require_forward_param_sync and self.forward_sync_buffers
         root = self._join.before_forward(synced, buffers_due)
         if buffers_due:
@@ -553,7 +555,7 @@ class WeightedDDP(DistributedDataParallel):
     @torch._disable_dynamo
     def _finish_forward(self, output, synced: bool):
         if synced:
-            _on_backward_start(output, self._attached.engine.begin_backward)
+            _on_backward_start(output, self._attached.engine.begin_backward, self._synced_forwards)
         return output
 
     @property
@@ -854,11 +856,12 @@ class BalancedSteps:
         return restore
 
 
-def _on_backward_start(output, callback: Callable[[], None]) -> None:
-    """Calls `callback` when backward reaches an output tensor (Note [Nested backwards] in csrc/engine.h)."""
+def _on_backward_start(output, callback: Callable[[int], None], forward: int) -> None:
+    """Calls `callback(forward)` when backward reaches an output tensor (csrc/engine.cpp's Notes
+    [Nested backwards] and [A second backward through one forward])."""
     nodes = {id(t.grad_fn): t.grad_fn for t in tensors_in(output) if t.grad_fn is not None}
     for node in nodes.values():
-        node.register_prehook(lambda grad_outputs: callback())
+        node.register_prehook(lambda grad_outputs: callback(forward))
 
 
 def _backward_failure(error: BaseException) -> str:

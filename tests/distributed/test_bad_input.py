@@ -100,6 +100,8 @@ def wrap(rank: int, world_size: int, variant: str) -> None:
         net = make_net(seed=0, width=7)
     elif rank == 1 and variant == "dtype":
         net = make_net(seed=0, dtype=torch.float32)
+    elif rank == 1 and variant == "layout":  # as channels_last chosen on some ranks only
+        net.inp.weight.data = net.inp.weight.data.t().contiguous().t()
     elif rank == 1 and variant == "count":
         net.extra = nn.Linear(2, 2, dtype=torch.float64)
     elif variant == "sparse":
@@ -136,6 +138,8 @@ def wrap(rank: int, world_size: int, variant: str) -> None:
                   "'inp.weight' of shape [7, 4]"),
         ("dtype", "rank 0 has parameter 'inp.weight' of shape [6, 4], torch.float64, rank 1 has parameter "
                   "'inp.weight' of shape [6, 4], torch.float32"),
+        # Was taken: the sums added the elements of one layout to those of the other, silently.
+        ("layout", "parameter 'inp.weight' is laid out with strides (4, 1) on rank 0 and (1, 6) on rank 1"),
         ("count", "rank 0 has 10 parameters and buffers, rank 1 has 12 (first extra on rank 1: parameter "
                   "'extra.weight'"),
         ("sparse", "on rank 0, 'embed' produces sparse gradients"),

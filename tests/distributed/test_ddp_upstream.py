@@ -964,6 +964,51 @@ def unused_params_without_find_unused(rank, world_size, wrap):
     return "trained"
 
 
+class MultipleOutputModule(nn.Module):
+    """test_c10d_nccl's MultipleOutputModule: two branches, an output each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module0, self.module1 = (nn.Sequential(nn.Linear(2, 10, bias=False), nn.ReLU(),
+                                                    nn.Linear(10, 4, bias=False), nn.ReLU()) for _ in range(2))
+
+    def forward(self, x):
+        return F.softmax(self.module0(x), dim=1), F.softmax(self.module1(x), dim=1)
+
+
+def multiple_outputs_multiple_backward(rank, world_size, wrap, view):
+    """test_multiple_outputs_multiple_backward (and _grad_is_view): a loss per output and a backward per loss.
+    DDP waits for every parameter, so the second backward completes its reduction; hsync's step ends with the
+    first, and the gradients only the second brings are refused, not left local (Note [A second backward
+    through one forward]). One backward of the summed losses gives DDP's gradients of the two; a second backward
+    whose gradients the step had (retain_graph) stays local with both wrappers."""
+    generator = torch.Generator().manual_seed(rank)
+    x, target = torch.rand(4, 2, generator=generator), torch.randint(4, (4,), generator=generator)
+
+    def losses(model):
+        out1, out2 = model(x)
+        return F.cross_entropy(out1, target), F.cross_entropy(out2, target)
+
+    torch.manual_seed(0)
+    model = wrap(MultipleOutputModule(), gradient_as_bucket_view=view)
+    loss1, loss2 = losses(model)
+    loss1.backward()
+    try:
+        loss2.backward()
+    except RuntimeError as error:
+        assert "'module1.2.weight' arrived in a second backward through the outputs of one forward" in str(error)
+        separate = "refused"
+    else:
+        separate = [p.grad.clone() for p in model.parameters()]
+    torch.manual_seed(0)
+    model = wrap(MultipleOutputModule(), gradient_as_bucket_view=view)
+    loss1, loss2 = losses(model)
+    (loss1 + loss2).backward(retain_graph=True)
+    summed = [p.grad.clone() for p in model.parameters()]
+    loss1.backward()
+    return {"separate": separate, "summed": summed, "again": [p.grad for p in model.parameters()]}
+
+
 # --- DDP-only APIs: hsync refuses them clearly -----------------------------------------------------
 
 
@@ -2150,6 +2195,16 @@ def test_ddp_unused_params_rebuild_buckets_exception():
     # Where DDP fails, hsync trains correctly (docs/ddp-compat.md): both sides, so that the claim is shown.
     for result in run_both(unused_params_without_find_unused, compare=False):
         assert result == {"ddp": "failed", "hsync": "trained"}, result
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["copied", "grad_is_view"])
+def test_multiple_outputs_multiple_backward(view):
+    for result in run_both(multiple_outputs_multiple_backward, view, compare=False):
+        ddp, ours = result["ddp"], result["hsync"]
+        assert ours["separate"] == "refused"  # instead of module1's gradients left local, ranks drifting apart
+        torch.testing.assert_close(ours["summed"], ddp["separate"])
+        torch.testing.assert_close(ours["summed"], ddp["summed"])
+        torch.testing.assert_close(ours["again"], ddp["again"])
 
 
 @pytest.mark.ddp_only
