@@ -834,6 +834,11 @@ class BalancedSteps:
         takes may have changed with them."""
         return self._model._refreshes
 
+    @property
+    def last_refused(self) -> bool:
+        """Whether the last completed weighted step was refused for a rank's bad input (known on every rank alike)."""
+        return bool(self._model._ensure_engine().step_scalars()[BAD_RANKS] > 0)
+
     def last_stats(self) -> StepStats:
         """The last completed weighted step's StepStats (without busy_seconds), for a backward that raised after
         the step's collectives ran: the balancer then counts the step as its peers do."""

@@ -355,15 +355,16 @@ class Balancer:
         busy, units = 0.0, 0.0
         if self._previous is not None and (seconds := self._clock.step_seconds(*self._previous)) is not None:
             busy, units = seconds, self._previous[1]
-        report = Report(busy, units, self._capacity(), self._split_through + 1, micro.step)
+        report = Report(busy, units, self._capacity(), self._split_through + 1, micro.step, self.epoch)
         steps_before = self._steps.completed
         try:
             stats = self.model.backward(loss, weight, {**(metrics or {}), **self._codec.encode(self.rank, report)})
         except BaseException:
             if self._steps.completed > steps_before:
                 # The step ran on every rank (a backward that raised still completes it): counted here as
-                # by the peers, or this rank would number, and so split, its later steps differently.
-                self._step_done(micro.step, self._steps.last_stats())
+                # by the peers, or this rank would number, and so split, its later steps differently. A step
+                # refused for a rank's bad input (on every rank alike) lacks that rank's report: not read.
+                self._step_done(micro.step, self._steps.last_stats(), reports_sent=not self._steps.last_refused)
             raise
         if measured_units is not None and self._memory is not None:
             self._memory.measure(measured_units)
@@ -400,19 +401,21 @@ class Balancer:
             rows = rows_of(part)
             parts[:0] = [(first, units * rows_of(first) / rows), (second, units * rows_of(second) / rows)]
 
-    def _step_done(self, step: int, stats: StepStats) -> None:
-        reports = self._codec.decode(stats.metrics)
-        if any(r.step != step for r in reports):
+    def _step_done(self, step: int, stats: StepStats, reports_sent: bool = True) -> None:
+        """Counts the completed `step`, and feeds the policy with the reports in its stats, if every rank sent one."""
+        reports = self._codec.decode(stats.metrics) if reports_sent else None
+        if reports is not None and any((r.step, r.epoch) != (reports[0].step, reports[0].epoch) for r in reports):
             self.model._drop_gradients()  # a sum over other global batches
-            raise ValueError(f"hsync.Balancer: the ranks ran different steps as one: "
-                             f"{', '.join(f'rank {r} step {report.step}' for r, report in enumerate(reports))}; "
-                             "their Balancers were not loaded from the same state (a checkpoint read on some ranks "
-                             "only?). The step's gradients are dropped")
-        # What the ranks reported is the step before this one.
-        self._policy.observe(step - 1, [r.busy_s for r in reports], [r.units for r in reports],
-                             full=self._measured_step_full)
-        self.last_reports = reports
-        split_through = max(r.split_through for r in reports) - 1
+            ran = ", ".join(f"rank {r} epoch {report.epoch} step {report.step}" for r, report in enumerate(reports))
+            raise ValueError(f"hsync.Balancer: the ranks ran different steps as one: {ran}; a rank skipped a "
+                             "micro-batch's backward (every micro-batch its sampler yields takes one, a bad one "
+                             "too: the step is then skipped on every rank), or the ranks' Balancers were not "
+                             "loaded from the same state (a checkpoint read on some ranks only?). The step's "
+                             "gradients are dropped")
+        if reports is not None:  # what the ranks reported is the step before this one
+            self._policy.observe(step - 1, [r.busy_s for r in reports], [r.units for r in reports],
+                                 full=self._measured_step_full)
+            self.last_reports = reports
         self._previous = (stats, self._step_units)
         self._step_units = 0.0
         self.last_plan, costs = self._split_steps.pop(step, ([], []))
@@ -424,9 +427,9 @@ class Balancer:
         # their times, reported a step later, compare plans (its own still fit the cost models).
         full = len(costs) == min(self.config.global_batch_size, len(self._splitter.costs))
         self._measured_step_full = full
-        if self._decides and full and self._policy.due(step):
+        if reports is not None and self._decides and full and self._policy.due(step):
             caps = [self._micro_cap(r) for r in range(self.world_size)]
-            self._policy.decide(step, costs, split_through + 1, caps)
+            self._policy.decide(step, costs, max(r.split_through for r in reports), caps)
 
     @property
     def _decides(self) -> bool:

@@ -28,13 +28,16 @@ class Report:
     step: int
     """The global step it sends this with: the same on every rank, unless their Balancers were not loaded from
     the same state."""
+    epoch: int
+    """Its epoch at that step: the same on every rank, unless a rank skipped a micro-batch's backward (its later
+    micro-batches then went one step late, into the next epoch)."""
 
 
 class ReportCodec:
     """Reports in and out of a step's metrics, for `world_size` ranks."""
 
     # One per field of Report, in its order: the names a StepStats' metrics have carried all along.
-    _QUANTITIES = ("busy", "units", "capacity", "split_through", "step")
+    _QUANTITIES = ("busy", "units", "capacity", "split_through", "step", "epoch")
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
@@ -53,5 +56,5 @@ class ReportCodec:
     def decode(self, metrics: Mapping[str, float]) -> list[Report]:
         """Every rank's report, from a step's reduced metrics."""
         values = [[float(metrics[name]) for name in per_rank] for per_rank in self._names]
-        return [Report(busy_s, units, capacity, int(round(split_through)), int(round(step)))
-                for busy_s, units, capacity, split_through, step in zip(*values, strict=True)]
+        return [Report(busy_s, units, capacity, int(round(split_through)), int(round(step)), int(round(epoch)))
+                for busy_s, units, capacity, split_through, step, epoch in zip(*values, strict=True)]

@@ -653,8 +653,9 @@ def loaded_otherwise_on_one_rank(rank, world_size):
         state = {**state, "global_step": 2, "step_in_epoch": 2}
     balancer.load_state_dict(state)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"the ranks ran different steps as one: rank 0 step 0, rank 1 step 2; "
-                                         r"their Balancers were not loaded from the same state"):
+    with pytest.raises(ValueError, match=r"the ranks ran different steps as one: rank 0 epoch 0 step 0, rank 1 "
+                                         r"epoch 0 step 2; .* or the ranks' Balancers were not loaded from the same "
+                                         r"state"):
         train(model, balancer, optimizer, 1)
     assert all(p.grad is None for p in model.module.parameters()), "the step's gradients mix two global batches"
     return True
@@ -663,6 +664,67 @@ def loaded_otherwise_on_one_rank(rank, world_size):
 def test_a_balancer_state_loaded_otherwise_on_one_rank_is_named_at_the_next_step_on_every_rank():
     # Each rank had gone on with steps of other global batches, reduced together, without a word.
     assert run_ranks(loaded_otherwise_on_one_rank, 2, timeout=60) == [True, True]
+
+
+def a_micro_batch_skipped_on_one_rank(rank, world_size):
+    """Rank 1 skips one micro-batch's backward (`if not torch.isfinite(loss): continue`): its later micro-batches
+    each take the slot of the one before, with the same step numbers as rank 0's, until its epoch ends a step
+    late. The next epoch's first step then meets rank 0's last of the epoch before."""
+    import hsync
+
+    model = hsync.WeightedDDP(make_model())
+    balancer = hsync.Balancer(model, 30, hsync.BalanceConfig(global_batch_size=6, rank_batch_sizes=[3, 3]))
+    data = Numbers(30)
+    steps = 0
+    for epoch in range(2):
+        balancer.set_epoch(epoch)
+        for i, indices in enumerate(balancer):
+            if rank == 1 and epoch == 0 and i == 2:
+                continue
+            x, y = stacked(data, indices)
+            try:
+                stats = balancer.backward(nn.functional.mse_loss(model(x), y))
+            except ValueError as error:
+                return steps, str(error)
+            steps += stats is not None
+    return steps, None
+
+
+def test_a_micro_batch_skipped_on_one_rank_is_named_on_every_rank_when_the_epochs_part():
+    # Was silent: every later step paired the ranks' shares of different global batches.
+    for steps, error in run_ranks(a_micro_batch_skipped_on_one_rank, 2, timeout=60):
+        assert steps == 4, steps
+        assert error.startswith("hsync.Balancer: the ranks ran different steps as one: rank 0 epoch 0 step 4, "
+                                "rank 1 epoch 1 step 4; a rank skipped a micro-batch's backward"), error
+
+
+def a_bad_weight_through_a_balancer(rank, world_size):
+    """Rank 1 passes a negative weight at the second step: the step is refused on every rank, saying why, and
+    training goes on in step."""
+    import hsync
+
+    model = hsync.WeightedDDP(make_model())
+    balancer = hsync.Balancer(model, 24, hsync.BalanceConfig(global_batch_size=6))
+    data = Numbers(24)
+    errors, finite = [], []
+    for step, indices in enumerate(balancer):
+        x, y = stacked(data, indices)
+        try:
+            weight = -1 if (rank, step) == (1, 1) else None
+            stats = balancer.backward(nn.functional.mse_loss(model(x), y), weight=weight)
+        except ValueError as error:
+            errors.append((step, str(error)))
+            continue
+        finite.append(stats.finite)
+    return errors, finite, balancer.global_step
+
+
+def test_a_bad_weight_through_a_balancer_is_named_as_it_is_without_one():
+    # The balancer's own check of the step's reports used to hide it ("the ranks ran different steps as one").
+    for errors, finite, steps in run_ranks(a_bad_weight_through_a_balancer, 2, timeout=60):
+        assert [step for step, _ in errors] == [1], errors
+        assert "rank 1 passed a weight that is negative, NaN, infinite or above 2**53" in errors[0][1], errors
+        assert (finite, steps) == ([True, True, True], 4)
 
 
 def a_float_count(rank, world_size):

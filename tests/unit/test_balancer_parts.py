@@ -66,14 +66,14 @@ def test_a_lockstep_split_that_leaves_a_rank_without_an_example_is_refused_befor
 
 def test_reports_survive_the_sum_over_ranks():
     codec = ReportCodec(3)
-    reports = [Report(0.5, 12.0, 0.0, 4, 3), Report(0.0, 0.0, 96.0, 5, 3), Report(1.25, 7.0, 3.0, 0, 2)]
+    reports = [Report(0.5, 12.0, 0.0, 4, 3, 0), Report(0.0, 0.0, 96.0, 5, 3, 1), Report(1.25, 7.0, 3.0, 0, 2, 0)]
     reduced = Counter()
     for rank, report in enumerate(reports):
         sent = codec.encode(rank, report)
         assert set(sent) <= set(codec.metric_names)
         reduced.update(sent)
     assert codec.decode({name: reduced[name] for name in codec.metric_names}) == reports
-    assert len(codec.metric_names) == 5 * 3
+    assert len(codec.metric_names) == 6 * 3
 
 
 class FakeDevice:
