@@ -1708,6 +1708,82 @@ def accumulate_gradients_no_sync(rank, world_size, wrap, variant: str):
     return [p.grad for p in ddp_model.parameters() if p.requires_grad]
 
 
+def accumulate_gradients_module(rank, world_size, wrap, view: bool):
+    """test_accumulate_gradients_module (and _with_grad_is_view): never zeroed, backward passes alternate between
+    the wrapped module itself, which accumulates locally (the gradients then differ from a local model's on the
+    whole batch), and the wrapper, whose synchronised step reduces everything accumulated: the local model's
+    gradients again. Upstream calls this no recommended way to accumulate, but the wrapper must not spoil it."""
+    model = Net()
+    ddp_model = wrap(copy.deepcopy(model), gradient_as_bucket_view=view)
+    inp, target = torch.randn(world_size, 2), torch.randn(world_size, 4)
+
+    def step_model(m, x, y):
+        F.mse_loss(m(x), y).backward()
+
+    for iteration in range(4):
+        step_model(model, inp, target)
+        rows = slice(rank, rank + 1)
+        step_model(ddp_model.module if iteration % 2 == 0 else ddp_model, inp[rows], target[rows])
+        for i, j in zip(model.parameters(), ddp_model.parameters(), strict=True):
+            if iteration % 2 == 0:
+                assert not torch.allclose(i.grad, j.grad), iteration
+            else:
+                torch.testing.assert_close(i.grad, j.grad)
+        torch.manual_seed(1337 + iteration)
+        inp = inp[torch.randperm(world_size)]
+    return [p.grad for p in ddp_model.parameters()]
+
+
+def power_sgd_under_a_compress_wrapper(rank, world_size, wrap, dtype: str):
+    """test_fp16_compress_wrapper / test_bf16_compress_wrapper with PowerSGD inside (test_c10d_nccl, on the CPU
+    here): the wrapper casts each bucket for PowerSGD's own collectives and back; six steps from PowerSGD's
+    second on."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    torch.manual_seed(0)
+    model = wrap(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)))
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    compress = {"fp16": default_hooks.fp16_compress_wrapper, "bf16": default_hooks.bf16_compress_wrapper}[dtype]
+    model.register_comm_hook(state, compress(powerSGD_hook.powerSGD_hook))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        optimizer.zero_grad()
+        model(torch.randn(5, 8, generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def fp16_plain_step(rank, world_size, wrap, view: bool):
+    """test_fp16 (and _grad_is_view): a float16 parameter whose every rank's gradient is 2**15 does not overflow
+    in the reduction (each is divided before the sum: 2**16 would not fit float16)."""
+    torch.manual_seed(0)
+    model = wrap(nn.Linear(1, 1, bias=False).half(), bucket_cap_mb=0.001, gradient_as_bucket_view=view)
+    model(torch.full((1, 1), 2.0**15, dtype=torch.half)).backward()
+    assert not model.module.weight.grad.isinf().any()
+    return [model.module.weight.grad]
+
+
+def failure_recovery(rank, world_size, wrap, path: str):
+    """test_failure_recovery: after training, the wrapper is dropped, the process group destroyed and a new one
+    set up from a fresh store; the same module, wrapped again, trains on as the other wrapper's does."""
+    torch.manual_seed(0)
+    net = Net()
+    for attempt in range(2):
+        model = wrap(net)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            optimizer.zero_grad()
+            F.mse_loss(model(torch.full((2, 2), float(rank))), torch.ones(2, 4)).backward()
+            optimizer.step()
+        del model, optimizer
+        if attempt == 0:
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", init_method=f"file://{path}-{wrap.__name__}", rank=rank,
+                                    world_size=world_size)
+    return [p.detach() for p in net.parameters()]
+
+
 def with_amp_and_grad_is_view(rank, world_size, wrap):
     """test_DistributedDataParallel_with_amp_and_grad_is_view (_test_DistributedDataParallel_with_amp), on the CPU
     (bfloat16 autocast, torch's GradScaler for "cpu"): no gradient before training, finite ones after each scaled
@@ -2112,6 +2188,25 @@ def test_ddp_inference():
 @pytest.mark.parametrize("variant", ["default", "grad_is_view", "allreduce_hook", "allreduce_with_then_hook"])
 def test_accumulate_gradients_no_sync(variant):
     run_both(accumulate_gradients_no_sync, variant)
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["copied", "with_grad_is_view"])
+def test_accumulate_gradients_module(view):
+    run_both(accumulate_gradients_module, view)
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["copied", "grad_is_view"])
+def test_fp16(view):
+    run_both(fp16_plain_step, view)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_power_sgd_under_a_compress_wrapper(dtype):
+    run_both(power_sgd_under_a_compress_wrapper, dtype)
+
+
+def test_failure_recovery(tmp_path):
+    run_both(failure_recovery, str(tmp_path / "store"))
 
 
 def test_distributed_data_parallel_with_amp_and_grad_is_view():
