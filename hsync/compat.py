@@ -201,6 +201,18 @@ def holds_sync_batch_norm(module: nn.Module) -> bool:
     return any(isinstance(m, nn.SyncBatchNorm) for m in module.modules())
 
 
+def in_distributed_autograd() -> bool:
+    """Whether this thread runs inside torch's distributed autograd context (RPC's dist_autograd.context()), where
+    dist_autograd.backward leaves gradients in the context instead of .grad: DDP decides so at its forward too."""
+    if not (dist.rpc.is_available() and dist.rpc.api._is_current_rpc_agent_set()):
+        return False
+    try:
+        torch.distributed.autograd._current_context()
+    except RuntimeError:  # no context on this thread
+        return False
+    return True
+
+
 def check_flag(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"hsync.WeightedDDP: {name} must be True or False, got {describe(value)}")

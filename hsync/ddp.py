@@ -42,6 +42,7 @@ from hsync.compat import (
     holds_sync_batch_norm,
     hook_comm_dtype,
     ignored_names,
+    in_distributed_autograd,
     leave_out_machinery,
     reduced_parameters,
     resolve_group,
@@ -491,6 +492,11 @@ class WeightedDDP(DistributedDataParallel):
             return inputs, kwargs, False  # a copy not trained yet: nothing to synchronise
         engine = self._ensure_engine()
         if synced:
+            if in_distributed_autograd():  # before any collective: every rank trains alike
+                raise RuntimeError("hsync.WeightedDDP: a forward inside torch's distributed autograd context "
+                                   "(dist_autograd.context()); dist_autograd.backward leaves gradients in the "
+                                   "context, where hsync does not reduce them: train a model that takes part in RPC "
+                                   "with torch's DDP")
             self._refuse_parameters_unfrozen_since_the_engine_was_built()
             self._refuse_a_sharded_optimizer_dropped()
             engine.expect_gradients(True)

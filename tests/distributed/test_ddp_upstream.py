@@ -1012,6 +1012,32 @@ def multiple_outputs_multiple_backward(rank, world_size, wrap, view):
 # --- DDP-only APIs: hsync refuses them clearly -----------------------------------------------------
 
 
+def under_distributed_autograd(rank, world_size, wrap, path: str):
+    """ddp_under_dist_autograd_test's test_ddp_comparison, reduced to its core: a forward and
+    dist_autograd.backward inside a distributed autograd context (RPC). DDP averages the gradients it finds in the
+    context; hsync, which reduces .grad, refuses the forward instead of leaving them local."""
+    from torch.distributed import autograd as dist_autograd
+    from torch.distributed import rpc
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=f"file://{path}-{wrap.__name__}"))
+    try:
+        torch.manual_seed(0)
+        model = wrap(nn.Linear(3, 2))
+        with dist_autograd.context() as context:
+            try:
+                loss = model(torch.full((4, 3), float(rank + 1))).sum()
+            except RuntimeError as error:
+                assert "a forward inside torch's distributed autograd context" in str(error), error
+                return "refused"
+            dist_autograd.backward(context, [loss])
+            gradients = dist_autograd.get_gradients(context)
+            torch.testing.assert_close(gradients[model.module.weight], torch.full((2, 3), 6.0))  # (4 + 8) / 2
+            return "reduced"
+    finally:
+        rpc.shutdown()
+
+
 def sparse_gradients(rank, world_size, wrap):
     """test_sparse_gradients: DDP reduces sparse embedding gradients; hsync refuses them at wrap time."""
     module = nn.EmbeddingBag(10, 4, mode="sum", sparse=True)
@@ -2300,6 +2326,12 @@ def test_multiple_outputs_multiple_backward(view):
         torch.testing.assert_close(ours["summed"], ddp["separate"])
         torch.testing.assert_close(ours["summed"], ddp["summed"])
         torch.testing.assert_close(ours["again"], ddp["again"])
+
+
+@pytest.mark.ddp_only
+def test_ddp_under_distributed_autograd(tmp_path):
+    for result in run_both(under_distributed_autograd, str(tmp_path / "rpc"), compare=False):
+        assert result == {"ddp": "reduced", "hsync": "refused"}
 
 
 @pytest.mark.ddp_only
