@@ -24,6 +24,7 @@ step left without step() is refused at the next forward.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -36,6 +37,19 @@ from hsync.compat import reduced_parameters
 from hsync.ddp import WeightedDDP
 from hsync.errors import describe
 from hsync.sharding.shares import Layout, MemoryBudget, plan_layout, this_ranks_budget
+
+
+def _arguments(optimizer_class: type, defaults: Mapping[str, Any], groups: list[dict]) -> str:
+    """The optimizer's class and arguments, the groups' own included, as text that ranks compare: a tensor by its
+    values (each rank's is on its own device), an object without its address (which a default repr shows)."""
+    def shown(settings: Mapping[str, Any]) -> str:
+        return ", ".join(f"{key}={value.tolist() if isinstance(value, torch.Tensor) else value!r}"
+                         for key, value in sorted(settings.items()) if key != "params")
+
+    own = [shown(group) for group in groups]
+    text = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}({shown(defaults)})" + (
+        f" with groups {own}" if any(own) else "")
+    return re.sub(r" at 0x[0-9a-f]+", "", text)
 
 
 def _different_groups() -> ValueError:
@@ -85,14 +99,21 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                                                          held)
         except (TypeError, ValueError) as error:  # raised on every rank below, not on this one alone
             budget = str(error)
-        # One gather: the budgets, and the parameters outside the groups, which shape the layout as well.
-        everyone = self._channel.gather_objects((budget, outside), "the memory budgets")
-        budgets = [theirs for theirs, _ in everyone]
+        # Each owner steps its parameters with its own arguments: ranks given others would update their shares of
+        # one model differently, silently (a learning rate read from a rank's own configuration, say).
+        arguments = _arguments(optimizer_class, defaults, groups)
+        # One gather: the budgets, the parameters outside the groups (which shape the layout too), the arguments.
+        everyone = self._channel.gather_objects((budget, outside, arguments), "the memory budgets")
+        budgets = [theirs for theirs, _, _ in everyone]
         refused = [r for r, theirs in enumerate(budgets) if isinstance(theirs, str)]
         if refused:
             raise ValueError(f"{budgets[refused[0]]} (rank {refused[0]}; refused on ranks {refused})")
-        if any(theirs != outside for _, theirs in everyone):
+        if any(theirs != outside for _, theirs, _ in everyone):
             raise _different_groups()
+        for rank, (_, _, theirs) in enumerate(everyone):
+            if theirs != everyone[0][2]:
+                raise ValueError(f"hsync.ShardedOptimizer: the optimizer's arguments differ across ranks: "
+                                 f"{everyone[0][2]} on rank 0, {theirs} on rank {rank}; every rank passes the same")
         state_bytes = StateBytes(model, optimizer_class, defaults)
         # What plans each layout: this one, and each after add_param_group or the model's refresh.
         self._budgets, self._state_bytes = budgets, state_bytes
@@ -107,6 +128,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._sync_hyperparameters(self.param_groups, self._local.param_groups)
         self.state = self._local.state  # the owned parameters' state, as the local optimizer keeps it
         self._consolidated: dict | None = None
+        self._consolidated_to: int | None = None  # the rank consolidate_state_dict gathered the state to
         self._consolidated_went_stale = False
         Joinable.__init__(self)
         self._built = True
@@ -355,12 +377,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """Gathers the whole state on rank `to`, for its state_dict() (collective, as ZeroRedundancyOptimizer's)."""
         shards = self._channel.gather_objects(self.state_dict_shard(), "the optimizer state")
         self._consolidated = merge_shards(shards) if self._model.rank == to else None
+        self._consolidated_to: int | None = to
         self._consolidated_went_stale = False
 
     def _forget_consolidated(self) -> None:
         """A step or a load changed the state: a consolidated copy is outdated (and a whole state's memory)."""
-        if self._consolidated is not None:
-            self._consolidated, self._consolidated_went_stale = None, True
+        if self._consolidated_to is not None:
+            self._consolidated, self._consolidated_to, self._consolidated_went_stale = None, None, True
 
     def state_dict(self) -> dict:
         """The whole state, in the format of `optimizer_class` over the same parameter groups (loadable by it),
@@ -368,6 +391,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if self._consolidated_went_stale:  # ZeroRedundancyOptimizer returns the older state: a checkpoint behind
             raise RuntimeError("hsync.ShardedOptimizer.state_dict: the state was consolidated before the last step() "
                                "or load_state_dict(); call consolidate_state_dict(to=rank) on every rank again")
+        if self._consolidated is None and self._consolidated_to is not None:
+            raise RuntimeError(f"hsync.ShardedOptimizer.state_dict: the state was consolidated on rank "
+                               f"{self._consolidated_to}, not on this rank ({self._model.rank}): call state_dict() "
+                               "there, or consolidate_state_dict(to=rank) on every rank for another")
         if self._consolidated is None:
             raise RuntimeError("hsync.ShardedOptimizer.state_dict: call consolidate_state_dict(to=rank) on every "
                                "rank first; the state is then on that rank, as with ZeroRedundancyOptimizer")

@@ -42,14 +42,14 @@ def parse_bytes(value: int | float | str, what: str = "memory_budget") -> int:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise TypeError(f"{what} must be a number of bytes or a size such as '6GiB', got {describe(value)}")
     if isinstance(value, str):
-        match = re.fullmatch(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", value.lower())
+        match = re.fullmatch(r"\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", value.lower())
         if not match or match.group(2) not in _UNITS:
             raise ValueError(f"{what}: cannot read {value!r} as a size (for example '6GiB', '512MB' or 1e9)")
         number = float(match.group(1)) * _UNITS[match.group(2)]
     else:
         number = float(value)
-    if not (number > 0 and number < float("inf")):
-        raise ValueError(f"{what} must be a positive, finite size, got {value!r}")
+    if not (1 <= number < float("inf")):  # a fraction of a byte would be a budget of 0
+        raise ValueError(f"{what} must be a positive, finite size of at least one byte, got {value!r}")
     return int(number)
 
 

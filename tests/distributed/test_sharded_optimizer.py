@@ -600,6 +600,11 @@ def bad_arguments(rank: int, world_size: int) -> dict[str, str]:
     model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32))
     hooked = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32))
     hooked.register_comm_hook(None, lambda state, bucket: torch.futures.Future())  # never run here
+    def consolidated_state():
+        optimizer = hsync.ShardedOptimizer(model, torch.optim.SGD, lr=1)
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict()
+
     errors = {}
     for name, call in {
         "a hooked model": lambda: hsync.ShardedOptimizer(hooked, torch.optim.SGD, lr=1),
@@ -609,6 +614,9 @@ def bad_arguments(rank: int, world_size: int) -> dict[str, str]:
         "owners after a refusal": lambda: model._attached.param_owners,
         "a budget per rank": lambda: hsync.ShardedOptimizer(model, torch.optim.SGD, memory_budget=["1GiB"], lr=1),
         "state before consolidation": lambda: hsync.ShardedOptimizer(model, torch.optim.SGD, lr=1).state_dict(),
+        "state on another rank": consolidated_state,
+        # Each owner would step its share with its own rank's learning rate.
+        "arguments that differ": lambda: hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1 * (rank + 1)),
         "a hook after sharding": lambda: model.register_comm_hook(None, lambda state, bucket: None),
     }.items():
         try:
@@ -627,6 +635,10 @@ def test_bad_arguments_are_refused_naming_the_problem():
     assert "1 parameter(s) of a group are not among the wrapped model's" in errors["a stranger parameter"]
     assert "memory_budget lists 1 budget(s) for 2 ranks" in errors["a budget per rank"]
     assert "call consolidate_state_dict(to=rank) on every rank first" in errors["state before consolidation"]
+    assert "the state was consolidated on rank 0, not on this rank (1): call state_dict() there" in errors[
+        "state on another rank"]
+    assert ("ValueError: hsync.ShardedOptimizer: the optimizer's arguments differ across ranks: torch.optim.sgd.SGD("
+            "lr=0.1) on rank 0, torch.optim.sgd.SGD(lr=0.2) on rank 1") in errors["arguments that differ"]
     assert "reduces each bucket to the rank that owns its parameters" in errors["a hook after sharding"]
     assert "has a communication hook of the user's" in errors["a hooked model"]
     assert errors["owners after a refusal"] is None  # a refused optimizer leaves the model's reduction alone
@@ -765,5 +777,5 @@ def test_a_budget_only_one_rank_refuses_is_refused_on_every_rank():
         assert errors == [
             "memory_budget[1]: cannot read 'bogus' as a size (for example '6GiB', '512MB' or 1e9) (rank 1; refused on "
             "ranks [1])",
-            "memory_budget: cannot read '-5' as a size (for example '6GiB', '512MB' or 1e9) (rank 1; refused on ranks "
+            "memory_budget must be a positive, finite size of at least one byte, got '-5' (rank 1; refused on ranks "
             "[1])"], errors

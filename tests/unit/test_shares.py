@@ -18,7 +18,9 @@ def test_sizes_are_read_as_written(text, size):
 @pytest.mark.parametrize(("value", "message"), [("six GiB", "cannot read 'six GiB' as a size"),
                                                 ("3 parsecs", "cannot read '3 parsecs'"), (0, "positive, finite"),
                                                 ("1.2.3GiB", "cannot read '1.2.3GiB'"), (".", "cannot read '.'"),
-                                                (-1, "positive, finite"), (float("inf"), "positive, finite")])
+                                                (-1, "positive, finite"), (float("inf"), "positive, finite"),
+                                                ("-1", "positive, finite size of at least one byte, got '-1'"),
+                                                ("0.5", "at least one byte, got '0.5'"), (0.5, "at least one byte")])
 def test_a_size_that_means_nothing_is_refused_naming_it(value, message):
     with pytest.raises(ValueError, match=message):
         parse_bytes(value)
