@@ -109,6 +109,7 @@ PYBIND11_MODULE(_C, m) {
       .def("broadcast_coalesced", &Engine::broadcast_coalesced, py::arg("tensors"), py::arg("root"),
            py::arg("label") = "", release_gil())
       .def("last_grad_nonfinite", &Engine::last_grad_nonfinite)
+      .def("steps_completed", &Engine::steps_completed)
       .def("check", &Engine::check)
       .def_property_readonly("comm", &Engine::comm)
       .def("bucket_params", &Engine::bucket_params)

@@ -691,6 +691,7 @@ void Engine::finalize() {
   step_.active = false;
   step_.plain = false;
   expect_gradients_.store(false);
+  steps_completed_.fetch_add(1);
 }
 
 bool Engine::used_on_some_rank(const Bucket& bucket, size_t k) {

@@ -160,6 +160,9 @@ class Engine {
   // (a 0-dim float64 tensor on the engine's device; reading it is the caller's choice).
   at::Tensor last_grad_nonfinite() const { return last_grad_nonfinite_; }
 
+  // Synchronised steps completed, weighted and plain (a Balancer tells its own from a loop's).
+  uint64_t steps_completed() const { return steps_completed_.load(); }
+
   std::vector<std::vector<int64_t>> bucket_params() const;
   // The bytes of the bucket buffers allocated now: Note [Bucket memory].
   int64_t allocated_bucket_bytes() const;
@@ -249,6 +252,7 @@ class Engine {
   std::shared_ptr<HookChain> hook_chain_;   // with a hook: Notes [Communication hooks], [Hook order]
   double hook_factor_ = 1.0;                // world_size with a hook: it divides by the world size
   at::Tensor last_grad_nonfinite_;
+  std::atomic<uint64_t> steps_completed_{0};  // written by autograd's threads (plain steps), read by Python
   BusyClock clock_;
 };
 

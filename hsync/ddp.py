@@ -166,6 +166,7 @@ class WeightedDDP(DistributedDataParallel):
         self._window: Window | None = None  # the step in progress: its micro-steps so far (None between steps)
         self._attached = _Attachments()
         self._weighted_steps_done = 0  # completed on every rank, even where backward raised: BalancedSteps
+        self._steps_of_earlier_engines = 0  # synchronised steps completed by engines since replaced
         self._refreshes = 0  # refresh_trainable_parameters() calls that built new buckets: BalancedSteps
         device = next(p.device for p in reduced_parameters(module) if p.requires_grad)
         self.device_ids, self.output_device = check_device_ids(device_ids, output_device, device)
@@ -340,6 +341,7 @@ class WeightedDDP(DistributedDataParallel):
         self._build_engine(group)
         if previous is not None:
             previous.expect_gradients(False)  # a forward before this call no longer feeds a step
+            self._steps_of_earlier_engines += previous.steps_completed()
         self._join.engine_rebuilt()
 
     def _trainable_parameters_outside_the_buckets(self) -> list[str]:
@@ -833,6 +835,13 @@ class BalancedSteps:
     def completed(self) -> int:
         """Weighted steps completed on every rank, those whose backward raised here included."""
         return self._model._weighted_steps_done
+
+    @property
+    def synchronised(self) -> int:
+        """Synchronised steps completed, plain and weighted: those of the balancer's and any of the loop's own."""
+        model = self._model
+        engine = model._attached.engine
+        return model._steps_of_earlier_engines + (engine.steps_completed() if engine is not None else 0)
 
     @property
     def refreshes(self) -> int:

@@ -207,6 +207,8 @@ class Balancer:
         self.global_step = 0        # steps completed, over all epochs (and runs, once resumed)
         self._policy = Policy(self._policy_config())
         self._pending: deque[MicroBatch] = deque()
+        self._backward_called = False  # balancer.backward has taken a micro-batch
+        self._steps_before = self._steps.synchronised  # the model's synchronised steps before this balancer's
         self._refreshes_seen = self._steps.refreshes
         self._split_through = -1    # the last step the sampler has split
         # Per step split and not completed yet: each rank's number of examples, and the step's costs.
@@ -263,6 +265,7 @@ class Balancer:
             self._split_steps[step] = (split.sizes, split.costs)
             self._split_through = step
             for micro in split.micro_batches:
+                self._refuse_steps_of_the_loops_own()
                 self._pending.append(micro)
                 yield micro.indices
 
@@ -337,8 +340,19 @@ class Balancer:
                                "backward (call it once per batch its sampler yielded, in order)")
         return self._pending[0]
 
+    def _refuse_steps_of_the_loops_own(self) -> None:
+        """A loop that kept DDP's loss.backward() (or calls model.backward() itself) on the balancer's micro-batches
+        weights the ranks' shares alike, though they differ in size, and the plan never measures a step: refused
+        at the next micro-batch asked for, on every rank alike (each runs the same loop)."""
+        if not self._backward_called and self._pending and self._steps.synchronised > self._steps_before:
+            raise RuntimeError("hsync.Balancer: the model took a synchronised step of the loop's own "
+                               "(loss.backward() or model.backward()) on a micro-batch of this balancer's; call "
+                               "balancer.backward(loss) instead, once per micro-batch, so that each rank's share is "
+                               "weighted by its examples and the plan measured")
+
     def _take_micro_batch(self) -> MicroBatch:
         micro = self._peek_micro_batch()
+        self._backward_called = True
         self._pending.popleft()
         self._step_units += micro.units
         return micro

@@ -698,6 +698,34 @@ def test_a_micro_batch_skipped_on_one_rank_is_named_on_every_rank_when_the_epoch
                                 "rank 1 epoch 1 step 4; a rank skipped a micro-batch's backward"), error
 
 
+def steps_of_the_loops_own(rank, world_size, how: str):
+    """A loop that takes the balancer as its sampler but keeps DDP's loss.backward(), or calls model.backward()."""
+    import hsync
+
+    model = hsync.WeightedDDP(make_model())
+    balancer = hsync.Balancer(model, 24, hsync.BalanceConfig(global_batch_size=6, rank_batch_sizes=[4, 2]))
+    data = Numbers(24)
+    taken = 0
+    try:
+        for indices in balancer:
+            x, y = stacked(data, indices)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward() if how == "plain" else model.backward(loss, weight=len(indices))
+            taken += 1
+    except RuntimeError as error:
+        return taken, str(error)
+    return taken, None
+
+
+@pytest.mark.parametrize("how", ["plain", "weighted"])
+def test_steps_of_the_loops_own_on_a_balancers_micro_batches_are_refused(how):
+    # Were taken: shares of 4 and 2 examples weighted alike (plain), and no plan ever measured.
+    for taken, error in run_ranks(steps_of_the_loops_own, 2, how, timeout=60):
+        assert taken == 1, taken
+        assert error.startswith("hsync.Balancer: the model took a synchronised step of the loop's own "
+                                "(loss.backward() or model.backward())"), error
+
+
 def a_bad_weight_through_a_balancer(rank, world_size):
     """Rank 1 passes a negative weight at the second step: the step is refused on every rank, saying why, and
     training goes on in step."""
