@@ -265,7 +265,15 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             raise RuntimeError("hsync.ShardedOptimizer.step under Join: the last step's loss or gradients were not "
                                "finite, and the joined ranks skip it; skip step() when stats.finite is False")
         self._sync_hyperparameters(self.param_groups, self._local.param_groups)
-        self._local.step()
+        try:
+            self._local.step()
+        except BaseException as error:
+            # Its peers wait in the broadcasts of the parameters that follow: told at once why, and by whom, not at
+            # the deadline (a state loaded from another model fails here, on the ranks that own a part).
+            self._model._ensure_engine().abandon_step(
+                f"its optimizer step raised {type(error).__name__}: {error}; the ranks' parameters are no longer "
+                "the same, so every rank stops")
+            raise
         self._share_parameters()
         self._forget_consolidated()
         return loss

@@ -644,6 +644,47 @@ def test_bad_arguments_are_refused_naming_the_problem():
     assert errors["owners after a refusal"] is None  # a refused optimizer leaves the model's reduction alone
 
 
+class FailsOnRank1(torch.optim.SGD):
+    """An optimizer whose step raises on rank 1 alone (as a state loaded from another model does on the ranks
+    that own a part of it)."""
+
+    armed = False  # not while hsync measures the state's size at construction
+
+    def step(self, closure=None):
+        if self.armed and torch.distributed.get_rank() == 1:
+            raise RuntimeError("the size of tensor a (24) must match the size of tensor b (16) (simulated)")
+        return super().step(closure)
+
+
+def a_step_that_raises_on_rank_1(rank: int, world_size: int) -> tuple[str, float]:
+    import time
+
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32))
+    optimizer = hsync.ShardedOptimizer(model, FailsOnRank1, lr=0.1)
+    x, y = global_batch(0, [3, 3], dtype=torch.float32)[2][rank]
+    model.backward(mse(model(x), y), weight=3)
+    FailsOnRank1.armed = True
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as error:
+        optimizer.step()
+    noticed_after = time.monotonic() - started
+    if rank == 1:
+        time.sleep(6)  # alive: its peer can learn only from its post
+    return str(error.value), noticed_after
+
+
+def test_an_optimizer_step_that_raises_on_one_rank_ends_the_others_at_once_naming_it():
+    # Rank 0 waited in the broadcast of rank 1's parameters until the deadline (300 s by default), told only that
+    # a peer was slow.
+    results = run_ranks(a_step_that_raises_on_rank_1, 2, timeout=60)
+    assert results[1][0] == "the size of tensor a (24) must match the size of tensor b (16) (simulated)", results[1]
+    error, noticed_after = results[0]
+    assert "hsync: rank 1 (gloo): its optimizer step raised RuntimeError: the size of tensor a (24)" in error, error
+    assert noticed_after < 5.0, noticed_after
+
+
 def state_dict_after(rank: int, world_size: int, change: str) -> str:
     """state_dict() on rank 0 after consolidate_state_dict(to=0) and then two steps, or a load."""
     import hsync
