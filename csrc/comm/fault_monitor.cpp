@@ -11,7 +11,7 @@
 
 namespace hsync {
 
-std::string Collective::describe() const {
+std::string Collective::describe_kind() const {
   std::string what;
   switch (purpose) {
     case Purpose::kStepScalars: what = "the step scalars"; break;
@@ -28,8 +28,11 @@ std::string Collective::describe() const {
   std::string where;
   if (op == Op::kBroadcast) where = " from rank " + std::to_string(root);
   if (op == Op::kReduce) where = " to rank " + std::to_string(root);
-  return std::string(kind) + " #" + std::to_string(seq) + " of " + what + where + " (" + std::to_string(numel) +
-         " x " + c10::toString(dtype) + ")";
+  return std::string(kind) + " #" + std::to_string(seq) + " of " + what + where;
+}
+
+std::string Collective::describe() const {
+  return describe_kind() + " (" + std::to_string(numel) + " x " + c10::toString(dtype) + ")";
 }
 
 std::string seconds(Clock::duration elapsed) {
@@ -73,6 +76,7 @@ struct FaultMonitor::State {
   std::chrono::milliseconds store_poll_after{0};
   std::atomic<Clock::rep> waiting_since{kNotWaiting};  // see set_waiting_since
   std::atomic<uint64_t> waiting_seq{0};
+  std::optional<Collective> waiting_for;  // what waiting_seq is, where the waiter said (under mutex)
 
   static constexpr Clock::rep kNotWaiting = 0;
 };
@@ -332,7 +336,10 @@ void FaultMonitor::watch(const std::shared_ptr<State>& s) {
     const uint64_t seq = s->waiting_seq.load();
     const uint64_t post_seq = waited_long && seq != 0 && seq != posted_seq ? seq : 0;
     std::optional<std::string> posting;  // what this visit posts as the collective this rank waits for
-    if (post_seq != 0) posting = std::to_string(post_seq);
+    if (post_seq != 0) {
+      posting = std::to_string(post_seq);
+      if (s->waiting_for && s->waiting_for->seq == post_seq) *posting += "\n" + s->waiting_for->describe();
+    }
     if (take_back) posting = "";
     if (posting) posted_seq = post_seq;
     visit = std::make_shared<BoardVisit>();
@@ -522,32 +529,43 @@ void FaultMonitor::spread(const State* from, const std::string& failure) {
   }
 }
 
-void FaultMonitor::set_waiting_since(std::optional<Clock::time_point> since, uint64_t seq) {
+void FaultMonitor::set_waiting_since(std::optional<Clock::time_point> since, uint64_t seq,
+                                     const Collective* collective) {
+  if (collective != nullptr && state_->waiting_seq.load() != seq) {  // once per collective waited for
+    const std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->waiting_for = *collective;
+  }
   state_->waiting_seq.store(seq);  // before the time, which the thread reads first
   state_->waiting_since.store(since ? since->time_since_epoch().count() : State::kNotWaiting);
 }
 
-std::string FaultMonitor::peers_not_there(uint64_t seq) const {
+std::string FaultMonitor::peers_not_there(uint64_t seq, const Collective* mine) const {
   const c10::intrusive_ptr<c10d::Store> store = store_copy();
   if (!store || seq == 0 || state_->world_size <= 1) return {};
   // What each peer posted: the collective it waits for now, or nothing (it waits for none, or not for long).
   // One waiting for this collective or a later one has reached it; one waiting for an earlier one is stuck
-  // behind another peer, and is named only where no peer is found waiting for nothing.
+  // behind another peer, and is named only where no peer is found waiting for nothing. One waiting for
+  // another collective under this one's number issued other collectives than this rank.
   std::vector<int> not_waiting, behind;
+  std::vector<std::pair<int, std::string>> elsewhere;
   const auto read_board = [&] {
     const auto waiting = read_peers(store, state_->key, "waiting", state_->rank, state_->world_size);
     if (!waiting) return false;
     not_waiting.clear();
     behind.clear();
+    elsewhere.clear();
     for (int peer = 0; peer < state_->world_size; ++peer) {
       if (peer == state_->rank) continue;
       const std::string& posted = (*waiting)[peer];
       char* end = nullptr;
       const unsigned long long posted_seq = std::strtoull(posted.c_str(), &end, 10);
-      if (posted.empty() || *end != '\0' || posted_seq == 0) {
+      if (posted.empty() || (*end != '\0' && *end != '\n') || posted_seq == 0) {
         not_waiting.push_back(peer);
       } else if (posted_seq < seq) {
         behind.push_back(peer);
+      } else if (posted_seq == seq && *end == '\n' && mine != nullptr) {
+        const std::string theirs(end + 1);
+        if (theirs.rfind(mine->describe_kind() + " (", 0) != 0) elsewhere.emplace_back(peer, theirs);
       }
     }
     return true;
@@ -560,6 +578,11 @@ std::string FaultMonitor::peers_not_there(uint64_t seq) const {
   while (not_waiting.size() > 1 && Clock::now() < until) {
     std::this_thread::sleep_for(2 * kPollInterval);
     if (!read_board()) return {};
+  }
+  if (not_waiting.empty() && !elsewhere.empty()) {
+    std::string text;
+    for (const auto& [peer, theirs] : elsewhere) text += "; rank " + std::to_string(peer) + " waits in " + theirs;
+    return text + " instead: the ranks issued different collectives (a call made on some ranks only?)";
   }
   const std::vector<int>& absent = not_waiting.empty() ? behind : not_waiting;
   if (absent.empty()) return {};

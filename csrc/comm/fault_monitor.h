@@ -42,6 +42,9 @@
 //   until they have or kStorePollAfter has passed. A wait outside the communicator's
 //   collectives (a user's communication hook, Note [Hook order]) posts the last collective it waits
 //   beyond, which its peers stuck with it have completed too.
+// - A peer that waits under the same number for another collective (a broadcast where this rank
+//   all-reduces: a call made on some ranks only) is named with what it waits in. Each post carries
+//   what its collective is, and the two are compared without their sizes.
 // - A dead peer's sockets close at once, before anyone has waited. Each monitor posts its process
 //   (host, PID namespace, PID) before its constructor returns, so before the communicator's first
 //   collective (a peer may die right after it); a survivor whose collective failed looks up the
@@ -130,6 +133,8 @@ struct Collective {
 
   // For example "all-reduce #12 of bucket 3 (262144 x Float)".
   std::string describe() const;
+  // The same without its size: what ranks compare to tell whether they wait in one collective.
+  std::string describe_kind() const;
 };
 
 std::string seconds(Clock::duration elapsed);  // "2.31 s"
@@ -161,14 +166,17 @@ class FaultMonitor {
   // only once that wait is store_poll_after() old (besides one read of the peers' processes as the
   // communicator starts): a healthy step never waits that long, so hundreds of ranks do not hammer
   // one store, and a rank that polls its peers' store while they exit can upset their teardown.
-  // The first poll posts `seq`: Note [Naming the lost rank].
-  void set_waiting_since(std::optional<Clock::time_point> since, uint64_t seq = 0);
+  // The first poll posts `seq`, and what `collective` is where given: Note [Naming the lost rank].
+  void set_waiting_since(std::optional<Clock::time_point> since, uint64_t seq = 0,
+                         const Collective* collective = nullptr);
 
   // For a collective past its deadline, "; rank 1 has not reached it" (or "ranks 1 and 3 have"),
-  // naming the peers not seen waiting for the collective numbered `seq`; empty where all were, or
-  // the store does not answer within seconds. Where several were not, it may wait up to
-  // kStorePollAfter for them to post. Note [Naming the lost rank].
-  std::string peers_not_there(uint64_t seq) const;
+  // naming the peers not seen waiting for the collective numbered `seq`, or "; rank 1 waits in
+  // broadcast #7 ... instead" where a peer waits for another collective under that number (`mine`,
+  // where given, is this rank's); empty where all were there, or the store does not answer within
+  // seconds. Where several were not, it may wait up to kStorePollAfter for them to post. Note
+  // [Naming the lost rank].
+  std::string peers_not_there(uint64_t seq, const Collective* mine = nullptr) const;
 
   // For a collective that failed, "; rank 1 (process 4242, on this host) has exited" (or "is
   // stopped"), naming the peers on this host whose process has; empty where none has, or the store
@@ -225,8 +233,10 @@ bool run_bounded(std::function<void()> work, Clock::duration limit, const std::f
 // collective; FaultMonitor::set_waiting_since), for as long as it lives.
 class WaitingScope {
  public:
-  WaitingScope(FaultMonitor& monitor, Clock::time_point since, uint64_t seq = 0) : monitor_(monitor) {
-    monitor_.set_waiting_since(since, seq);
+  WaitingScope(FaultMonitor& monitor, Clock::time_point since, uint64_t seq = 0,
+               const Collective* collective = nullptr)
+      : monitor_(monitor) {
+    monitor_.set_waiting_since(since, seq, collective);
   }
   ~WaitingScope() { monitor_.set_waiting_since(std::nullopt); }
   WaitingScope(const WaitingScope&) = delete;

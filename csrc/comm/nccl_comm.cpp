@@ -315,7 +315,7 @@ std::optional<std::string> NcclComm::poll() {
     }
   }
   monitor().set_waiting_since(oldest ? std::optional<Clock::time_point>(oldest->issued) : std::nullopt,
-                              oldest ? oldest->seq : 0);
+                              oldest ? oldest->seq : 0, oldest ? &*oldest : nullptr);
   ncclResult_t state = ncclSuccess;
   const ncclResult_t queried = ncclCommGetAsyncError(comm_, &state);
   if (queried != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
@@ -336,7 +336,7 @@ std::optional<std::string> NcclComm::poll() {
   if (!first_of_its_size && waited > timeout()) {
     return oldest->describe() + " did not complete within the " + seconds(timeout()) + " deadline (" +
            seconds(waited) + " since it was issued): a peer is stopped, hung, or far slower than this rank" +
-           monitor().peers_not_there(oldest->seq) + ". If steps legitimately differ this much, raise "
+           monitor().peers_not_there(oldest->seq, &*oldest) + ". If steps legitimately differ this much, raise "
            "WeightedDDP(timeout=...) or HSYNC_TIMEOUT";
   }
   return std::nullopt;

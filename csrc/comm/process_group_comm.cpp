@@ -106,7 +106,7 @@ void ProcessGroupComm::synchronize_through(uint64_t seq) {
 void ProcessGroupComm::wait(const Pending& p) {
   const Clock::time_point deadline = p.collective.issued + timeout();
   if (!p.future->completed()) {
-    const WaitingScope waiting(monitor(), p.collective.issued, p.collective.seq);
+    const WaitingScope waiting(monitor(), p.collective.issued, p.collective.seq, &p.collective);
     std::unique_lock<std::mutex> lock(completion_->mutex);
     // The future, not the work: gloo runs the future's callbacks before it marks the work completed.
     while (!p.future->completed()) {
@@ -116,7 +116,7 @@ void ProcessGroupComm::wait(const Pending& p) {
         lock.unlock();
         monitor().fail(p.collective.describe() + " did not complete within the " + seconds(timeout()) +
                        " deadline: a peer is stopped, hung, or far slower than this rank" +
-                       monitor().peers_not_there(p.collective.seq) + ". If steps legitimately differ this "
+                       monitor().peers_not_there(p.collective.seq, &p.collective) + ". If steps legitimately differ this "
                        "much, raise WeightedDDP(timeout=...) or HSYNC_TIMEOUT");
       }
       const std::string exited = monitor().exited_peer(p.collective.describe(), p.collective.issued);

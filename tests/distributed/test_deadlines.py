@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.spawn import run_ranks_with_victim
+from tests.spawn import run_ranks_expecting_errors, run_ranks_with_victim
 
 pytestmark = pytest.mark.distributed
 
@@ -206,6 +206,31 @@ def test_survivors_at_different_collectives_name_the_lost_rank_alone(how):
             assert re.search(f"rank {VICTIM} \\(process [0-9]+, on this host\\) has exited", survivor.error), \
                 survivor.error
             assert seconds_to_notice(survivor.error) < DEADLINE_S, survivor.error
+
+
+def collectives_that_differ(rank: int, world_size: int) -> str:
+    """A user's mistake: rank 0 steps its ShardedOptimizer (rank 1 owns the one parameter: a broadcast from rank 1),
+    rank 1 makes its buffers rank 0's (a broadcast from rank 0), under the same collective number. Each waits for
+    the other to send (nothing sent, so gloo mixes no data)."""
+    import hsync
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 1, bias=False), nn.BatchNorm1d(1, affine=False))
+    model = hsync.WeightedDDP(module, timeout=datetime.timedelta(seconds=DEADLINE_S))
+    optimizer = hsync.ShardedOptimizer(model, torch.optim.SGD, memory_budget=["1KiB", "1MiB"], lr=0.01)
+    assert optimizer.layout.owned == ((), (0,)), optimizer.layout
+    model.backward(model(torch.randn(4, 4)).square().mean(), weight=4)
+    optimizer.step() if rank == 0 else model.sync_buffers()
+    raise AssertionError("went on")
+
+
+def test_ranks_in_different_collectives_under_one_number_are_told_so():
+    # Each was told only that a peer was stopped, hung or slow.
+    errors = run_ranks_expecting_errors(collectives_that_differ, 2, timeout=40)
+    assert re.search(r"; rank 1 waits in broadcast #[0-9]+ of the buffers \(sync_buffers\) from rank 0 \(.*\) "
+                     r"instead: the ranks issued different collectives", errors[0]), errors[0]
+    assert re.search(r"; rank 0 waits in broadcast #[0-9]+ of the parameters a ShardedOptimizer's step updated from "
+                     r"rank 1 \(.*\) instead: the ranks issued different collectives", errors[1]), errors[1]
 
 
 def failure_seen_in_another_group(rank: int, world_size: int) -> None:
