@@ -66,7 +66,7 @@ void Communicator::give_up(const std::string& why) {
 }
 
 void Communicator::synchronize() {
-  if (next_seq_ == 0) {
+  if (next_seq_ == 1) {  // none issued yet
     monitor_->check();
   } else {
     synchronize_through(next_seq_ - 1);

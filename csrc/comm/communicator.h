@@ -111,7 +111,7 @@ class Communicator {
   std::string backend_;
   bool debug_;
   BusyClock* clock_ = nullptr;
-  uint64_t next_seq_ = 0;
+  uint64_t next_seq_ = 1;  // from 1: 0 stands for no collective (FaultMonitor::set_waiting_since)
   std::unique_ptr<FaultMonitor> monitor_;
 };
 

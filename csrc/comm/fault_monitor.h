@@ -120,7 +120,7 @@ enum class Op : int {
 
 // One collective as issued by this rank.
 struct Collective {
-  uint64_t seq = 0;          // counts this communicator's collectives, the same on every rank
+  uint64_t seq = 0;          // counts this communicator's collectives from 1, the same on every rank
   Op op = Op::kAllReduce;
   int root = -1;             // a broadcast's or a reduce's root
   Purpose purpose = Purpose::kBucket;

@@ -75,7 +75,8 @@ def balancer(model, rank: int) -> None:
 def wrap(model, rank: int) -> None:
     import hsync
 
-    hsync.WeightedDDP(net().to(model.device), timeout=datetime.timedelta(seconds=DEADLINE_S))
+    device = "cpu" if model is None else model.device
+    hsync.WeightedDDP(net().to(device), timeout=datetime.timedelta(seconds=DEADLINE_S))
 
 
 def bert_decision(model, rank: int) -> None:
@@ -140,6 +141,27 @@ def test_a_lost_peer_ends_every_collective_of_hsyncs_within_the_deadline(where, 
         if "A peer probably exited" in survivor.error:  # the dead rank, named from its process
             assert re.search(f"rank {VICTIM} \\(process [0-9]+, on this host\\) has exited", survivor.error), \
                 survivor.error
+
+
+def first_collective_without_its_peer(rank: int, world_size: int, where: str) -> None:
+    """The victim freezes before its first call of hsync's: the survivor's first collective waits for it."""
+    os.environ["HSYNC_TIMEOUT"] = str(DEADLINE_S)
+    if rank == VICTIM:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        wrap(None, rank) if where == "wrap" else sum_over_ranks(None, rank)
+    except RuntimeError as error:
+        raise RuntimeError(f"noticed after {time.monotonic() - started:.2f} s: {error}") from None
+    raise AssertionError(f"rank {rank} went on although rank {VICTIM} was gone")
+
+
+@pytest.mark.parametrize("where", ["wrap", "sum-over-ranks"])
+def test_a_peer_frozen_before_the_first_collective_is_named(where):
+    # The first collective was numbered 0, which also stood for none: the frozen rank went unnamed.
+    survivor = run_ranks_with_victim(first_collective_without_its_peer, 2, VICTIM, where, timeout=40)[0]
+    assert re.search(f"#1 of .* did not complete within the {DEADLINE_S:.2f} s deadline.*; rank {VICTIM} has not "
+                     "reached it", survivor.error), survivor.error
 
 
 @pytest.mark.parametrize("where", list(COLLECTIVES))
@@ -267,9 +289,9 @@ def test_a_rank_that_failed_in_one_group_ends_its_peers_waits_in_every_other():
     # Rank 0's deadline, then rank 1's first look at its board (FaultMonitor::kStorePollAfter) and a poll.
     assert noticed < DEADLINE_S + 2.0 + 2.0, survivor.error
     # In debug mode (HSYNC_DEBUG_COLLECTIVES) the wait is for the fingerprints of the same collective.
-    fingerprints = r"(all-reduce #1 of the debug fingerprints of )?"
-    assert re.search(f"hsync: rank 1 \\(gloo\\): stopped waiting for {fingerprints}all-reduce #1 of work with rank 1",
+    fingerprints = r"(all-reduce #2 of the debug fingerprints of )?"
+    assert re.search(f"hsync: rank 1 \\(gloo\\): stopped waiting for {fingerprints}all-reduce #2 of work with rank 1",
                      survivor.error), survivor.error
-    assert re.search(f"a peer failed first. hsync: rank 0 \\(gloo\\): {fingerprints}all-reduce #1 of work with rank 2",
+    assert re.search(f"a peer failed first. hsync: rank 0 \\(gloo\\): {fingerprints}all-reduce #2 of work with rank 2",
                      survivor.error), survivor.error
     assert f"did not complete within the {DEADLINE_S:.2f} s deadline" in survivor.error

@@ -203,14 +203,14 @@ def mismatched_calls(rank: int, world_size: int, case: str) -> None:
         model.backward(loss, weight=4)
 
 
-STEP_SCALARS = "all-reduce #1 of the step scalars (6 x Double)"
+STEP_SCALARS = "all-reduce #2 of the step scalars (6 x Double)"
 
 
 @pytest.mark.parametrize(("case", "rank0_issues", "rank1_issues"), [
-    ("plain-vs-weighted", [STEP_SCALARS] * 2, "all-reduce #1 of bucket 0"),
+    ("plain-vs-weighted", [STEP_SCALARS] * 2, "all-reduce #2 of bucket 0"),
     # A collective's label is known on the rank that gave it.
-    ("channel-vs-weighted", ["all-reduce #1 of a metric of the loop's (1 x Float)",
-                             "all-reduce #1 of a collective of hsync's Python side, named on its rank (1 x Float)"],
+    ("channel-vs-weighted", ["all-reduce #2 of a metric of the loop's (1 x Float)",
+                             "all-reduce #2 of a collective of hsync's Python side, named on its rank (1 x Float)"],
      STEP_SCALARS),
 ])
 def test_debug_mode_names_a_collective_mismatch(case, rank0_issues, rank1_issues):
