@@ -539,9 +539,24 @@ void FaultMonitor::set_waiting_since(std::optional<Clock::time_point> since, uin
   state_->waiting_since.store(since ? since->time_since_epoch().count() : State::kNotWaiting);
 }
 
+std::string FaultMonitor::peers_without_a_board() const {
+  // The store's host may be the frozen peer (rank 0 under init_process_group's env:// or tcp://, without
+  // torchrun's agent): this host's stopped processes tell, and of two ranks the other is the one.
+  std::vector<LocalPeer> local;
+  {
+    const std::lock_guard<std::mutex> lock(state_->mutex);
+    if (state_->local_peers) local = *state_->local_peers;
+  }
+  const std::string stopped = name_exited(local, true);
+  if (!stopped.empty() || state_->world_size != 2) return stopped;
+  return "; rank " + std::to_string(1 - state_->rank) + " has not reached it, and the store its peers post to "
+         "does not answer either";
+}
+
 std::string FaultMonitor::peers_not_there(uint64_t seq, const Collective* mine) const {
+  if (seq == 0 || state_->world_size <= 1) return {};
   const c10::intrusive_ptr<c10d::Store> store = store_copy();
-  if (!store || seq == 0 || state_->world_size <= 1) return {};
+  if (!store) return peers_without_a_board();
   // What each peer posted: the collective it waits for now, or nothing (it waits for none, or not for long).
   // One waiting for this collective or a later one has reached it; one waiting for an earlier one is stuck
   // behind another peer, and is named only where no peer is found waiting for nothing. One waiting for
@@ -570,14 +585,14 @@ std::string FaultMonitor::peers_not_there(uint64_t seq, const Collective* mine) 
     }
     return true;
   };
-  if (!read_board()) return {};
+  if (!read_board()) return peers_without_a_board();
   // A peer posts once its own wait is half its deadline old, at most kStorePollAfter: one with a longer deadline
   // than this rank's, stuck behind the lost rank too, may not have posted yet. Where several have not, each gets
   // that long to post before the board is read for good (a lost rank alone is named at once).
   const Clock::time_point until = Clock::now() + kStorePollAfter + 2 * kPollInterval;
   while (not_waiting.size() > 1 && Clock::now() < until) {
     std::this_thread::sleep_for(2 * kPollInterval);
-    if (!read_board()) return {};
+    if (!read_board()) return peers_without_a_board();
   }
   if (not_waiting.empty() && !elsewhere.empty()) {
     std::string text;

@@ -208,6 +208,9 @@ class FaultMonitor {
   std::chrono::milliseconds store_poll_after() const { return std::min(kStorePollAfter, timeout_ / 2); }
 
  private:
+  // peers_not_there where the board cannot be read: the peers on this host that are stopped or have exited.
+  std::string peers_without_a_board() const;
+
   struct State;  // shared with the thread, which may outlive the monitor (see the destructor)
   static void watch(const std::shared_ptr<State>& state);
   // Lists `state` among the process's monitors, which a failure spreads to.

@@ -164,6 +164,35 @@ def test_a_peer_frozen_before_the_first_collective_is_named(where):
                      "reached it", survivor.error), survivor.error
 
 
+def store_host_frozen(rank: int, world_size: int) -> None:
+    """The default group made anew over a store that rank 0 hosts (as init_process_group's env:// does without
+    torchrun's agent); then rank 0 freezes, its store with it."""
+    import hsync
+
+    exchange = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+        exchange.set("port of rank 0's store", str(store.port))
+    else:
+        store = dist.TCPStore("127.0.0.1", int(exchange.get("port of rank 0's store")), world_size, is_master=False)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    model = hsync.WeightedDDP(net(), timeout=datetime.timedelta(seconds=DEADLINE_S))
+    step(model, rank)
+    time.sleep(0.5)  # every rank has read its peers' processes from the board
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    step(model, rank)
+    raise AssertionError(f"rank {rank} went on although rank 0 was stopped")
+
+
+def test_a_frozen_rank_whose_store_is_frozen_with_it_is_named():
+    # The board, in rank 0's store, did not answer: the survivor was told only that a peer was stopped or slow.
+    survivor = run_ranks_with_victim(store_host_frozen, 2, 0, timeout=40)[1]
+    assert re.search(f"did not complete within the {DEADLINE_S:.2f} s deadline.*; rank 0 \\(process [0-9]+, on this "
+                     "host\\) is stopped", survivor.error), survivor.error
+
+
 @pytest.mark.parametrize("where", list(COLLECTIVES))
 def test_a_dead_peer_whose_connections_stay_open_ends_every_collective_of_hsyncs_before_the_deadline(where):
     # No connection closes: the survivor names the exited process once it has waited half the deadline (Note [A
