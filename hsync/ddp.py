@@ -749,7 +749,12 @@ class WeightedDDP(DistributedDataParallel):
                 engine.abandon_step(_backward_failure(error))
                 raise
             engine.mark_step_failed()
-            self._complete_step(engine)  # its peers are waiting in the step's collectives
+            try:
+                self._complete_step(engine)  # its peers are waiting in the step's collectives
+            except BaseException as failure:
+                if str(failure) == str(error):  # the communicator's one failure, which backward met first
+                    raise error from None
+                raise
             raise
         busy = self._complete_step(engine)
         engine.start_busy_interval()  # the next step's own work starts where this step ends

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import time
+import traceback
 
 import pytest
 import torch
@@ -29,6 +30,10 @@ def net() -> nn.Module:
 
 def step(model, rank: int) -> None:
     model(torch.randn(4, 4, device=model.device)).square().mean().backward()
+
+
+def weighted_step(model, rank: int) -> None:
+    model.backward(model(torch.randn(4, 4, device=model.device)).square().mean(), weight=4)
 
 
 def allreduce_hook(state, bucket):  # a user's own hook, in hsync's chain of hooked buckets: Note [Hook order]
@@ -85,9 +90,9 @@ def bert_decision(model, rank: int) -> None:
     agree("a corpus digest", "the corpus digest")  # the BERT application's decisions, before any model exists
 
 
-COLLECTIVES = {"plain-step": step, "hooked-step": hooked_step, "sum-over-ranks": sum_over_ranks, "join": join,
-               "joined": joined, "buffers": buffers, "refresh": refresh, "balancer": balancer, "wrap": wrap,
-               "bert-decision": bert_decision}
+COLLECTIVES = {"plain-step": step, "weighted-step": weighted_step, "hooked-step": hooked_step,
+               "sum-over-ranks": sum_over_ranks, "join": join, "joined": joined, "buffers": buffers, "refresh": refresh,
+               "balancer": balancer, "wrap": wrap, "bert-decision": bert_decision}
 
 
 def collective_without_its_peer(rank: int, world_size: int, where: str, how: str, device: str = "cpu") -> None:
@@ -98,9 +103,10 @@ def collective_without_its_peer(rank: int, world_size: int, where: str, how: str
     os.environ["HSYNC_TIMEOUT"] = str(DEADLINE_S)  # sum_over_ranks' deadline
     if device == "cuda":
         torch.cuda.set_device(0)
-    # Buffers only where asked for (sync_buffers): a plain step's forward would broadcast them first.
+    # Buffers only where asked for (sync_buffers): a plain step's forward would broadcast them first. A weighted
+    # step with bucket views waits for its scalars inside backward, then again as it completes.
     model = hsync.WeightedDDP(net().to(device), timeout=datetime.timedelta(seconds=DEADLINE_S),
-                              forward_sync_buffers=False)
+                              forward_sync_buffers=False, gradient_as_bucket_view=where == "weighted-step")
     collective = COLLECTIVES[where]
     collective(model, rank)  # whatever the first call builds (a channel, connections) is there
     if rank == VICTIM:
@@ -113,7 +119,9 @@ def collective_without_its_peer(rank: int, world_size: int, where: str, how: str
     try:
         collective(model, rank)
     except RuntimeError as error:
-        raise RuntimeError(f"noticed after {time.monotonic() - started:.2f} s: {error}") from None
+        shown = "".join(traceback.format_exception(error))
+        said_twice = " [said twice]" if "During handling of the above exception" in shown else ""
+        raise RuntimeError(f"noticed after {time.monotonic() - started:.2f} s: {error}{said_twice}") from None
     raise AssertionError(f"rank {rank} went on although rank {VICTIM} was gone")
 
 
@@ -132,6 +140,7 @@ def test_a_lost_peer_ends_every_collective_of_hsyncs_within_the_deadline(where, 
     noticed = seconds_to_notice(survivor.error)
     assert noticed < DEADLINE_S + 2.0, survivor.error
     assert "hsync: rank 0 (gloo): " in survivor.error, survivor.error
+    assert "[said twice]" not in survivor.error, survivor.error  # a backward that met the failure, then the step
     if how == "stop":
         assert f"did not complete within the {DEADLINE_S:.2f} s deadline" in survivor.error, survivor.error
         assert f"rank {VICTIM} has not reached it" in survivor.error, survivor.error  # the frozen rank, named
