@@ -533,8 +533,12 @@ class Balancer:
         for key, ours in (("num_examples", len(self._splitter.costs)), ("global_batch_size", config.global_batch_size),
                           ("seed", config.seed), ("shuffle", config.shuffle), ("drop_last", config.drop_last)):
             if kept[key] != ours:
+                # A global batch derived from per-rank sizes changes with the number of ranks: say how to keep it.
+                keep = "" if key != "global_batch_size" else (
+                    f" (to go on with its global batches on these ranks, set global_batch_size={kept[key]}: "
+                    "BalanceConfig's, or the integrations' BalancingArguments)")
                 raise ValueError(f"hsync.Balancer: the checkpoint has {key} {kept[key]}, this run {ours}: "
-                                 "it was written for other data or another batch")
+                                 f"it was written for other data or another batch{keep}")
         self.epoch, self._step_in_epoch = state["epoch"], state["step_in_epoch"]
         self.global_step = state["global_step"]
         self._policy = Policy(self._policy_config(), first_step=self.global_step)
@@ -560,19 +564,25 @@ class Balancer:
         """Every rank must split the same steps of the same data: a difference, or a rank's refusal of its
         own arguments, is raised on every rank."""
         config, costs = self.config, self._splitter.costs
-        mine = refusal if refusal is not None else (
-            len(costs), _digest(costs), config.global_batch_size, config.seed, config.shuffle, config.drop_last,
-            config.rank_batch_sizes and list(config.rank_batch_sizes), self._limits, config.replan_every,
-            config.warmup_steps, config.probe_steps, config.min_gain, self._memory is not None)
+        mine = refusal if refusal is not None else {
+            "the number of examples": len(costs), "the examples' costs (a digest)": _digest(costs),
+            "global_batch_size": config.global_batch_size, "seed": config.seed, "shuffle": config.shuffle,
+            "drop_last": config.drop_last, "the micro-batch limits": self._limits,
+            "rank_batch_sizes": config.rank_batch_sizes and list(config.rank_batch_sizes),
+            "replan_every": config.replan_every,
+            "warmup_steps": config.warmup_steps, "probe_steps": config.probe_steps, "min_gain": config.min_gain,
+            "measuring memory": self._memory is not None}
         everyone = Channels.of_model(self.model).gather_objects(mine, "the Balancer's settings")
         refused = [r for r, theirs in enumerate(everyone) if isinstance(theirs, str)]
         if refused:
             raise ValueError(f"{everyone[refused[0]]} (rank {refused[0]}; refused on ranks {refused})")
         different = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
         if different:
-            raise ValueError(f"hsync.Balancer: ranks {different} were given other data or settings than rank 0 "
-                             f"(examples, a digest of their costs, the BalanceConfig): rank 0 has {everyone[0]}, "
-                             f"rank {different[0]} {everyone[different[0]]}")
+            other = everyone[different[0]]
+            named = "; ".join(f"{name} {value!r} on rank 0, {other[name]!r} on rank {different[0]}"
+                              for name, value in everyone[0].items() if other[name] != value)
+            raise ValueError(f"hsync.Balancer: ranks {different} were given other data or settings than rank 0: "
+                             f"{named}")
 
 
 def _example_costs(examples: int | Sequence[float]) -> list[float]:

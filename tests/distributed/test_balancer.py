@@ -594,8 +594,12 @@ def refused_on_every_rank(rank, world_size):
     import hsync
 
     model = hsync.WeightedDDP(make_model())
-    with pytest.raises(ValueError, match=r"ranks \[1\] were given other data or settings than rank 0"):
+    with pytest.raises(ValueError, match=r"ranks \[1\] were given other data or settings than rank 0: the number of "
+                                         r"examples 100 on rank 0, 99 on rank 1; the examples' costs"):
         hsync.Balancer(model, 100 if rank == 0 else 99, hsync.BalanceConfig(global_batch_size=8))
+    with pytest.raises(ValueError, match=r"were given other data or settings than rank 0: global_batch_size 8 on "
+                                         r"rank 0, 12 on rank 1$"):  # was two tuples of thirteen unnamed values
+        hsync.Balancer(model, 100, hsync.BalanceConfig(global_batch_size=8 + 4 * rank))
     with pytest.raises(ValueError, match=r"at least one example, got 0 \(rank 1; refused on ranks \[1\]\)"):
         hsync.Balancer(model, 100 if rank == 0 else 0, hsync.BalanceConfig(global_batch_size=8))
     lengths = [1.0, 2.0, 3.0]
@@ -608,6 +612,9 @@ def refused_on_every_rank(rank, world_size):
         balancer.backward(model(torch.zeros(1, 6, dtype=torch.float64)).sum())
     with pytest.raises(ValueError, match="written for other data"):
         balancer.load_state_dict({**balancer.state_dict(), "num_examples": 7})
+    with pytest.raises(ValueError, match=r"the checkpoint has global_batch_size 16, this run 8: .* set "
+                                         r"global_batch_size=16: BalanceConfig's, or the integrations'"):
+        balancer.load_state_dict({**balancer.state_dict(), "global_batch_size": 16})
     with pytest.raises(ValueError, match="the checkpoint has shuffle False, this run True"):
         balancer.load_state_dict({**balancer.state_dict(), "shuffle": False})
     with pytest.raises(ValueError, match="the checkpoint has drop_last True, this run False"):
