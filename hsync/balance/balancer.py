@@ -229,6 +229,12 @@ class Balancer:
         """Optimizer steps in an epoch: ceil(examples / global_batch_size) (floor with drop_last), on every rank."""
         return self._splitter.steps_per_epoch
 
+    @property
+    def epoch_progress(self) -> float:
+        """The epochs completed, with the fraction of this one done (epoch 2 after a third of its steps: 2.33),
+        resumed runs included: what Trainer logs as `epoch`."""
+        return self.epoch + self._step_in_epoch / self.steps_per_epoch
+
     def __len__(self) -> int:
         """steps_per_epoch, so that len(loader) sizes a learning-rate schedule or a progress bar as with
         DistributedSampler. A rank that runs its share of a step in several micro-batches yields more

@@ -115,6 +115,8 @@ class Trainer(transformers.Trainer):
         self.balancer: hsync.Balancer | None = None
         self._resume_from: str | None = None
         self._loss_shifts_labels = shifts_labels(self.model)
+        # First, so that every other callback, and the logs, see the epoch it sets.
+        self.callback_handler.callbacks.insert(0, _EpochOfTheBalancer(self))
 
     # -- the model -----------------------------------------------------------------------------------
 
@@ -324,6 +326,19 @@ def _assigned(holder: Any, name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(holder, name, before)
+
+
+class _EpochOfTheBalancer(transformers.TrainerCallback):
+    """Sets state.epoch from the Balancer's position after each step. Trainer counts it from the steps its loop ran
+    in this epoch, which after a resume in the middle of one (ignore_data_skip: Note [Trainer]) leaves out those
+    trained before: the epoch went back at the first step resumed, and ended short."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer.balancer is not None:
+            state.epoch = self.trainer.balancer.epoch_progress
 
 
 def shifts_labels(model: nn.Module) -> bool:

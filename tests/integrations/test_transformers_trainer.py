@@ -107,6 +107,7 @@ def train_with_hsync(rank: int, world_size: int, task: str, shares: list[int] | 
     data = Texts(task)
     model = tiny_model(task)
     skipped: list[bool] = []
+    epochs: list[float] = []  # state.epoch as a callback sees it after each step
     dtypes = set()  # of every linear layer's output: float32, or bfloat16 under autocast
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -118,6 +119,7 @@ def train_with_hsync(rank: int, world_size: int, task: str, shares: list[int] | 
 
         def on_step_end(self, args, state, control, optimizer=None, **kwargs):
             data.steps.append([])
+            epochs.append(state.epoch)
             skipped.append(bool(getattr(optimizer, "step_was_skipped", False)))  # by float16's GradScaler
 
     trainer = Trainer(model=model, args=training_args(output_dir, **(overrides or {})), train_dataset=data,
@@ -137,7 +139,8 @@ def train_with_hsync(rank: int, world_size: int, task: str, shares: list[int] | 
             "compiled": type(trainer.model_wrapped).__name__,
             "best_checkpoint": trainer.state.best_model_checkpoint, "skipped": skipped,
             "sharded": type(trainer.sharded_optimizer).__name__, "tokens_seen": trainer.state.num_input_tokens_seen,
-            "flos": trainer.state.total_flos, "flos_per_token": 6 * model.num_parameters(exclude_embeddings=True)}
+            "epochs": epochs, "flos": trainer.state.total_flos,
+            "flos_per_token": 6 * model.num_parameters(exclude_embeddings=True)}
 
 
 def one_process(task: str, steps: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -221,6 +224,8 @@ def test_a_resume_through_trainers_checkpoint_ends_as_an_uninterrupted_run(tmp_p
     assert global_batches(resumed) == global_batches(straight)[4:]
     for before, after in zip(straight, resumed, strict=True):
         assert after["global_step"] == 6
+        # Trainer's count went back to 1 + 1/3 at the first step resumed, and ended at 1 + 2/3.
+        assert after["epochs"] == before["epochs"][4:] == pytest.approx([5 / 3, 2.0])
         for name, value in before["params"].items():
             torch.testing.assert_close(after["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
