@@ -41,8 +41,10 @@ def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
         return [], [f"'{lazy[0]}' is not initialized yet (a lazy module): run a dummy forward pass before wrapping, "
                     "as for DDP"]
     # A parameter's strides too: its gradient is summed as laid out in memory (a bucket slot takes the
-    # parameter's layout), so channels_last on one rank only would add mismatched elements.
-    signature = [("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad, p.stride())
+    # parameter's layout), so channels_last on one rank only would add mismatched elements. A dimension of
+    # size 1 has any stride without changing the layout.
+    signature = [("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad,
+                  tuple(stride if size > 1 else 0 for size, stride in zip(p.shape, p.stride(), strict=True)))
                  for name, p in reduced_parameters(module, named=True)]
     signature += [("buffer", name, tuple(b.shape), str(b.dtype), False, None)
                   for name, b in module.named_buffers() if name not in ignored]

@@ -116,8 +116,8 @@ void ProcessGroupComm::wait(const Pending& p) {
         lock.unlock();
         monitor().fail(p.collective.describe() + " did not complete within the " + seconds(timeout()) +
                        " deadline: a peer is stopped, hung, or far slower than this rank" +
-                       monitor().peers_not_there(p.collective.seq, &p.collective) + ". If steps legitimately differ this "
-                       "much, raise WeightedDDP(timeout=...) or HSYNC_TIMEOUT");
+                       monitor().peers_not_there(p.collective.seq, &p.collective) +
+                       ". If steps legitimately differ this much, raise WeightedDDP(timeout=...) or HSYNC_TIMEOUT");
       }
       const std::string exited = monitor().exited_peer(p.collective.describe(), p.collective.issued);
       if (!exited.empty()) {

@@ -385,7 +385,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """Gathers the whole state on rank `to`, for its state_dict() (collective, as ZeroRedundancyOptimizer's)."""
         shards = self._channel.gather_objects(self.state_dict_shard(), "the optimizer state")
         self._consolidated = merge_shards(shards) if self._model.rank == to else None
-        self._consolidated_to: int | None = to
+        self._consolidated_to = to
         self._consolidated_went_stale = False
 
     def _forget_consolidated(self) -> None:
