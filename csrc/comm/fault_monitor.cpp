@@ -616,12 +616,16 @@ std::string FaultMonitor::peers_gone() const {
     const std::lock_guard<std::mutex> lock(state_->mutex);
     local = state_->local_peers;  // read while the store lived: its host may be the peer that died
   }
+  std::vector<int> unposted;  // peers that never posted their process: they died before this communicator began
   if (!local) {  // not all had posted yet
     const c10::intrusive_ptr<c10d::Store> store = store_copy();
     if (!store) return {};
     const auto processes = read_peers(store, state_->key, "process", state_->rank, state_->world_size);
     if (!processes) return {};
     local = local_peers_in(*processes, state_->process);
+    for (int peer = 0; peer < state_->world_size; ++peer) {
+      if (peer != state_->rank && (*processes)[peer].empty()) unposted.push_back(peer);
+    }
   }
   // A killed process closes its sockets on its way out, an instant before it shows as exited: where
   // none shows yet, look again for a moment. Only until one does: a survivor that raises and exits
@@ -631,6 +635,10 @@ std::string FaultMonitor::peers_gone() const {
   while (text.empty() && !local->empty() && Clock::now() < until) {
     std::this_thread::sleep_for(kPollInterval / 5);
     text = name_exited(*local, true);
+  }
+  if (text.empty() && unposted.size() == 1) {
+    text = "; rank " + std::to_string(unposted.front()) + " never reached this communicator (it posted no process "
+           "at its start: it exited or failed before)";
   }
   return text;
 }

@@ -152,11 +152,11 @@ def test_a_lost_peer_ends_every_collective_of_hsyncs_within_the_deadline(where, 
                 survivor.error
 
 
-def first_collective_without_its_peer(rank: int, world_size: int, where: str) -> None:
-    """The victim freezes before its first call of hsync's: the survivor's first collective waits for it."""
+def first_collective_without_its_peer(rank: int, world_size: int, where: str, how: str) -> None:
+    """The victim freezes or dies before its first call of hsync's: the survivor's first collective waits for it."""
     os.environ["HSYNC_TIMEOUT"] = str(DEADLINE_S)
     if rank == VICTIM:
-        os.kill(os.getpid(), signal.SIGSTOP)
+        os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
     started = time.monotonic()
     try:
         wrap(None, rank) if where == "wrap" else sum_over_ranks(None, rank)
@@ -165,12 +165,15 @@ def first_collective_without_its_peer(rank: int, world_size: int, where: str) ->
     raise AssertionError(f"rank {rank} went on although rank {VICTIM} was gone")
 
 
+@pytest.mark.parametrize("how", ["stop", "kill"])
 @pytest.mark.parametrize("where", ["wrap", "sum-over-ranks"])
-def test_a_peer_frozen_before_the_first_collective_is_named(where):
-    # The first collective was numbered 0, which also stood for none: the frozen rank went unnamed.
-    survivor = run_ranks_with_victim(first_collective_without_its_peer, 2, VICTIM, where, timeout=40)[0]
-    assert re.search(f"#1 of .* did not complete within the {DEADLINE_S:.2f} s deadline.*; rank {VICTIM} has not "
-                     "reached it", survivor.error), survivor.error
+def test_a_peer_lost_before_the_first_collective_is_named(where, how):
+    # The first collective was numbered 0, which also stood for none: a frozen rank went unnamed. A dead one had
+    # posted no process to be found by.
+    survivor = run_ranks_with_victim(first_collective_without_its_peer, 2, VICTIM, where, how, timeout=40)[0]
+    named = (f"did not complete within the {DEADLINE_S:.2f} s deadline.*; rank {VICTIM} has not reached it"
+             if how == "stop" else f"A peer probably exited .*; rank {VICTIM} never reached this communicator")
+    assert re.search(f"#1 of .*{named}", survivor.error), survivor.error
 
 
 def store_host_frozen(rank: int, world_size: int) -> None:
