@@ -120,9 +120,10 @@ def wrappers_collected_in_a_dataloader_worker(rank: int, world_size: int) -> lis
 
 def test_a_dataloader_worker_that_collects_dropped_wrappers_goes_on():
     # Three dropped wrappers cost a worker 6 s (a 2 s wait for each one's missing monitor thread), or aborted it.
+    # Now about 0.2 s on an idle machine, 1.3 s once while the suite ran beside it: half the 6 s is the bound.
     for timings in run_ranks(wrappers_collected_in_a_dataloader_worker, 2):
         assert len(timings) == 4
-        assert max(timings) < 1.0, f"the worker's garbage collection took {max(timings):.2f} s"
+        assert max(timings) < 3.0, f"the worker's garbage collection took {max(timings):.2f} s"
 
 
 def _used_every_way(model: hsync.WeightedDDP) -> list:
