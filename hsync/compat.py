@@ -282,6 +282,12 @@ def comm_hook_signature_refusal(hook: object) -> Exception | None:
     return None
 
 
+def is_zero_overlap_hook(hook: object) -> bool:
+    """torch's hook_with_zero_step and hook_with_zero_step_interleaved: they step a ZeroRedundancyOptimizer
+    from inside DDP's buckets, reading DDP's reducer (its rebuilt buckets), which a WeightedDDP has not."""
+    return getattr(hook, "__module__", None) == "torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook"
+
+
 def tensors_in(value) -> Iterator[torch.Tensor]:
     """The tensors of a forward's output, where DDP's _find_tensors looks for them."""
     if isinstance(value, torch.Tensor):

@@ -43,6 +43,7 @@ from hsync.compat import (
     hook_comm_dtype,
     ignored_names,
     in_distributed_autograd,
+    is_zero_overlap_hook,
     leave_out_machinery,
     reduced_parameters,
     resolve_group,
@@ -621,6 +622,11 @@ class WeightedDDP(DistributedDataParallel):
         refusal = comm_hook_signature_refusal(hook)
         if refusal is not None:
             return refusal
+        if is_zero_overlap_hook(hook):
+            return RuntimeError("hsync.WeightedDDP.register_comm_hook: torch's hook_with_zero_step overlaps a "
+                                "ZeroRedundancyOptimizer with DDP's own reducer, which hsync replaces; "
+                                "hsync.ShardedOptimizer(model, optimizer_class, ...) is hsync's sharded optimizer "
+                                "(each bucket reduced to the rank that steps it), with no hook to register")
         if known and state is not None and state is not self.process_group:
             return ValueError("hsync.WeightedDDP.register_comm_hook: the state of torch's allreduce and compress "
                               "hooks must be None or the wrapper's own process group")

@@ -184,6 +184,32 @@ def test_a_hook_that_is_not_callable_is_refused_on_every_rank():
         assert "Communication hook must be callable. register_comm_hook takes hook(state, bucket), got" in error, error
 
 
+def zero_overlap_hook(rank: int, world_size: int) -> None:
+    from types import SimpleNamespace
+
+    from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    import hsync
+
+    # torch builds the hook on NCCL only (gloo may hang in its overlap): it is asked here as on NCCL.
+    model = hsync.WeightedDDP(net())
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+    ddp_zero_hook.dist = SimpleNamespace(**{**vars(dist), "get_backend": lambda group: dist.Backend.NCCL})
+    try:
+        hook = ddp_zero_hook.hook_with_zero_step(default_hooks.allreduce_hook, model, zero)
+    finally:
+        ddp_zero_hook.dist = dist
+    model.register_comm_hook(None, hook)
+
+
+def test_zero_overlapped_with_ddps_buckets_is_refused_naming_the_sharded_optimizer():
+    # DDP's hook reads DDP's reducer from inside the backward; hsync's engine has none.
+    for error in run_ranks_expecting_errors(zero_overlap_hook, 2, timeout=60):
+        assert "torch's hook_with_zero_step overlaps a ZeroRedundancyOptimizer" in error, error
+        assert "hsync.ShardedOptimizer(model, optimizer_class, ...)" in error, error
+
+
 def hooks_that_differ(rank: int, world_size: int) -> None:
     import hsync
 
