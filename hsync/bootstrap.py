@@ -36,7 +36,9 @@ def wrapper_kind(module: nn.Module) -> str | None:
 def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
     """What must match across ranks, and this rank's problems that no rank could work with."""
     ignored = ignored_names(module)
-    lazy = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if is_lazy(t)]
+    buffers = [(name, b) for name, b in module.named_buffers() if name not in ignored]
+    # What DDP ignores it does not check either (a sparse or lazy layer the user reduces, or fills, alone).
+    lazy = [name for name, t in [*reduced_parameters(module, named=True), *buffers] if is_lazy(t)]
     if lazy:  # no shape to compare yet
         return [], [f"'{lazy[0]}' is not initialized yet (a lazy module): run a dummy forward pass before wrapping, "
                     "as for DDP"]
@@ -46,8 +48,7 @@ def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
     signature = [("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad,
                   tuple(stride if size > 1 else 0 for size, stride in zip(p.shape, p.stride(), strict=True)))
                  for name, p in reduced_parameters(module, named=True)]
-    signature += [("buffer", name, tuple(b.shape), str(b.dtype), False, None)
-                  for name, b in module.named_buffers() if name not in ignored]
+    signature += [("buffer", name, tuple(b.shape), str(b.dtype), False, None) for name, b in buffers]
     problems = []
     wrapping = wrapper_kind(module)
     if wrapping:
@@ -56,8 +57,9 @@ def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
     devices = sorted({str(p.device) for p in reduced_parameters(module)})
     if len(devices) > 1:
         problems.append(f"parameters on several devices ({', '.join(devices)}); wrap a single-device module")
+    trained = {id(p) for p in reduced_parameters(module) if p.requires_grad}
     for name, sub in module.named_modules():
-        if isinstance(sub, nn.Embedding | nn.EmbeddingBag) and sub.sparse:
+        if isinstance(sub, nn.Embedding | nn.EmbeddingBag) and sub.sparse and id(sub.weight) in trained:
             problems.append(f"'{name}' produces sparse gradients (sparse=True); hsync reduces dense gradients only")
     for name, p in reduced_parameters(module, named=True):
         if hasattr(p, "_in_backward_optimizers"):

@@ -338,5 +338,6 @@ def _device_index(value, device: torch.device) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, str | torch.device) and torch.device(value).type == device.type:
-        return torch.device(value).index if torch.device(value).index is not None else 0
+        # As DDP reads it: a device without an index is the current one of its type.
+        return torch._utils._get_device_index(torch.device(value), optional=True)
     raise ValueError(f"expected a {device.type} device index or device, got {describe(value)}")

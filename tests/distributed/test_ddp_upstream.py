@@ -627,6 +627,40 @@ def ignore_params_arg_materialized(rank, world_size, wrap):
     return grads
 
 
+class RecommenderNet(nn.Module):
+    """A recommendation model's pattern: a sparse table the loop reduces itself (ignored), a frozen sparse one, a
+    lazy layer ignored before its first forward, and dense layers for the wrapper."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.EmbeddingBag(10, 4, mode="sum", sparse=True)
+        self.frozen = nn.Embedding(10, 4, sparse=True).requires_grad_(False)
+        self.lazy = nn.LazyLinear(4)
+        self.dense = nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.dense(self.table(ids) + self.frozen(ids).sum(1) + self.lazy(self.frozen(ids).mean(1)))
+
+
+def ignore_params_ddp_could_not_reduce(rank, world_size, wrap):
+    """test_ignored_sharded_tensor (test_c10d_gloo.py), with the layers DDP refuses instead of a sharded tensor:
+    ignored parameters are not checked (a sparse or lazy one included), nor is a frozen sparse embedding; the
+    ignored gradients stay local, sparse, and the dense ones are averaged."""
+    module = RecommenderNet()
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        module, ["table.weight", "lazy.weight", "lazy.bias"])
+    model = wrap(module)
+    ids = torch.tensor([[rank, 2 * rank + 1], [3, 9 - rank]])
+    model(ids).sum().backward()
+    table_grad = model.module.table.weight.grad
+    assert table_grad.is_sparse
+    local = copy.deepcopy(model.module)
+    local.zero_grad()
+    local(ids).sum().backward()
+    torch.testing.assert_close(table_grad.to_dense(), local.table.weight.grad.to_dense())
+    return [model.module.dense.weight.grad, model.module.lazy.weight.grad]
+
+
 class BufferedNet(nn.Module):
     def __init__(self, rank: int) -> None:
         super().__init__()
@@ -2182,6 +2216,10 @@ def test_ddp_create_graph():
                          ids=["materialized_after_the_wrap", "kept_local"])
 def test_ddp_ignore_params_arg(case):
     run_both(case)
+
+
+def test_ignored_parameters_that_ddp_could_not_reduce():
+    run_both(ignore_params_ddp_could_not_reduce)
 
 
 def test_ddp_broadcast_buffer():
