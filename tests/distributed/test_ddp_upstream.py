@@ -426,6 +426,82 @@ def returns_tensor_with_no_grad(rank, world_size, wrap):
     return [p.grad for p in model.parameters()]
 
 
+class FindUnusedParametersModule(nn.Module):
+    """test_c10d_nccl's: the forward returns fc3 itself, which the loop then applies outside the wrapper."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(2, 10, bias=False)
+        self.fc2 = nn.Linear(10, 4, bias=False)
+        self.fc3 = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        x = F.relu(self.fc2(F.relu(self.fc1(x))))
+        return F.softmax(x, dim=1), self.fc3
+
+
+def find_unused_parameters_kwarg(rank, world_size, wrap, grad_is_view: bool):
+    """test_find_unused_parameters_kwarg (test_c10d_nccl.py): a layer applied outside the forward (a head, a
+    temperature used in the loss) still has its gradient averaged, with find_unused_parameters off and defaulted;
+    on, DDP marks fc3 unused at the forward, then its gradient arrives and DDP raises."""
+    x = torch.rand(4, 2, generator=torch.Generator().manual_seed(rank))
+    target = torch.tensor([rank, 1, 2, 3 - rank])
+    grads = {}
+    for find_unused in (False, None, True):
+        torch.manual_seed(0)
+        kwargs = {} if find_unused is None else {"find_unused_parameters": find_unused}
+        model = wrap(FindUnusedParametersModule(), gradient_as_bucket_view=grad_is_view, **kwargs)
+        output, fc3 = model(x)
+        try:
+            F.cross_entropy(fc3(output), target).backward()
+        except RuntimeError as error:
+            grads[find_unused] = str(error)[:60]
+            continue
+        grads[find_unused] = [p.grad.clone() for p in model.parameters()]
+    return grads
+
+
+def no_grad_forward(rank, world_size, wrap):
+    """test_no_grad (test_c10d_nccl.py): a forward under torch.no_grad() returns a tensor and sets no gradient."""
+    model = wrap(nn.Sequential(nn.Linear(2, 10, bias=False), nn.ReLU(), nn.Linear(10, 4, bias=False)))
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())
+    with torch.no_grad():
+        assert isinstance(model(torch.rand(4, 2)), torch.Tensor)
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())
+    model(torch.rand(4, 2)).sum().backward()  # and the next step is an ordinary one
+    return [p.grad for p in model.parameters()]
+
+
+class AcceptsParam(nn.Module):
+    def __init__(self, p: nn.Parameter, factor: float) -> None:
+        super().__init__()
+        self.a = p
+        self.f = factor
+
+    def forward(self, x):
+        return x + self.a * self.f
+
+
+def weight_sharing(rank, world_size, wrap):
+    """test_ddp_weight_sharing (test_c10d_nccl.py): one parameter in two modules, larger than a 1 MB bucket, used
+    with a factor of rank + 1 by each: its gradient is the mean of 2 (rank + 1), with zero_grad(set_to_none) on and
+    off, bucket views on and off."""
+    p = nn.Parameter(torch.randn(512 * 1024))
+    analytic = torch.full_like(p, 2.0 * (world_size * (world_size + 1.0) / 2.0) / world_size)
+    grads = []
+    for set_to_none, views in itertools.product((False, True), (False, True)):
+        model = wrap(nn.Sequential(AcceptsParam(p, rank + 1), AcceptsParam(p, rank + 1)), bucket_cap_mb=1,
+                     gradient_as_bucket_view=views)
+        for _ in range(3):
+            model.zero_grad(set_to_none=set_to_none)
+            model(1).sum().backward()
+            for name, param in model.named_parameters():
+                torch.testing.assert_close(param.grad, analytic, msg=f"{name}: set_to_none {set_to_none}, "
+                                                                      f"views {views}")
+        grads.append(p.grad.clone())
+    return grads
+
+
 def namedtuple_inputs(rank, world_size, wrap):
     """test_ddp_namedtuple: namedtuple inputs reach the module as namedtuples."""
     Batch = collections.namedtuple("Batch", ["a", "b"])
@@ -2220,6 +2296,25 @@ def test_ddp_ignore_params_arg(case):
 
 def test_ignored_parameters_that_ddp_could_not_reduce():
     run_both(ignore_params_ddp_could_not_reduce)
+
+
+@pytest.mark.parametrize("grad_is_view", [False, True], ids=["copied", "grad_is_view"])
+def test_find_unused_parameters_kwarg(grad_is_view):
+    for result in run_both(find_unused_parameters_kwarg, grad_is_view, compare=False):
+        ours, ddps = result["hsync"], result["ddp"]
+        torch.testing.assert_close(ours[False], ddps[False])
+        torch.testing.assert_close(ours[None], ddps[None])
+        # hsync finds unused parameters at the end of the backward (Note [Unused parameters]): fc3 is used then.
+        assert ddps[True].startswith("Expected to mark a variable ready only once"), ddps[True]
+        torch.testing.assert_close(ours[True], ddps[False])
+
+
+def test_no_grad():
+    run_both(no_grad_forward)
+
+
+def test_ddp_weight_sharing():
+    run_both(weight_sharing)
 
 
 def test_ddp_broadcast_buffer():
