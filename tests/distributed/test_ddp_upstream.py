@@ -1418,6 +1418,67 @@ def hook_parity(world_size: int, wrap, state, hook, validated: int = 100) -> lis
     return later
 
 
+class PowerOfTheInput(nn.Module):
+    """test_ddp_hooks.py's TestDdpCommHook: one parameter, reached through the rank's own power of the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.p = nn.Parameter(torch.randn(40, 20))
+
+    def forward(self, x, rank):
+        return self.p * x ** (1 + rank)
+
+
+def hooked_grads(rank: int, wrap, hook_type) -> torch.Tensor:
+    """test_ddp_hooks.py's _get_grads: one step with the hook of `hook_type` registered (None: no hook)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import register_ddp_comm_hook
+
+    model = wrap(PowerOfTheInput())
+    if hook_type is not None:
+        register_ddp_comm_hook(comm_hook_type=hook_type, model=model, state=None)
+    torch.manual_seed(2020)
+    model(torch.randn(40, 20), rank).mean().backward()
+    return model.module.p.grad
+
+
+def noop_hook(rank, world_size, wrap):
+    """test_ddp_comm_hook_noop_hook (test_ddp_hooks.py): torch's no-op hook leaves each rank's gradient, which an
+    all-reduce then averages to the unhooked one. (The quantizing hooks beside it in upstream's file run on NCCL
+    only: on gloo their all-gather's future holds another structure, and they fail under DDP alike.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks import DDPCommHookType
+
+    reference = hooked_grads(rank, wrap, None)
+    grads = hooked_grads(rank, wrap, DDPCommHookType.NOOP)
+    grads.div_(world_size)
+    dist.all_reduce(grads)
+    torch.testing.assert_close(grads, reference, rtol=1e-5, atol=0)
+    return grads
+
+
+def is_last_hook(rank, world_size, wrap):
+    """test_is_last_hook (test_ddp_hooks.py): of the buckets a backward hands the hook, only the last says
+    is_last() (here seven layers in 1 MB buckets, where upstream's are eleven of 64 MB in 25 MB); DDP's first
+    backward has one bucket, its second as many as hsync's."""
+
+    def hook(flags, bucket):
+        flags.append(bucket.is_last())
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    flags = []
+    model = wrap(nn.Sequential(nn.Linear(2, 400, bias=False), *[nn.Linear(400, 400, bias=False) for _ in range(6)]),
+                 bucket_cap_mb=1)
+    model.register_comm_hook(state=flags, hook=hook)
+    for _ in range(2):
+        flags.clear()
+        model(torch.randn(10, 2)).sum().backward()
+        assert flags[-1] and not any(flags[:-1]), flags
+    assert len(flags) > 2, flags
+    return flags
+
+
 def hook_parity_allreduce(rank, world_size, wrap, own_group: bool):
     """test_ddp_hook_parity_allreduce / _allreduce_process_group: torch's allreduce_hook, its state None or a
     process group of its own that the wrapper takes too, averages as no hook does."""
@@ -2557,6 +2618,14 @@ def test_ddp_uneven_inputs_matrix():
 @pytest.mark.parametrize("own_group", [False, True], ids=["allreduce", "allreduce_process_group"])
 def test_ddp_hook_parity_allreduce(own_group):
     run_both(hook_parity_allreduce, own_group)
+
+
+def test_ddp_comm_hook_noop_hook():
+    run_both(noop_hook)
+
+
+def test_is_last_hook():
+    run_both(is_last_hook)
 
 
 def test_ddp_hook_parity_power_sgd():
