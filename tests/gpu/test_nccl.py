@@ -134,6 +134,36 @@ def test_hsyncs_nccl_collectives_show_in_torchs_profiler_as_torchs_own_do():
         assert names.count("nccl:all_reduce") >= 6, names
 
 
+def steps_on_a_stream_of_the_users(rank: int, world_size: int, steps: int) -> list[float]:
+    """upstream's test_DistributedDataParallel_non_default_stream: wrap, forward, backward and read each gradient
+    inside `torch.cuda.stream(s)`, plain steps (rank r's gradient r) then weighted ones (r + 1 examples of r)."""
+    import hsync
+
+    torch.cuda.set_device(0)
+    seen = []
+    with torch.cuda.stream(torch.cuda.Stream()):
+        model = hsync.WeightedDDP(torch.nn.Linear(1, 1, bias=False).cuda())
+        for step in range(2 * steps):
+            if model.module.weight.grad is not None:
+                model.module.weight.grad.zero_()
+            batch = torch.full((rank + 1, 1), float(rank), device="cuda")
+            if step < steps:
+                model(batch[:1]).sum().backward()
+            else:
+                model.backward(model(batch).mean(), weight=rank + 1)
+            seen.append(model.module.weight.grad.clone())  # on the user's stream, no host wait before
+    return [g.item() for g in seen]
+
+
+def test_gradients_read_on_a_stream_of_the_users_are_the_reduced_ones():
+    # The write-back must be ordered before the user's current stream (Note [Stream ordering]): an unordered read
+    # would see the local gradient, the sockets between the ranks being slow.
+    steps = 100
+    plain, weighted = 0.5, 2 / 3  # mean of 0 and 1; (1 * 0 + 2 * 1) / 3
+    for rank, seen in enumerate(run_ranks(steps_on_a_stream_of_the_users, 2, steps, env=SOCKET_ENV, timeout=120)):
+        assert seen == pytest.approx([plain] * steps + [weighted] * steps, rel=1e-6), f"rank {rank}: {seen}"
+
+
 def test_a_join_that_throws_on_early_termination_runs_through_torchs_sync_batch_norm():
     # Join's flags through hsync's NCCL communicator, between torch's SyncBatchNorm collectives over gloo.
     results = run_ranks(test_cross_rank_backward.steps_until_a_rank_runs_out, 3, "cuda", env=SOCKET_ENV, timeout=120)
