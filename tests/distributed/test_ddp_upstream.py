@@ -461,6 +461,48 @@ def find_unused_parameters_kwarg(rank, world_size, wrap, grad_is_view: bool):
     return grads
 
 
+class EmptyBatchScaleShift(torch.autograd.Function):
+    """x * w + b whose backward gives an empty batch no gradient at all, as SyncBatchNorm's does: autograd still
+    reaches each parameter's accumulator (its hooks fire), with no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x)
+        return x * w.view(1, -1, 1, 1) + b.view(1, -1, 1, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        if x.numel() == 0:
+            return None, None, None
+        return None, (g * x).sum((0, 2, 3)), g.sum((0, 2, 3))
+
+
+class EmptyBatchLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2))
+        self.bias = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x):
+        return EmptyBatchScaleShift.apply(x, self.weight, self.bias)
+
+
+def empty_batches(rank, world_size, wrap):
+    """test_sync_batch_norm_empty_input / _only_empty_input (test_c10d_common.py) on the CPU, with a layer whose
+    backward treats an empty batch as SyncBatchNorm's does: rank 0's batch empty, then every rank's. A parameter
+    that got no gradient on any rank keeps none, as with DDP's find_unused_parameters=True (without it DDP writes
+    zeros: docs/ddp-compat.md); one that got a gradient on some rank has the mean on every rank."""
+    model = wrap(EmptyBatchLayer(), find_unused_parameters=True)
+    seen = []
+    for sizes in ([0, 1], [0, 0], [1, 1], [0, 0]):
+        model.module.bias.grad = None
+        model(torch.zeros(sizes[rank], 2, 11, 13)).sum().backward()
+        seen.append(model.module.bias.grad)
+    assert seen[1] is None and seen[3] is None, seen
+    return seen
+
+
 def no_grad_forward(rank, world_size, wrap):
     """test_no_grad (test_c10d_nccl.py): a forward under torch.no_grad() returns a tensor and sets no gradient."""
     model = wrap(nn.Sequential(nn.Linear(2, 10, bias=False), nn.ReLU(), nn.Linear(10, 4, bias=False)))
@@ -2368,6 +2410,10 @@ def test_find_unused_parameters_kwarg(grad_is_view):
         # hsync finds unused parameters at the end of the backward (Note [Unused parameters]): fc3 is used then.
         assert ddps[True].startswith("Expected to mark a variable ready only once"), ddps[True]
         torch.testing.assert_close(ours[True], ddps[False])
+
+
+def test_empty_batches_on_some_or_every_rank():
+    run_both(empty_batches)
 
 
 def test_no_grad():

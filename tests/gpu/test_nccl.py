@@ -164,6 +164,44 @@ def test_gradients_read_on_a_stream_of_the_users_are_the_reduced_ones():
         assert seen == pytest.approx([plain] * steps + [weighted] * steps, rel=1e-6), f"rank {rank}: {seen}"
 
 
+def sync_batch_norm_with_empty_inputs(rank: int, world_size: int, converted: str) -> list[list[float]]:
+    """upstream's test_sync_batch_norm_empty_input / _only_empty_input (test_c10d_common.py): torch's SyncBatchNorm
+    with rank 0's batch empty, then every rank's, each in a plain step; then rank 0's empty in a weighted one. The
+    layer converted before the wrap, or after it (on the wrapper, as upstream does). Returns the bias gradients."""
+    import hsync
+
+    torch.cuda.set_device(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm2d(2)).cuda()
+    if converted == "before-the-wrap":
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = hsync.WeightedDDP(model)
+    if converted == "after-the-wrap":
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    bias = model.module[0].bias
+    seen = []
+    for sizes, weighted in (([0, 1], False), ([0, 0], False), ([0, 1], True)):
+        bias.grad = None
+        y = model(torch.zeros(sizes[rank], 2, 11, 13, device="cuda"))
+        if weighted:
+            model.backward(y.sum(), weight=sizes[rank])
+        else:
+            y.sum().backward()
+        assert not y.isnan().any()
+        seen.append(None if bias.grad is None else bias.grad.tolist())
+    return seen
+
+
+@pytest.mark.parametrize("converted", ["before-the-wrap", "after-the-wrap"])
+def test_sync_batch_norm_with_empty_inputs_on_some_or_every_rank(converted):
+    # y.sum() over zeros gives each example 11 * 13 to the bias: rank 1's 143 averaged over two ranks, none where
+    # every batch is empty (SyncBatchNorm's backward gives an empty batch no gradient; DDP writes zeros unless
+    # find_unused_parameters, docs/ddp-compat.md), and rank 1's whole where it carries a weighted step's only example.
+    expected = [[71.5, 71.5], None, [143.0, 143.0]]
+    for rank, seen in enumerate(run_ranks(sync_batch_norm_with_empty_inputs, 2, converted, env=SOCKET_ENV,
+                                          timeout=120)):
+        assert seen == pytest.approx(expected), f"rank {rank}: {seen}"
+
+
 def test_a_join_that_throws_on_early_termination_runs_through_torchs_sync_batch_norm():
     # Join's flags through hsync's NCCL communicator, between torch's SyncBatchNorm collectives over gloo.
     results = run_ranks(test_cross_rank_backward.steps_until_a_rank_runs_out, 3, "cuda", env=SOCKET_ENV, timeout=120)
