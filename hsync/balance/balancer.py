@@ -214,6 +214,7 @@ class Balancer:
         # Per step split and not completed yet: each rank's number of examples, and the step's costs.
         self._split_steps: dict[int, tuple[list[int], list[float]]] = {}
         self._step_units = 0.0      # this rank's units of work in the current step
+        self._micro_batches_in_step = 0  # of the current step, backpropagated on this rank
         self._previous: tuple[StepStats, float] | None = None  # the last step's stats and this rank's units
         self._measured_step_full = True  # whether the last step held a whole global batch
         self.last_reports: list[Report] = []
@@ -293,6 +294,13 @@ class Balancer:
         last step runs another rank's with weight 0. A loop's own counts (metrics) should skip it."""
         return bool(self._pending) and self._pending[0].filler
 
+    @property
+    def step_begun(self) -> bool:
+        """Whether micro-batches of the step in hand have had their backward on this rank, and the step's last has
+        not: the gradients then hold this rank's partial sum, which a zero_grad() would lose and a clipping or an
+        optimizer step would take for the step's."""
+        return self._micro_batches_in_step > 0
+
     def backward(self, loss: torch.Tensor, weight: float | torch.Tensor | None = None,
                  metrics: Mapping[str, float | torch.Tensor] | None = None) -> StepStats | None:
         """WeightedDDP.backward for the micro-batch the sampler yielded last-but-pending: inside no_sync
@@ -306,6 +314,11 @@ class Balancer:
                                "every step (one without examples runs a filler of weight 0), so no rank runs out "
                                "of inputs before the others")
         self._forget_memory_after_a_refresh()
+        if self._pending and self._pending[0].last and not self.model.require_backward_grad_sync:
+            # Refused before this rank's collectives: its peers wait in the step's, and fail at the deadline.
+            raise RuntimeError("hsync.Balancer.backward: called inside the model's no_sync() on this rank's last "
+                               "micro-batch of the step, whose backward must synchronise; the Balancer runs the "
+                               "others under no_sync itself: call it outside no_sync()")
         micro = self._take_micro_batch()
         weight = _weight(micro, weight, micro.examples)
         if not micro.last:
@@ -361,6 +374,7 @@ class Balancer:
         self._backward_called = True
         self._pending.popleft()
         self._step_units += micro.units
+        self._micro_batches_in_step += 1
         return micro
 
     def _accumulate(self, loss: torch.Tensor, weight, metrics, units: float) -> None:
@@ -437,7 +451,7 @@ class Balancer:
                                  full=self._measured_step_full)
             self.last_reports = reports
         self._previous = (stats, self._step_units)
-        self._step_units = 0.0
+        self._step_units, self._micro_batches_in_step = 0.0, 0
         self.last_plan, costs = self._split_steps.pop(step, ([], []))
         self.global_step += 1
         self._step_in_epoch += 1

@@ -24,7 +24,10 @@ Accelerate prepares one for evaluation (device, autocast, compilation: everythin
 it in hsync.WeightedDDP; a DataLoader whose batch_sampler is an hsync.Balancer is not sharded again
 but moves its batches to the device; and the Balancer, not a count, says when a step ends: backward()
 runs Balancer.backward and sets Accelerate's sync_gradients to whether the global batch is complete,
-which is what the prepared optimizer and scheduler step on. So gradient_accumulation_steps stays 1 (a
+which is what the prepared optimizer and scheduler step on; accumulate() enters no no_sync of its own
+(the Balancer runs a step's other micro-batches under no_sync) and leaves sync_gradients as the last
+backward set it, so that a zero_grad() at the top of its body clears nothing mid-step; clip_grad_norm_
+mid-step does nothing. So gradient_accumulation_steps stays 1 (a
 rank's share runs in micro-batches by the Balancer's micro_batch_limit), and the Balancer is saved
 and loaded with save_state and load_state. The balanced loader's length is the number of global steps on
 any number of ranks, so a prepared scheduler steps once per global step, as in one process (Accelerate
@@ -32,13 +35,15 @@ steps it once per rank, for loaders whose length shrinks with the ranks): a sche
 len(loader) or Balancer.steps_per_epoch ends where it would in one process.
 
 With Accelerator(shard_optimizer=True), prepare() puts an hsync.ShardedOptimizer of the optimizer's class,
-groups and settings in the optimizer's place, over the prepared model (docs/sharding.md), without device
+groups (the same dicts, which a scheduler built on it sets) and settings in the optimizer's place, over the
+prepared model (docs/sharding.md), without device
 placement (which moves a state through a state_dict: for a sharded one, a gathering of the whole state);
 clip_grad_norm_ clips over every rank's shard, and save_state gathers the whole state on every rank first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from collections.abc import Iterator
@@ -81,6 +86,12 @@ class BalancedLoader:
 
     def set_epoch(self, epoch: int) -> None:
         self.balancer.set_epoch(epoch)
+
+    def __getattr__(self, name: str) -> Any:
+        # The DataLoader's other attributes (batch_size is None there: its batch_sampler sizes the batches).
+        if name == "loader":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.loader, name)
 
 
 class Accelerator(accelerate.Accelerator):
@@ -129,12 +140,28 @@ class Accelerator(accelerate.Accelerator):
         if evaluation_mode or isinstance(model, hsync.WeightedDDP):
             return super().prepare_model(model, device_placement, evaluation_mode)
         refuse_a_wrapped_model(model, "hsync.integrations.accelerate.Accelerator.prepare")
-        # Everything Accelerate does to a model but DDP, then hsync's wrapper in its place.
+        # Everything Accelerate does to a model but DDP, then hsync's wrapper in its place; a model with nothing
+        # to train (a distillation's teacher) stays unwrapped, as Accelerate leaves it.
         prepared = super().prepare_model(model, device_placement, evaluation_mode=True)
+        if not any(p.requires_grad for p in model.parameters()):
+            return prepared
+        self._refuse_a_second_trained_model(extra=1)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        weighted = wrap(prepared, self.device, device_ids=device_ids)
+        options = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
+        weighted = wrap(prepared, self.device, device_ids=device_ids, **options)
+        if self.ddp_handler is not None:
+            self.ddp_handler.register_comm_hook(weighted)
         self._weighted_models.append(weighted)
         return weighted
+
+    def _refuse_a_second_trained_model(self, extra: int = 0) -> None:
+        """A Balancer weighs one model's backward: a second trained model would reduce its gradients with DDP's
+        equal weights beside it, and its ranks run different numbers of micro-batches."""
+        trained = len(self._weighted_models) + extra
+        if self.balancer is not None and trained > 1:
+            raise ValueError(f"hsync.integrations.accelerate: a Balancer weighs the gradients of one prepared model, "
+                             f"and {trained} with parameters to train were prepared; put the trained parts in one "
+                             "nn.Module (say nn.ModuleDict(encoder=encoder, head=head)) and prepare that")
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         if not self.shard_optimizer:
@@ -145,9 +172,10 @@ class Accelerator(accelerate.Accelerator):
             if len(models) != 1:
                 raise ValueError("hsync.integrations.accelerate: shard_optimizer=True needs the optimizer prepared "
                                  "with the one model it steps, in the same prepare() call or after it")
+            # The optimizer's own groups, not copies: an LR scheduler built on it (before prepare(), as Accelerate's
+            # recipes build it) sets the learning rates the ShardedOptimizer steps with.
             optimizer = hsync.ShardedOptimizer(models[0], type(optimizer), memory_budget=self.memory_budget,
-                                               params=[dict(group) for group in optimizer.param_groups],
-                                               **_constructor_defaults(optimizer))
+                                               params=optimizer.param_groups, **_constructor_defaults(optimizer))
         self.sharded_optimizer = optimizer
         return super().prepare_optimizer(optimizer, device_placement=False)
 
@@ -163,10 +191,41 @@ class Accelerator(accelerate.Accelerator):
             for scheduler in self._schedulers:
                 scheduler.split_batches = True
 
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Accelerate's, over every rank's shard with shard_optimizer; in the middle of a step (a micro-batch that
+        is not this rank's last) it does nothing and returns None, as with DeepSpeed: the gradients are a partial
+        sum there, so a loop that clips after every backward, as at gradient_accumulation_steps=1, clips the
+        step's whole gradient once."""
+        if self.balancer is not None and self.balancer.step_begun:
+            return None
         if self.sharded_optimizer is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         return self.sharded_optimizer.clip_grad_norm_(max_norm, norm_type)  # over every rank's shard
+
+    def _do_sync(self) -> None:
+        """accumulate()'s entry. Accelerate's count (gradient_accumulation_steps=1) would say that every micro-batch
+        ends a step, and a zero_grad() at the top of the body would then drop the step's earlier micro-batches:
+        with a Balancer, sync_gradients reads there as it does after the previous backward (True at a step's
+        start only), until backward() says whether this micro-batch ended the step."""
+        super()._do_sync()
+        if self.balancer is not None:
+            self.gradient_state._set_sync_gradients(not self.balancer.step_begun)
+
+    def no_sync(self, model: torch.nn.Module) -> Any:
+        """Accelerate's, but for the Balancer's model, whose backward() runs every micro-batch but this rank's
+        last of a step under no_sync itself (accumulate() enters this one wherever sync_gradients is False)."""
+        if self.balancer is not None and model is self.balancer.model:
+            return contextlib.nullcontext()
+        return super().no_sync(model)
+
+    def free_memory(self, *objects: Any) -> Any:
+        """Accelerate's, and hsync's references too (the models, the Balancer, the sharded optimizer), so that a
+        retry (find_executable_batch_size) prepares anew."""
+        if self.balancer is not None and self.balancer in self._custom_objects:
+            self._custom_objects.remove(self.balancer)
+        self._weighted_models, self.balancer, self.sharded_optimizer = [], None, None
+        self.step_stats, self.step_loss = None, None
+        return super().free_memory(*objects)
 
     def save_state(self, *args: Any, **kwargs: Any) -> Any:
         if self.sharded_optimizer is not None:  # every rank reads state_dict(): the whole state on each
@@ -189,6 +248,7 @@ class Accelerator(accelerate.Accelerator):
             raise ValueError("hsync.integrations.accelerate: one Balancer per Accelerator (its steps drive the "
                              "optimizer's)")
         self.balancer = data_loader.batch_sampler
+        self._refuse_a_second_trained_model()
         self.register_for_checkpointing(self.balancer)  # save_state / load_state carry where the data stands
         self._count_global_steps()
         place = self.device_placement if device_placement is None else device_placement

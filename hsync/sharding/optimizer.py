@@ -124,7 +124,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._owned = set(self._all[i] for i in self.layout.owned[model.rank])
         # The optimizer this rank runs: the same groups, each holding only the parameters it owns.
         self._local = optimizer_class([self._owned_part(group) for group in groups], **defaults)
-        super().__init__([dict(group, params=list(group["params"])) for group in groups], self._local.defaults)
+        # The groups given, not copies, as torch's optimizers keep them: an LR scheduler built on an optimizer whose
+        # groups these are (Accelerate's prepare() replaces it by this one) still sets what this one steps with.
+        super().__init__(groups, self._local.defaults)
         self._sync_hyperparameters(self.param_groups, self._local.param_groups)
         self.state = self._local.state  # the owned parameters' state, as the local optimizer keeps it
         self._consolidated: dict | None = None
@@ -261,6 +263,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refuse_a_partial_sum("step")
         if not self._tell_joined_ranks(clip=None):
             raise RuntimeError("hsync.ShardedOptimizer.step under Join: the last step's loss or gradients were not "
                                "finite, and the joined ranks skip it; skip step() when stats.finite is False")
@@ -286,6 +289,15 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             engine.broadcast_coalesced([self._all[i].detach() for i in owned if self._all[i] in stepped], owner,
                                        "the parameters a ShardedOptimizer's step updated")
 
+    def _refuse_a_partial_sum(self, what: str) -> None:
+        """Refuses, before any collective of this rank's, to `what` in the middle of a step: the peers wait in their
+        own step's collectives, which these would meet out of order."""
+        if self._model._window is not None:
+            raise RuntimeError(f"hsync.ShardedOptimizer.{what}: the model holds micro-batches accumulated under "
+                               "no_sync that no synchronised backward has reduced yet (this rank's partial sum, not "
+                               "the step's gradient); call it after the step's last backward (under Accelerate, "
+                               "when accelerator.sync_gradients)")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every parameter's gradient, owned or not, as torch.optim.Optimizer's."""
         super().zero_grad(set_to_none)
@@ -298,6 +310,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         norm_type = float(norm_type)
         if not (norm_type > 0):
             raise ValueError(f"hsync.ShardedOptimizer.clip_grad_norm_: norm_type must be positive, got {norm_type}")
+        self._refuse_a_partial_sum("clip_grad_norm_")
         if not self._tell_joined_ranks(clip=(float(max_norm), norm_type)):
             return torch.tensor(math.nan, device=self._model.device)  # Note [Sharded steps under Join]
         with_grad = [p for p in self._stepped() if p.grad is not None]

@@ -733,6 +733,33 @@ def test_steps_of_the_loops_own_on_a_balancers_micro_batches_are_refused(how):
                                 "(loss.backward() or model.backward())"), error
 
 
+def every_backward_inside_no_sync(rank, world_size):
+    import hsync
+
+    model = hsync.WeightedDDP(make_model())
+    balancer = hsync.Balancer(model, 24, hsync.BalanceConfig(global_batch_size=6, rank_batch_sizes=[4, 2],
+                                                             micro_batch_limit=2))
+    data = Numbers(24)
+    taken = 0
+    for indices in balancer:
+        x, y = stacked(data, indices)
+        with model.no_sync():  # DDP's accumulation kept around the balancer's backward
+            try:
+                balancer.backward(nn.functional.mse_loss(model(x), y))
+            except RuntimeError as error:
+                return taken, str(error)
+        taken += 1
+    return taken, None
+
+
+def test_a_step_ending_backward_inside_no_sync_is_refused_before_its_collectives():
+    # Was an AttributeError out of the balancer (the step's backward accumulated and returned no stats).
+    for rank, (taken, error) in enumerate(run_ranks(every_backward_inside_no_sync, 2, timeout=60)):
+        assert taken == [1, 0][rank], taken  # rank 0's first of two micro-batches accumulates, as it would anyway
+        assert error.startswith("hsync.Balancer.backward: called inside the model's no_sync() on this rank's last "
+                                "micro-batch of the step"), error
+
+
 def a_bad_weight_through_a_balancer(rank, world_size):
     """Rank 1 passes a negative weight at the second step: the step is refused on every rank, saying why, and
     training goes on in step."""

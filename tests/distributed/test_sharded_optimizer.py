@@ -287,6 +287,28 @@ def test_groups_that_differ_between_ranks_are_refused_on_every_rank():
         assert "the ranks' parameter groups hold different parameters" in error, error
 
 
+def stepped_inside_a_step(rank: int, world_size: int, how: str) -> None:
+    import hsync
+
+    model = hsync.WeightedDDP(make_net(seed=0, dtype=torch.float32))
+    optimizer = hsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    _, _, shares = global_batch(0, [4] * world_size, dtype=torch.float32)
+    x, y = shares[rank]
+    with model.no_sync():
+        model.backward(mse(model(x), y), weight=4)
+    optimizer.clip_grad_norm_(1.0) if how == "clip" else optimizer.step()
+
+
+@pytest.mark.parametrize("how", ["clip", "step"])
+def test_a_step_or_clip_between_a_steps_micro_batches_is_refused_before_its_collectives(how):
+    # Clipping after every micro-batch (right where each batch is a step) met the peer's step reduction with a
+    # collective of another size: gloo ended the process.
+    what = "clip_grad_norm_" if how == "clip" else "step"
+    for error in run_ranks_expecting_errors(stepped_inside_a_step, 2, how):
+        assert f"hsync.ShardedOptimizer.{what}: the model holds micro-batches accumulated under no_sync" in error, \
+            error
+
+
 def gradient_bytes_kept(rank: int, world_size: int, sharded: bool) -> tuple[int, int]:
     """(bytes a model's steps leave alive beyond its parameters, the parameters' bytes) on this rank, with the
     gradients kept as bucket views and set_to_none=False, so that what stays is what the reduction holds."""

@@ -91,14 +91,16 @@ def train(rank: int, world_size: int, shares: list[int] | None, state_dir: str, 
 def one_process(global_batches: list[list[int]], clip: float | None = None,
                 weights: Callable[[torch.Tensor], torch.Tensor] | None = None, momentum: float = 0.0,
                 first_layer_from_step: int = 0, first_layer_lr: float = LR,
-                ) -> tuple[dict[str, torch.Tensor], list[float]]:
+                schedule: Callable[[int], float] | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """SGD over these global batches in one process, each in one forward; with `clip`, gradients clipped to that
     norm; with `weights` (of the examples' indices), a weighted mean of the examples' squared errors. The first
-    layer trains from step `first_layer_from_step` on, at `first_layer_lr`."""
+    layer trains from step `first_layer_from_step` on, at `first_layer_lr`; with `schedule`, the learning rates
+    follow a LambdaLR of it, stepped after each step."""
     model, (x, y, index) = net(), data().tensors
     first = list(model[0].parameters())
     optimizer = torch.optim.SGD([{"params": first, "lr": first_layer_lr}, {"params": list(model[1:].parameters())}],
                                 lr=LR, momentum=momentum)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if schedule is not None else None
     losses = []
     for step, indices in enumerate(global_batches):
         for p in first:
@@ -112,6 +114,8 @@ def one_process(global_batches: list[list[int]], clip: float | None = None,
         if clip is not None:
             nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return dict(model.named_parameters()), losses
@@ -316,3 +320,104 @@ def test_a_prepared_scheduler_steps_once_per_global_step_on_any_number_of_ranks(
     steps = EXAMPLES // GLOBAL_BATCH  # what len(loader) says on every rank
     for lr in run_ranks(scheduled_lr, world_size, env={**ENV, "WORLD_SIZE": str(world_size)}, timeout=120):
         assert lr == [pytest.approx(LR / (1 + steps))]
+
+
+def halving(step: int) -> float:
+    return 0.5 ** step
+
+
+def loop_written_for_one_batch_a_step(rank: int, world_size: int, shard: bool) -> dict:
+    """A loop written for Accelerate at gradient_accumulation_steps=1, where each batch is a step: zero_grad() at
+    the top of accumulate()'s body, clipping after every backward unguarded, a scheduler built on the optimizer
+    before prepare(). Rank 0 runs its 24 examples of a step in three micro-batches, rank 1 its 8 in one."""
+    import hsync
+    from hsync.integrations.accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, shard_optimizer=shard)
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, halving)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    balancer = hsync.Balancer(model, EXAMPLES, hsync.BalanceConfig(
+        global_batch_size=GLOBAL_BATCH, rank_batch_sizes=[24, 8], micro_batch_limit=MICRO_LIMIT))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(data(), batch_sampler=balancer))
+    assert loader.batch_size is None and loader.num_workers == 0  # the DataLoader's, as with a batch_sampler
+    steps: list[list[int]] = [[]]
+    norms = []
+    for x, y, index in loader:
+        with accelerator.accumulate(model):
+            optimizer.zero_grad()
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            steps[-1] += index.tolist()
+            norms.append(accelerator.clip_grad_norm_(model.parameters(), CLIP))
+            optimizer.step()
+            scheduler.step()
+        if accelerator.sync_gradients:
+            steps.append([])
+    return {"params": {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()},
+            "steps": steps[:-1], "clipped": [norm is not None for norm in norms]}
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["whole", "sharded"])
+def test_a_loop_written_for_one_batch_a_step_trains_as_one_process(shard):
+    # Zeroed at the top, the step's earlier micro-batches were lost (0.095 off one process after 3 steps); clipped
+    # after each backward, the partial sums were (and with shard_optimizer the clip's collective met the peer's step,
+    # and gloo ended the process); the scheduler stepped an optimizer the ShardedOptimizer had copied.
+    ranks = run_ranks(loop_written_for_one_batch_a_step, 2, shard, env=ENV, timeout=180)
+    expected, _ = one_process(global_batches(ranks), clip=CLIP, momentum=MOMENTUM, schedule=halving)
+    assert ranks[0]["clipped"] == [False, False, True] * (EXAMPLES // GLOBAL_BATCH)  # the step's last only
+    assert ranks[1]["clipped"] == [True] * (EXAMPLES // GLOBAL_BATCH)
+    for result in ranks:
+        for name, value in expected.items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def two_trained_models(rank: int, world_size: int) -> str:
+    import hsync
+    from hsync.integrations.accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    teacher = net().requires_grad_(False)
+    encoder, head, teacher = accelerator.prepare(net()[:2], nn.Linear(16, 1), teacher)
+    assert type(teacher) is nn.Sequential  # nothing to train: unwrapped, as Accelerate leaves it
+    balancer = hsync.Balancer(encoder, EXAMPLES, hsync.BalanceConfig(global_batch_size=GLOBAL_BATCH))
+    try:
+        accelerator.prepare(torch.utils.data.DataLoader(data(), batch_sampler=balancer))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_second_trained_model_beside_a_balancer_is_refused_on_every_rank():
+    # Its gradients were reduced with DDP's equal weights beside the Balancer's weighted step (the head 0.03 off one
+    # process), or, with more micro-batches on one rank, the ranks waited in different collectives to the deadline.
+    for message in run_ranks(two_trained_models, 2, env=ENV, timeout=120):
+        assert message == ("hsync.integrations.accelerate: a Balancer weighs the gradients of one prepared model, "
+                           "and 2 with parameters to train were prepared; put the trained parts in one nn.Module "
+                           "(say nn.ModuleDict(encoder=encoder, head=head)) and prepare that"), message
+
+
+def ddp_kwargs_and_a_retry(rank: int, world_size: int) -> dict:
+    """DistributedDataParallelKwargs reach the wrapper (and its hook), and free_memory() lets a retry (as
+    find_executable_batch_size's) prepare a new model, optimizer and Balancer."""
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+    import hsync
+    from hsync.integrations.accelerate import Accelerator
+
+    kwargs = DistributedDataParallelKwargs(broadcast_buffers=False, bucket_cap_mb=1,
+                                           comm_hook=DDPCommunicationHookType.BF16)
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[kwargs])
+    seen = {}
+    for attempt in range(2):
+        model, optimizer = accelerator.prepare(net(), torch.optim.SGD(net().parameters(), lr=LR))
+        balancer = hsync.Balancer(model, EXAMPLES, hsync.BalanceConfig(global_batch_size=GLOBAL_BATCH))
+        loader = accelerator.prepare(torch.utils.data.DataLoader(data(), batch_sampler=balancer))
+        seen[attempt] = (model.broadcast_buffers, model.bucket_bytes_cap, str(model.comm_dtype), len(loader))
+        accelerator.free_memory()
+    return seen
+
+
+def test_ddp_kwargs_are_honoured_and_free_memory_lets_a_retry_prepare_anew():
+    for seen in run_ranks(ddp_kwargs_and_a_retry, 2, env=ENV, timeout=120):
+        assert seen[0] == seen[1] == (False, 2 ** 20, "torch.bfloat16", EXAMPLES // GLOBAL_BATCH), seen
