@@ -52,7 +52,7 @@ from typing import Any
 import accelerate
 import torch
 import torch.distributed as dist
-from accelerate.utils import DistributedType, send_to_device
+from accelerate.utils import DistributedType, recursively_apply, send_to_device
 
 import hsync
 from hsync.integrations._world import check_framework_version, refuse_a_wrapped_model, wrap
@@ -210,6 +210,23 @@ class Accelerator(accelerate.Accelerator):
         super()._do_sync()
         if self.balancer is not None:
             self.gradient_state._set_sync_gradients(not self.balancer.step_begun)
+
+    def gather(self, tensor: Any) -> Any:
+        """Accelerate's, for tensors whose first dimension differs across ranks, as a Balancer's micro-batches do
+        (gloo ended the process on the sizes' mismatch): each padded to the largest, gathered, and cut back to
+        every rank's own, in rank order."""
+        if self.balancer is None:
+            return super().gather(tensor)
+        return recursively_apply(self._gather_uneven, tensor)
+
+    def _gather_uneven(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0:
+            return super().gather(tensor)
+        sizes = super().gather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
+        padded = tensor.new_zeros((max(sizes), *tensor.shape[1:]))
+        padded[:tensor.shape[0]] = tensor
+        parts = super().gather(padded).split(max(sizes))
+        return torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)])
 
     def no_sync(self, model: torch.nn.Module) -> Any:
         """Accelerate's, but for the Balancer's model, whose backward() runs every micro-batch but this rank's

@@ -343,30 +343,38 @@ def loop_written_for_one_batch_a_step(rank: int, world_size: int, shard: bool) -
     loader = accelerator.prepare(torch.utils.data.DataLoader(data(), batch_sampler=balancer))
     assert loader.batch_size is None and loader.num_workers == 0  # the DataLoader's, as with a batch_sampler
     steps: list[list[int]] = [[]]
-    norms = []
+    norms, gathered = [], []
     for x, y, index in loader:
         with accelerator.accumulate(model):
             optimizer.zero_grad()
-            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            loss = nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
             steps[-1] += index.tolist()
             norms.append(accelerator.clip_grad_norm_(model.parameters(), CLIP))
             optimizer.step()
             scheduler.step()
-        if accelerator.sync_gradients:
+        if accelerator.sync_gradients:  # each rank's examples of the step (24 and 8), and a loss of each
+            gathered.append((accelerator.gather(torch.tensor(steps[-1])).tolist(),
+                             accelerator.gather(loss.detach()).shape))
             steps.append([])
     return {"params": {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()},
-            "steps": steps[:-1], "clipped": [norm is not None for norm in norms]}
+            "steps": steps[:-1], "clipped": [norm is not None for norm in norms], "gathered": gathered}
 
 
 @pytest.mark.parametrize("shard", [False, True], ids=["whole", "sharded"])
 def test_a_loop_written_for_one_batch_a_step_trains_as_one_process(shard):
     # Zeroed at the top, the step's earlier micro-batches were lost (0.095 off one process after 3 steps); clipped
     # after each backward, the partial sums were (and with shard_optimizer the clip's collective met the peer's step,
-    # and gloo ended the process); the scheduler stepped an optimizer the ShardedOptimizer had copied.
+    # and gloo ended the process); the scheduler stepped an optimizer the ShardedOptimizer had copied; gathered, a
+    # step's examples of each rank ended the process.
     ranks = run_ranks(loop_written_for_one_batch_a_step, 2, shard, env=ENV, timeout=180)
     expected, _ = one_process(global_batches(ranks), clip=CLIP, momentum=MOMENTUM, schedule=halving)
     assert ranks[0]["clipped"] == [False, False, True] * (EXAMPLES // GLOBAL_BATCH)  # the step's last only
     assert ranks[1]["clipped"] == [True] * (EXAMPLES // GLOBAL_BATCH)
+    # gather() of tensors whose sizes differ across ranks (gloo ended the process), and of 0-dim ones.
+    for result in ranks:
+        assert result["gathered"] == [(ours + theirs, torch.Size([2]))
+                                      for ours, theirs in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True)]
     for result in ranks:
         for name, value in expected.items():
             torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6)
