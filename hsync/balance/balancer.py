@@ -93,7 +93,8 @@ class BalanceConfig:
     """Of the GPU memory this rank's allocator holds and can still take (what the CUDA context, NCCL and
     other processes left), what a micro-batch's allocations may reach at their peak."""
     seed: int = 0
-    """Seeds the order of examples: epoch e is a permutation drawn from (seed, e)."""
+    """Seeds the order of examples: epoch e is torch.randperm seeded with seed + e, as torch's DistributedSampler
+    draws it (so a step takes the examples of DDP's global batch under that sampler)."""
     shuffle: bool = True
     """Whether each epoch shuffles the examples; False keeps the dataset's order."""
     drop_last: bool = False

@@ -67,7 +67,7 @@ class StepSplitter:
         or the dataset's own order without shuffle."""
         if not self.shuffle:
             return list(range(len(self.costs)))
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        g = torch.Generator().manual_seed(self.seed + epoch)  # torch's DistributedSampler's: DDP's global batches
         return torch.randperm(len(self.costs), generator=g).tolist()
 
     def steps(self, epoch: int, first_step: int, base: int, rank: int,

@@ -21,6 +21,12 @@ class _StepSampler(Sampler):
     def __init__(self, balancer: hsync.Balancer) -> None:
         self.balancer = balancer
 
+    @property
+    def sampler(self) -> hsync.Balancer:
+        """Where Lightning looks for the set_epoch of a batch sampler's sampler, at each epoch's start: the
+        Balancer's. (An epoch cut short, limit_train_batches, then starts the next epoch's order, as with DDP.)"""
+        return self.balancer
+
     def __len__(self) -> int:
         return self.balancer.steps_per_epoch
 
@@ -50,7 +56,8 @@ class StepLoader(DataLoader):
         self.balancer = balancer
 
     def set_epoch(self, epoch: int) -> None:
-        """Called by the frameworks at each epoch's start: the Balancer's order of examples is the epoch's."""
+        """Called by transformers' Trainer at each epoch's start (Lightning calls the batch sampler's sampler's):
+        the Balancer's order of examples is the epoch's."""
         self.balancer.set_epoch(epoch)
 
     def state_dict(self) -> dict:

@@ -44,9 +44,17 @@ changes the seams where that happens:
   every checkpoint and restores with ckpt_path= inside an epoch; the strategy restores it from a checkpoint
   written at an epoch's end too, where Lightning does not. So a resumed run goes on with the same global
   batches;
-- evaluation loaders get Lightning's sampler that repeats no example (ranks may run different numbers of
-  batches), and the module evaluates without its wrapper, so self.log(..., sync_dist=True) gives exact
-  metrics over the whole set;
+- evaluation loaders are Lightning's, as under DDP: its DistributedSampler repeats a few examples so that
+  every rank runs as many batches, and a validation_step's collectives per batch (self.log(on_step=True,
+  sync_dist=True), all_gather) pair up (a sampler that repeats none gave the ranks different numbers of
+  batches: a wrong value on one rank, an ended process on another). The module evaluates without its
+  wrapper, after its buffers are made rank 0's;
+- the Balancer orders the examples as Lightning's DistributedSampler would (seed_everything's seed, shuffled
+  or not) and Lightning sets its epoch through the step loader's batch sampler, so each epoch's global
+  batches are DDP's; a reloaded train loader over other data gets a Balancer of its own;
+- a step that carried no weight on any rank (every training_step returned None), or a non-finite one
+  without a GradScaler, leaves no gradient, so the optimizer moves nothing;
+- the module's on_before_batch_transfer gets each micro-batch (the fit loop would hand it the whole step);
 - an hsync.ShardedOptimizer returned by configure_optimizers (over self.trainer.model, the WeightedDDP by
   then) is checkpointed as Lightning checkpoints torch's ZeroRedundancyOptimizer (consolidate_state_dict,
   the whole state in the file, loaded on every rank), and gradient_clip_val clips through its
@@ -70,17 +78,19 @@ on 2.6), and a release where the loop has no _broadcast_sigterm_tensor leaves th
 from __future__ import annotations
 
 import math
-import warnings
+import os
 from contextlib import nullcontext
 from typing import Any
 
 import lightning
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler, _register_ddp_comm_hook
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
@@ -128,6 +138,7 @@ class HsyncStrategy(DDPStrategy):
         self._last_micro_batch_examples: int | None = None  # while the step's last runs: what its logs weigh
         self._set_aside: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # see training_step
         self._resumed_loader_state: dict | None = None  # see load_checkpoint
+        self._balanced_data: tuple[int, hsync.BalanceConfig] | None = None  # the Balancer's examples and config
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -138,7 +149,11 @@ class HsyncStrategy(DDPStrategy):
     def _setup_model(self, model: torch.nn.Module) -> hsync.WeightedDDP:
         # A later fit() of the same module keeps its wrapper, and with it the Balancer and what it measured.
         if self._weighted is None or self._weighted.module is not model:
-            self._weighted = hsync.WeightedDDP(model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+            # The strategy's timeout, where one was given, is hsync's deadline too (Lightning's default, 30 minutes,
+            # is not: hsync's own holds then).
+            timeout = self._timeout if self._timeout != default_pg_timeout else None
+            self._weighted = hsync.WeightedDDP(model, device_ids=self.determine_ddp_device_ids(), timeout=timeout,
+                                               **self._ddp_kwargs)
             put_the_frameworks_collectives_under_the_deadline(self._weighted)
         return self._weighted
 
@@ -153,17 +168,19 @@ class HsyncStrategy(DDPStrategy):
         if any(isinstance(callback, GradientAccumulationScheduler) for callback in trainer.callbacks):
             raise ValueError("HsyncStrategy: a GradientAccumulationScheduler changes accumulate_grad_batches per "
                              "epoch, but the Balancer's global batch is fixed; set accumulate_grad_batches instead")
-        if not trainer.lightning_module.automatic_optimization:
+        module = trainer.lightning_module
+        if not module.automatic_optimization:
             raise ValueError("HsyncStrategy needs automatic optimization: the Balancer runs each rank's micro-batches "
                              "of a step through the module's training_step and steps the optimizer once; a module "
                              "that steps it itself (automatic_optimization = False) would step once a micro-batch")
+        if type(module).backward is not LightningModule.backward:
+            raise ValueError(f"HsyncStrategy: {type(module).__name__} overrides backward(), which the Balancer's "
+                             "weighted backward takes the place of (it would never be called); move its work to "
+                             "on_before_backward / on_after_backward, which run for every micro-batch")
+        self._transfer_each_micro_batch(module)
         self._bracket_the_sigterm_broadcast(trainer)
         if not any(isinstance(callback, _RefreshTrainableParameters) for callback in trainer.callbacks):
             trainer.callbacks.append(_RefreshTrainableParameters())  # after the user's: Note [Lightning]
-        # Lightning warns, at trainer.validate() and test(), that the DistributedSampler it puts in the loader
-        # repeats examples; process_dataloader replaces that sampler with an unrepeated one, so here it is false.
-        warnings.filterwarnings("ignore", message=r"Using `DistributedSampler` with the dataloaders\. During "
-                                                  r"`trainer\.(validate|test)\(\)`")
         if self._micro_batches_per_step is None:  # a later fit() on the same Trainer finds 1 here
             self._micro_batches_per_step = trainer.accumulate_grad_batches
         # The Balancer cuts each rank's share into micro-batches; Lightning counts one item as one step.
@@ -195,6 +212,22 @@ class HsyncStrategy(DDPStrategy):
         clip_grad_by_norm._over_shards = True
         plugin.clip_grad_by_norm = clip_grad_by_norm
 
+    @staticmethod
+    def _transfer_each_micro_batch(module: Any) -> None:
+        """The fit loop hands the module's on_before_batch_transfer the loader's item, here a whole step: each
+        micro-batch goes through it instead, as its on_after_batch_transfer does (batch_to_device). Lightning calls
+        the hook through the module's _on_before_batch_transfer, replaced on the instance until teardown."""
+        if "_on_before_batch_transfer" in vars(module):
+            return
+        each = module._on_before_batch_transfer
+
+        def per_micro_batch(batch: Any, dataloader_idx: int = 0) -> Any:
+            if isinstance(batch, MicroBatches):
+                return MicroBatches(each(micro, dataloader_idx) for micro in batch)
+            return each(batch, dataloader_idx)
+
+        module._on_before_batch_transfer = per_micro_batch
+
     def _bracket_the_sigterm_broadcast(self, trainer: Any) -> None:
         """Lightning broadcasts rank 0's SIGTERM flag before every training batch, past the strategy: bracketed as
         a wait for peers (WeightedDDP.waiting_for_peers), or the fast ranks' waits there count as their work."""
@@ -220,6 +253,9 @@ class HsyncStrategy(DDPStrategy):
         pass  # DDPStrategy's flushes torch DDP's reducer after a static graph's first manual step
 
     def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None:
+            vars(module).pop("_on_before_batch_transfer", None)  # see _transfer_each_micro_batch
         if isinstance(self.model, hsync.WeightedDDP):  # DDPStrategy reads torch DDP's logging data: not ours
             self.model = self.lightning_module
         super().teardown()
@@ -242,29 +278,33 @@ class HsyncStrategy(DDPStrategy):
             return super().process_dataloader(dataloader)
         if stage == RunningStage.TRAINING:
             return self._step_loader(dataloader)
-        if type(dataloader.sampler) is DistributedSampler:  # Lightning's own, which pads with repeated examples
-            unrepeated = UnrepeatedDistributedSampler(dataloader.dataset, num_replicas=self.world_size,
-                                                      rank=self.global_rank, shuffle=False)
-            return _update_dataloader(dataloader, unrepeated, mode=stage)
-        return dataloader
+        return dataloader  # evaluation as with DDP: Note [Lightning]
 
     def _new_balancer(self, model: hsync.WeightedDDP, examples: int, config: hsync.BalanceConfig) -> hsync.Balancer:
         # One place that builds it, for a benchmark's subclass to give it another clock.
         return hsync.Balancer(model, examples, config)
 
     def _step_loader(self, loader: DataLoader) -> StepLoader:
-        if not isinstance(loader.sampler, DistributedSampler | RandomSampler | SequentialSampler) or (
+        # Lightning's own samplers only: a DistributedSampler it made of a RandomSampler or SequentialSampler (its
+        # DistributedSamplerWrapper, around a sampler of the user's, is one too, by subclass).
+        if type(loader.sampler) not in (DistributedSampler, RandomSampler, SequentialSampler) or (
                 loader.batch_size is None):
             raise ValueError("HsyncStrategy splits the train dataloader's examples among ranks itself: give it a "
                              "DataLoader with a batch_size and no sampler or batch_sampler of its own (found "
-                             f"sampler {type(loader.sampler).__name__}, batch_size {loader.batch_size})")
+                             f"sampler {_sampler_name(loader.sampler)}, batch_size {loader.batch_size})")
         world = self.world_size
+        # The order Lightning's DistributedSampler would give: its seed (seed_everything's), shuffled or not.
+        shuffle = getattr(loader.sampler, "shuffle", not isinstance(loader.sampler, SequentialSampler))
+        seed = getattr(loader.sampler, "seed", int(os.environ.get("PL_GLOBAL_SEED", 0)))
         config = self.balance or hsync.BalanceConfig(
             global_batch_size=loader.batch_size * self._micro_batches_per_step * world,
             micro_batch_limit=loader.batch_size if self._micro_batches_per_step > 1 else None,
-            drop_last=loader.drop_last)
-        if self.balancer is None or self.balancer.model is not self.model:  # a first fit(), or another module
+            drop_last=loader.drop_last, seed=seed, shuffle=shuffle)
+        data = (len(loader.dataset), config)
+        # A first fit(), another module, or other data (reload_dataloaders_every_n_epochs): a Balancer of its own.
+        if self.balancer is None or self.balancer.model is not self.model or self._balanced_data != data:
             self.balancer = self._new_balancer(self.model, len(loader.dataset), config)
+            self._balanced_data = data
         if self._resumed_loader_state is not None:
             self.balancer.load_state_dict(self._resumed_loader_state)
             self._resumed_loader_state = None
@@ -319,6 +359,10 @@ class HsyncStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch, *rest = args
         if not isinstance(batch, MicroBatches):
+            if _holds_micro_batches(batch):  # refused on every rank alike, at the first step, before its collectives
+                raise ValueError("HsyncStrategy balances one train dataloader, and the module's train_dataloader "
+                                 "returned several (a dict or a list of them); combine their datasets into one "
+                                 "(torch.utils.data.ConcatDataset, or a Dataset whose item holds one of each)")
             return super().training_step(*args, **kwargs)
         *leading, last = batch
         if leading:  # the zeroing Lightning does after this training_step, brought forward (see below)
@@ -387,6 +431,11 @@ class HsyncStrategy(DDPStrategy):
         stats = self.balancer.backward(scaled, weight=weight)
         if stats is not None:
             self.step_stats = stats
+            if not stats.finite and (getattr(self.precision_plugin, "scaler", None) is None or stats.weight == 0):
+                # Every rank skips the step alike: without gradients, the optimizer moves nothing (a weight decay or
+                # momentum would, on zeros). A GradScaler skips a non-finite one itself, and shrinks its scale.
+                for p in module.parameters():
+                    p.grad = None
         scaled = self.precision_plugin.post_backward(scaled, module)
         self.post_backward(scaled)
         return scaled
@@ -420,6 +469,19 @@ class HsyncStrategy(DDPStrategy):
         if op == "sum":
             return total.to(tensor.device, tensor.dtype)
         return (total / self.world_size).to(tensor.device, dtype)
+
+
+def _sampler_name(sampler: Any) -> str:
+    """The train sampler's name, the user's own named where Lightning wrapped it in a DistributedSamplerWrapper."""
+    inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)
+    return f"{type(inner).__name__} (in Lightning's {type(sampler).__name__})" if inner is not None \
+        else type(sampler).__name__
+
+
+def _holds_micro_batches(batch: Any) -> bool:
+    """Whether a loader's item holds steps of hsync's (a CombinedLoader's dict or list of several loaders')."""
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, list | tuple) else ()
+    return any(isinstance(value, MicroBatches) for value in values)
 
 
 check_framework_version(lightning)

@@ -5,7 +5,6 @@ shares, accumulate_grad_batches, sync_dist logging and a resume through ckpt_pat
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
@@ -82,7 +81,7 @@ def module_class(weighted: bool = False, sharded: bool = False, skip: bool = Fal
             self.log("val_count", float(len(x)), reduce_fx="sum", sync_dist=True)
 
         def val_dataloader(self):
-            # 33 examples: torch's DistributedSampler would repeat one to give both ranks 17.
+            # 33 examples: Lightning's DistributedSampler repeats the first to give both ranks 17, as with DDP.
             return torch.utils.data.DataLoader(torch.utils.data.Subset(data(), range(VALIDATION)), batch_size=BATCH)
 
         @property
@@ -143,11 +142,8 @@ def fit(rank: int, world_size: int, strategy_options: dict | None, accumulate: i
             "val_loss": float(trainer.callback_metrics["val_loss"]),
             "val_count": float(trainer.callback_metrics["val_count"]),
             "comm_hook": trainer.strategy._weighted._comm_hook is not None}
-    with warnings.catch_warnings(record=True) as caught:  # Lightning's about repeated examples would be false
-        warnings.simplefilter("always")
-        validated = trainer.validate(module, verbose=False)[0]
+    validated = trainer.validate(module, verbose=False)[0]
     result["validated_count"], result["validated_loss"] = validated["val_count"], validated["val_loss"]
-    result["warned"] = [str(w.message) for w in caught if "DistributedSampler" in str(w.message)]
     return result
 
 
@@ -187,20 +183,21 @@ def test_lightning_steps_equal_one_process_over_the_same_global_batches(options,
         for name, value in expected.items():
             torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
     assert ranks[0]["logged"] == ranks[1]["logged"]  # sync_dist: one value on every rank
-    # The last epoch's validation: every example once, over both ranks, with the final parameters.
+    # The last epoch's validation, with the final parameters, over what Lightning's DistributedSampler gives the
+    # ranks as with DDP: 17 examples each, the first twice (equal batches on every rank, so that a collective per
+    # batch in a validation_step pairs up).
     x, y, _ = data()[:VALIDATION]
     model = net()
     model.load_state_dict(expected)
+    padded = [*range(VALIDATION), 0]
     with torch.no_grad():
-        val_loss = float(nn.functional.mse_loss(model(x), y))
+        val_loss = float(nn.functional.mse_loss(model(x[padded]), y[padded]))
     for result in ranks:
-        assert result["val_count"] == VALIDATION
+        assert result["val_count"] == VALIDATION + 1
         assert result["val_loss"] == pytest.approx(val_loss, rel=1e-5)
-        # trainer.validate() after fit: unrepeated too, and without Lightning's warning that examples repeat; its
-        # mean over ranks of each rank's count of examples, which fit() takes in floating point, truncated 16.5.
-        assert result["validated_count"] == VALIDATION
+        # trainer.validate() after fit: the same.
+        assert result["validated_count"] == VALIDATION + 1
         assert result["validated_loss"] == pytest.approx(val_loss, rel=1e-5)
-        assert result["warned"] == []
 
 
 @pytest.mark.parametrize("variant", ["clip-compiled", "weighted", "comm-hook", "sharded-clipped",
@@ -300,19 +297,43 @@ def fit_refused(rank: int, world_size: int, case: str) -> str:
             module.automatic_optimization = False
             L.Trainer(strategy="hsync", accelerator="cpu", devices=world_size, max_steps=1, logger=False,
                       enable_progress_bar=False).fit(module)
-        else:  # a sampler of the user's own, which the strategy cannot split by speed
+        elif case.startswith("sampler"):  # a sampler of the user's own, which the strategy cannot split by speed
             module = module_class()()
             sampler = torch.utils.data.WeightedRandomSampler([1.0] * EXAMPLES, EXAMPLES)
             module.train_dataloader = lambda: torch.utils.data.DataLoader(data(), batch_size=BATCH, sampler=sampler)
+            # Lightning wraps it in its DistributedSamplerWrapper, unless told not to.
             L.Trainer(strategy="hsync", accelerator="cpu", devices=world_size, max_steps=1, logger=False,
-                      use_distributed_sampler=False, enable_progress_bar=False).fit(module)
+                      use_distributed_sampler=case == "sampler-wrapped", enable_progress_bar=False).fit(module)
+        elif case == "backward":
+            class Overriding(module_class()):
+                def backward(self, loss, *args, **kwargs):
+                    loss.backward(*args, **kwargs)
+
+            module = Overriding()
+            L.Trainer(strategy="hsync", accelerator="cpu", devices=world_size, max_steps=1, logger=False,
+                      enable_progress_bar=False).fit(module)
+        else:  # two train loaders, as Lightning combines them
+            module = module_class()()
+            module.train_dataloader = lambda: {"a": torch.utils.data.DataLoader(data(), batch_size=BATCH),
+                                               "b": torch.utils.data.DataLoader(data(), batch_size=BATCH)}
+            L.Trainer(strategy="hsync", accelerator="cpu", devices=world_size, max_steps=1, logger=False,
+                      enable_progress_bar=False).fit(module)
     except ValueError as error:
         return str(error)
     return "no error"
 
 
 @pytest.mark.parametrize(("case", "message"), [
-    ("manual", "needs automatic optimization"), ("sampler", "no sampler or batch_sampler of its own")])
+    ("manual", "needs automatic optimization"),
+    ("sampler", "no sampler or batch_sampler of its own (found sampler WeightedRandomSampler, batch_size 8)"),
+    # Was taken, and the user's sampler dropped: every example drawn alike.
+    ("sampler-wrapped", "no sampler or batch_sampler of its own (found sampler WeightedRandomSampler (in "
+                        "Lightning's DistributedSamplerWrapper), batch_size 8)"),
+    # Was never called.
+    ("backward", "overrides backward(), which the Balancer's weighted backward takes the place of"),
+    # One loader was indexed by the other's Balancer (an IndexError), or the module got a dict of steps.
+    ("two-loaders", "HsyncStrategy balances one train dataloader, and the module's train_dataloader returned "
+                    "several")])
 def test_what_cannot_work_is_refused_on_every_rank(case, message):
     for text in run_ranks(fit_refused, 2, case, env=ENV, timeout=120):
         assert message in text, text
@@ -342,3 +363,99 @@ def test_importing_the_integration_registers_the_strategy():
 
     assert "hsync" in StrategyRegistry
     assert os.environ.get("RANK") is None  # nothing launched by the import
+
+
+def lightning_as_users_write_it(rank: int, world_size: int, root: str) -> dict:
+    """A module that relies on what Lightning does with DDP: seed_everything's order, limit_train_batches over two
+    epochs, reload_dataloaders_every_n_epochs onto a larger set, batches as dicts that on_before_batch_transfer
+    makes tuples, every rank's training_step returning None for one whole step (AdamW with weight decay), the
+    strategy's timeout, and a validation that syncs a value per batch and all_gathers its predictions."""
+    import datetime
+
+    import lightning as L
+
+    from hsync.integrations.lightning import HsyncStrategy
+
+    L.seed_everything(7)
+
+    class AsDicts(torch.utils.data.Dataset):
+        def __init__(self, size: int) -> None:
+            self.x, self.y, _ = data()[:size]
+
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"x": self.x[i], "y": self.y[i], "index": i}
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net()
+            self.steps: list[list[int]] = []
+            self.around_the_skip: list[torch.Tensor] = []
+            self.predictions: list[torch.Tensor] = []
+            self.gathered: list[tuple] = []
+
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            return batch["x"], batch["y"], batch["index"]  # a micro-batch's dict, not the step's list of them
+
+        def on_train_batch_start(self, batch, batch_idx):
+            if self.global_step in (1, 2):  # the parameters before and after the step skipped everywhere
+                self.around_the_skip.append(self.net[0].weight.detach().clone())
+            self.steps.append([])
+
+        def training_step(self, batch, batch_idx):
+            x, y, index = batch
+            self.steps[-1] += index.tolist()
+            return None if self.global_step == 1 else nn.functional.mse_loss(self.net(x), y)
+
+        def validation_step(self, batch, batch_idx):
+            x, y, _ = batch
+            prediction = self.net(x)
+            self.predictions.append(prediction)
+            self.log("val_loss", nn.functional.mse_loss(prediction, y), on_step=True, on_epoch=True, sync_dist=True)
+
+        def on_validation_epoch_end(self):
+            self.gathered.append(tuple(self.all_gather(torch.cat(self.predictions)).shape))
+            self.predictions = []
+
+        def train_dataloader(self):  # 32 examples in the first epoch, 64 from the second
+            return torch.utils.data.DataLoader(AsDicts(32 * (1 + self.current_epoch)), batch_size=BATCH,
+                                               shuffle=True)
+
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(AsDicts(VALIDATION), batch_size=BATCH)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.5)
+
+    module = Module()
+    strategy = HsyncStrategy(timeout=datetime.timedelta(seconds=45))
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_epochs=2,
+                        limit_train_batches=2, reload_dataloaders_every_n_epochs=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        num_sanity_val_steps=0, default_root_dir=root)
+    trainer.fit(module)
+    return {"steps": module.steps, "around_the_skip": module.around_the_skip, "gathered": module.gathered,
+            "timeout": strategy._weighted.timeout.total_seconds()}
+
+
+def test_what_lightning_does_under_ddp_it_does_under_hsync(tmp_path):
+    ranks = run_ranks(lightning_as_users_write_it, 2, str(tmp_path), env=ENV, timeout=240)
+    steps = [sorted(a + b) for a, b in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True)]
+    # Each epoch's global batches are DistributedSampler's order for seed_everything's seed (it was seed 0's
+    # whatever the seed), over the epoch's set (the reloaded one had kept the first's 32 examples), from the
+    # epoch's first step (a second epoch cut short by limit_train_batches had gone on from the first's third).
+    global_batch = BATCH * 2
+    for epoch, size in enumerate((32, 64)):
+        order = torch.randperm(size, generator=torch.Generator().manual_seed(7 + epoch)).tolist()
+        expected = [sorted(order[k * global_batch:(k + 1) * global_batch]) for k in range(2)]
+        assert steps[2 * epoch:2 * epoch + 2] == expected, (epoch, steps)
+    for result in ranks:
+        before, after = result["around_the_skip"]
+        torch.testing.assert_close(after, before, rtol=0, atol=0)  # AdamW's decay had moved them
+        # Lightning's DistributedSampler gives both ranks 17 of the 33 (per-batch syncs pair up); an unrepeated
+        # one gave 17 and 16: a wrong val_loss on one rank, an ended process on the other.
+        assert result["gathered"] == [(2, 17, 1), (2, 17, 1)]
+        assert result["timeout"] == 45.0  # hsync's deadline, where it kept its own 300 s
