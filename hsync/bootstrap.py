@@ -58,9 +58,14 @@ def _model_signature(module: nn.Module) -> tuple[list[tuple], list[str]]:
     if len(devices) > 1:
         problems.append(f"parameters on several devices ({', '.join(devices)}); wrap a single-device module")
     trained = {id(p) for p in reduced_parameters(module) if p.requires_grad}
+    meta = [name for name, t in [*reduced_parameters(module, named=True), *buffers] if t.is_meta]
+    if meta:
+        problems.append(f"'{meta[0]}' is on the meta device (no values yet): materialise the model before wrapping "
+                        "(model.to_empty(device=...) and its initialisation)")
     for name, sub in module.named_modules():
         if isinstance(sub, nn.Embedding | nn.EmbeddingBag) and sub.sparse and id(sub.weight) in trained:
-            problems.append(f"'{name}' produces sparse gradients (sparse=True); hsync reduces dense gradients only")
+            problems.append(f"'{name or type(sub).__name__}' produces sparse gradients (sparse=True); hsync "
+                            "reduces dense gradients only")
     for name, p in reduced_parameters(module, named=True):
         if hasattr(p, "_in_backward_optimizers"):
             # Its optimizer would step on the local gradient, before any reduction: ranks would drift apart.

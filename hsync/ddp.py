@@ -165,6 +165,7 @@ class WeightedDDP(DistributedDataParallel):
         self.require_forward_param_sync = True  # public: the last forward fed a synced step
         self._join = JoinState(self)  # hsync/join.py
         self._window: Window | None = None  # the step in progress: its micro-steps so far (None between steps)
+        self._in_weighted_backward = False  # model.backward's autograd pass is running
         self._attached = _Attachments()
         self._weighted_steps_done = 0  # completed on every rank, even where backward raised: BalancedSteps
         self._steps_of_earlier_engines = 0  # synchronised steps completed by engines since replaced
@@ -564,8 +565,38 @@ class WeightedDDP(DistributedDataParallel):
     @torch._disable_dynamo
     def _finish_forward(self, output, synced: bool):
         if synced:
-            _on_backward_start(output, self._attached.engine.begin_backward, self._synced_forwards)
+            _on_backward_start(output, self._begin_synced_backward, self._synced_forwards)
         return output
+
+    def _begin_synced_backward(self, forward: int) -> None:
+        """When backward reaches the output of a synchronised forward (on the autograd thread). A plain
+        loss.backward() there, after weighted micro-steps under no_sync, would end their window unweighted, and the
+        next weighted step would count its weights: refused, before any of its collectives."""
+        if self._window is not None and not self._in_weighted_backward and not self._window_gradients_dropped():
+            raise RuntimeError("hsync.WeightedDDP: this step's earlier micro-batches were weighted "
+                               "(model.backward(loss, weight=n) under no_sync), and a plain loss.backward() would "
+                               "end it unweighted; end it with model.backward(loss, weight=n) too, or drop its "
+                               "gradients first (optimizer.zero_grad())")
+        self._attached.engine.begin_backward(forward)
+
+    def _window_gradients_dropped(self) -> bool:
+        """Whether the open window's gradients were dropped (optimizer.zero_grad() to abandon a step mid-accumulation,
+        as with DDP): the window is then forgotten with them, or its weights would count in the next step's mean.
+        Told by one gradient the window left: gone (set to None), or changed since and all zeros (the host waits for
+        the device there, in that rare case only)."""
+        witness = self._window.witness if self._window is not None else None
+        if witness is None:
+            return False
+        param, grad, version = witness
+        now = param.grad
+        dropped = now is None or ((now is not grad or now._version != version) and not bool(now.any()))
+        if dropped:
+            self._window = None
+        return dropped
+
+    def _witness_gradient(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """A parameter with a gradient, the gradient and its version (see _window_gradients_dropped)."""
+        return next(((p, p.grad, p.grad._version) for p in self.module.parameters() if p.grad is not None), None)
 
     @property
     def bucket_bytes_cap(self) -> int:
@@ -725,6 +756,7 @@ class WeightedDDP(DistributedDataParallel):
                              "backward takes part in collectives that its peers are waiting in: this rank cannot "
                              "go on, and its peers fail when it exits or at their process group's timeout")
         self._join.check_backward()
+        self._window_gradients_dropped()
         window = self._window or self._open_window()
         self._window = window
         w = window.add(loss, weight, metrics or {}, self.metric_names)
@@ -741,6 +773,7 @@ class WeightedDDP(DistributedDataParallel):
                     engine.abandon_step(_backward_failure(error))
                 window.local[LOSS_NONFINITE] += 1
                 raise
+            window.witness = self._witness_gradient() or window.witness
             return None
 
         self._window = None
@@ -799,6 +832,13 @@ class WeightedDDP(DistributedDataParallel):
 
     def _backprop_micro_step(self, loss, weight: torch.Tensor | None, ref: torch.Tensor) -> None:
         """Backpropagates the micro-step's loss, scaled to `ref`'s units; `weight` None: its input was bad."""
+        self._in_weighted_backward = True
+        try:
+            self._backprop_scaled(loss, weight, ref)
+        finally:
+            self._in_weighted_backward = False
+
+    def _backprop_scaled(self, loss, weight: torch.Tensor | None, ref: torch.Tensor) -> None:
         if weight is not None and loss.requires_grad:
             # Gradients are accumulated in units of `ref` (Note [Weighted reduction] in csrc/engine.h):
             # the first micro-step backpropagates the loss unscaled, later ones by weight / ref.

@@ -106,6 +106,10 @@ def wrap(rank: int, world_size: int, variant: str) -> None:
         net.extra = nn.Linear(2, 2, dtype=torch.float64)
     elif variant == "sparse":
         net.embed = nn.Embedding(10, 3, sparse=True)
+    elif variant == "sparse itself":
+        net = nn.Embedding(10, 3, sparse=True)
+    elif variant == "meta":  # a model built on the meta device, to be materialised after the wrap
+        net = net.to("meta")
     elif variant == "lazy":
         net.lazy = nn.LazyLinear(2)
     elif rank == 1 and variant == "devices":
@@ -143,6 +147,10 @@ def wrap(rank: int, world_size: int, variant: str) -> None:
         ("count", "rank 0 has 10 parameters and buffers, rank 1 has 12 (first extra on rank 1: parameter "
                   "'extra.weight'"),
         ("sparse", "on rank 0, 'embed' produces sparse gradients"),
+        ("sparse itself", "on rank 0, 'Embedding' produces sparse gradients"),  # was named ''
+        # Was taken, and the first backward raised "Tensor.item() cannot be called on meta tensors".
+        ("meta", "on rank 0, 'inp.weight' is on the meta device (no values yet): materialise the model before "
+                 "wrapping"),
         # Was torch's "Can't access the shape of an uninitialized parameter", which names no parameter.
         ("lazy", "on rank 0, 'lazy.weight' is not initialized yet (a lazy module): run a dummy forward pass"),
         ("devices", "on rank 1, parameters on several devices (cpu, meta)"),

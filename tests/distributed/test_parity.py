@@ -3,8 +3,16 @@
 import pytest
 import torch
 
-from tests.distributed.workloads import GRAD_MODES, TINY_BUCKET_MB, reference_training, train_weighted
-from tests.spawn import run_ranks
+from tests.distributed.workloads import (
+    GRAD_MODES,
+    TINY_BUCKET_MB,
+    global_batch,
+    make_net,
+    mse,
+    reference_training,
+    train_weighted,
+)
+from tests.spawn import run_ranks, run_ranks_expecting_errors
 
 pytestmark = [pytest.mark.distributed, pytest.mark.quick]
 
@@ -72,3 +80,50 @@ def test_torch_compile_keeps_weighted_steps_exact(compiled):
     results = run_ranks(train_weighted, 2, steps, {1}, TINY_BUCKET_MB, "cpu", "copied", compiled, timeout=300)
     assert_matches_reference(results, steps, branch_ranks={1})
     assert all(r[1]["never_used.weight"] is None for r in results)
+
+
+def abandoned_accumulation(rank: int, world_size: int, ending: str) -> dict:
+    """Weighted micro-steps under no_sync, then the step abandoned as with DDP (optimizer.zero_grad()), and a new
+    step of one micro-batch; beside a wrapper that ran only that step. `ending`: "weighted" or "plain", the new
+    step's backward ("weighted-zeroed": zero_grad(set_to_none=False)); "plain-without-zero-grad": a plain backward
+    ends the weighted micro-steps."""
+    import hsync
+
+    models = [hsync.WeightedDDP(make_net(seed=0)) for _ in range(2)]
+    optimizer = torch.optim.SGD(models[0].parameters(), lr=0.1)
+    _, _, shares = global_batch(0, [3, 5][:world_size])
+    x, y = shares[rank]
+    with models[0].no_sync():
+        for _ in range(2):
+            models[0].backward(mse(models[0](x), y), weight=len(x))
+    if ending != "plain-without-zero-grad":  # the epoch ended mid-accumulation: its micro-batches dropped
+        optimizer.zero_grad(set_to_none=ending != "weighted-zeroed")
+    _, _, shares = global_batch(1, [2, 4][:world_size])
+    x, y = shares[rank]
+    stats = []
+    for model in models:
+        loss = mse(model(x), y)
+        if ending.startswith("weighted"):
+            stats.append(model.backward(loss, weight=len(x)).weight)
+        else:
+            loss.backward()
+    return {"stats": stats, "grads": [{n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+                                      for model in models]}
+
+
+@pytest.mark.parametrize("ending", ["weighted", "weighted-zeroed", "plain"])
+def test_a_step_abandoned_mid_accumulation_leaves_nothing_in_the_next(ending):
+    # Its weights stayed in the step's scalars: the next weighted step counted 22 examples where it had 6, and its
+    # gradient came out 6 times too small. zero_grad() sets the gradients to None, or zeroes them in place.
+    for result in run_ranks(abandoned_accumulation, 2, ending, timeout=60):
+        if ending.startswith("weighted"):
+            assert result["stats"] == [6.0, 6.0]
+        ours, fresh = result["grads"]
+        torch.testing.assert_close(ours, fresh, rtol=1e-12, atol=1e-14)
+
+
+def test_a_plain_backward_ending_weighted_micro_steps_is_refused_on_every_rank():
+    # It ended their window unweighted, and the next weighted step counted their weights.
+    for error in run_ranks_expecting_errors(abandoned_accumulation, 2, "plain-without-zero-grad", timeout=60):
+        assert "this step's earlier micro-batches were weighted (model.backward(loss, weight=n) under no_sync), " \
+               "and a plain loss.backward() would end it unweighted" in error, error
