@@ -52,8 +52,8 @@ changes the seams where that happens:
 - the Balancer orders the examples as Lightning's DistributedSampler would (seed_everything's seed, shuffled
   or not) and Lightning sets its epoch through the step loader's batch sampler, so each epoch's global
   batches are DDP's; a reloaded train loader over other data gets a Balancer of its own;
-- a step that carried no weight on any rank (every training_step returned None), or a non-finite one
-  without a GradScaler, leaves no gradient, so the optimizer moves nothing;
+- a step that carried no weight on any rank (every training_step returned None) leaves no gradient, so the
+  optimizer moves nothing;
 - the module's on_before_batch_transfer gets each micro-batch (the fit loop would hand it the whole step);
 - an hsync.ShardedOptimizer returned by configure_optimizers (over self.trainer.model, the WeightedDDP by
   then) is checkpointed as Lightning checkpoints torch's ZeroRedundancyOptimizer (consolidate_state_dict,
@@ -431,9 +431,10 @@ class HsyncStrategy(DDPStrategy):
         stats = self.balancer.backward(scaled, weight=weight)
         if stats is not None:
             self.step_stats = stats
-            if not stats.finite and (getattr(self.precision_plugin, "scaler", None) is None or stats.weight == 0):
-                # Every rank skips the step alike: without gradients, the optimizer moves nothing (a weight decay or
-                # momentum would, on zeros). A GradScaler skips a non-finite one itself, and shrinks its scale.
+            if stats.weight == 0:
+                # Every training_step of the step returned None, on every rank: as plain Lightning skips such a
+                # step, without gradients the optimizer moves nothing (a weight decay or momentum would, on zeros).
+                # (The weight is on the host already: no wait for the device here.)
                 for p in module.parameters():
                     p.grad = None
         scaled = self.precision_plugin.post_backward(scaled, module)
