@@ -585,18 +585,20 @@ class WeightedDDP(DistributedDataParallel):
         Told by one gradient the window left: gone (set to None), or changed since and all zeros (the host waits for
         the device there, in that rare case only)."""
         witness = self._window.witness if self._window is not None else None
-        if witness is None:
+        if witness is None or witness[0]() is None:
             return False
         param, grad, version = witness
-        now = param.grad
-        dropped = now is None or ((now is not grad or now._version != version) and not bool(now.any()))
+        now = param().grad
+        dropped = now is None or ((now is not grad() or now._version != version) and not bool(now.any()))
         if dropped:
             self._window = None
         return dropped
 
-    def _witness_gradient(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """A parameter with a gradient, the gradient and its version (see _window_gradients_dropped)."""
-        return next(((p, p.grad, p.grad._version) for p in self.module.parameters() if p.grad is not None), None)
+    def _witness_gradient(self) -> tuple[weakref.ref, weakref.ref, int] | None:
+        """A parameter with a gradient, the gradient and its version, held weakly: a window keeps no memory alive,
+        and its copies (window_backup's) copy no tensor (see _window_gradients_dropped)."""
+        return next(((weakref.ref(p), weakref.ref(p.grad), p.grad._version) for p in self.module.parameters()
+                     if p.grad is not None), None)
 
     @property
     def bucket_bytes_cap(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -121,9 +122,9 @@ class Window:
     problem: str | None = None
     """This rank's first bad input found on the host, raised on every rank at the synced step."""
     problem_kind: BadInput | None = None
-    witness: tuple[torch.Tensor, torch.Tensor, int] | None = None
-    """A parameter its micro-steps left a gradient on, that gradient and its version then: a zero_grad() between
-    micro-steps (set to None, or zeroed in place) abandons the window with the gradients."""
+    witness: tuple[weakref.ref, weakref.ref, int] | None = None
+    """A parameter its micro-steps left a gradient on, that gradient and its version then (weakly): a zero_grad()
+    between micro-steps (set to None, or zeroed in place) abandons the window with the gradients."""
 
     @classmethod
     def open(cls, device: torch.device, metrics: int, common_unit: bool) -> Window:
