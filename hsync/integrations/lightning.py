@@ -65,11 +65,13 @@ changes the seams where that happens:
 
 Of hsync, the strategy uses the public API only (WeightedDDP, its balance(), waiting_for_peers(),
 sync_buffers(), refresh_trainable_parameters() and has_comm_hook, the Balancer, ShardedOptimizer): the seam
-every integration uses (docs/internals.md). Of Lightning it reaches past the public API in three places,
+every integration uses (docs/internals.md). Of Lightning it reaches past the public API in four places,
 which its releases may change: DDPStrategy's hooks named above (_setup_model, _register_ddp_hooks and the
 _ddp_comm_* arguments it keeps, handed to lightning's _register_ddp_comm_hook as DDPStrategy hands them), the
-precision plugin's clip_grad_by_norm, and the fit loop's _broadcast_sigterm_tensor, which it replaces by the
-same broadcast bracketed as a wait for peers: Lightning offers no way to bracket its own collectives. So the
+precision plugin's clip_grad_by_norm, the module's _on_before_batch_transfer (the fit loop's call of the
+hook, replaced on the instance until teardown), and the fit loop's _broadcast_sigterm_tensor, which it
+replaces by the same broadcast bracketed as a wait for peers: Lightning offers no way to bracket its own
+collectives. So the
 releases it accepts are pinned (SUPPORTED in _world.py: >= 2.4, < 3; tests/integrations/test_lightning.py runs
 on 2.6), and a release where the loop has no _broadcast_sigterm_tensor leaves the broadcast unbracketed
 (counted as work) rather than failing.
