@@ -201,8 +201,9 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> St
 
 def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path, straight_run):
     split = tmp_path / "split"
-    straight_run.in_ranks(tmp_path, *STRAIGHT, "--save-dir", str(split), "--stop-at", "3")
+    stopped = straight_run.in_ranks(tmp_path, *STRAIGHT, "--save-dir", str(split), "--stop-at", "3")
     (written,) = split.glob("step-*.pt")
+    assert f"stopped at step 3 (--stop-at); checkpoint {written} written, continue to step" in stopped, stopped
     digest = hashlib.sha256(written.read_bytes()).hexdigest()
 
     # A resume its checkpoint refuses (here a flag its optimizer state would silently override) is one line
@@ -215,7 +216,7 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path
                                    nproc=1, data_dir=tmp_path / "unused")
     assert "was written with seed=0, this run has seed=7" in refusal, refusal
     assert not (tmp_path / "unused").exists(), "no data prepared before the checkpoint was found another run's"
-    assert [p.name for p in split.iterdir()] == [written.name]
+    assert sorted(p.name for p in split.iterdir()) == ["run.lock", written.name]  # the lock: see checkpoint.claim
     assert hashlib.sha256(written.read_bytes()).hexdigest() == digest
 
     # Collated in a worker process this time: the same batches, the same updates.

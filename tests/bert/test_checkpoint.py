@@ -136,3 +136,25 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_saying_so(tmp_path):
         assert "is damaged: what it holds does not match the checksum written with it" in refused["damaged"]
         assert "step-00000001.pt is damaged or not a checkpoint: " in refused["text"], refused["text"]
         assert "is not a checkpoint of this program (it has no step, settings or RNG states)" in refused["foreign"]
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_until_the_first_ends_even_killed(tmp_path):
+    # Two runs into one --save-dir deleted each other's files in progress, and mixed their checkpoints.
+    import subprocess
+    import sys
+
+    from apps.bert import checkpoint
+
+    first = subprocess.Popen([sys.executable, "-c", "import sys, time; from apps.bert import checkpoint; "
+                              f"print(checkpoint.claim({str(tmp_path)!r}), flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2] / "examples")
+    try:
+        assert first.stdout.readline().strip() == "None"  # it holds the folder
+        refused = checkpoint.claim(str(tmp_path))
+        assert refused == (f"another run is writing to {tmp_path} now (it holds {tmp_path / 'run.lock'}); wait "
+                           "for it to end, or give this one another --save-dir"), refused
+    finally:
+        first.kill()
+        first.wait()
+    assert checkpoint.claim(str(tmp_path)) is None  # a killed run leaves no lock behind
+    checkpoint._held.pop().close()

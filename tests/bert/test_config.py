@@ -51,7 +51,9 @@ def test_the_presets_warm_up_is_cut_to_a_tenth_of_a_short_run():
     (["--warmup-steps", "-1"], "--warmup-steps must be a finite number, not negative"),
     (["--weight-decay", "inf"], "--weight-decay must be a finite number, not negative, got inf"),
     (["--collective-timeout", "inf"], "--collective-timeout must be a finite number"),
-    (["--collective-timeout", "1e-9"], "--collective-timeout must be 0 (none) or between 0.001 and 2592000"),
+    (["--collective-timeout", "1e-9"], "--collective-timeout must be 0 (none) or between 1 and 2592000"),
+    # A deadline no collective's setup fits in: the run failed at its first one, in a traceback.
+    (["--collective-timeout", "0.001"], "--collective-timeout must be 0 (none) or between 1 and 2592000"),
     (["--seed", "100000000000000"], "--seed must be between 0 and 2**32 - 1"),
     (["--log-every", "0"], "--log-every must be at least 1"),
     (["--max-steps", "ten"], "argument --max-steps: invalid int value: 'ten'"),
@@ -69,6 +71,20 @@ def test_a_bad_flag_is_one_line_naming_it(argv, message, capsys):
         pytest.skip("this machine has a GPU: --device cuda is valid here")
     with pytest.raises(SystemExit) as exit_:
         parse_args(argv, world_size=2)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("abc", "HSYNC_TIMEOUT must be a number of seconds, got 'abc'"),
+    ("-1", "the collective timeout must be positive and finite, got -1.0 s"),
+    ("0.001", "HSYNC_TIMEOUT must be between 1 and 2592000 seconds, got 0.001")])
+def test_a_bad_hsync_timeout_is_one_line_before_any_work(value, message, capsys, monkeypatch):
+    # Was a traceback out of the run's first collective.
+    monkeypatch.setenv("HSYNC_TIMEOUT", value)
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([], world_size=2)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err

@@ -26,6 +26,10 @@ def test_missing_and_empty_corpora_are_named(tmp_path):
     empty.write_text("\n\n  \n")
     with pytest.raises(ValueError, match="holds no text"):
         data.read_documents(empty)
+    latin = tmp_path / "latin-1.txt"
+    latin.write_bytes("Genèse\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin-1.txt is not UTF-8 text \(byte 0xe8 at offset 3\)"):
+        data.read_documents(latin)
 
 
 def test_examples_and_masks_are_well_formed_and_reproducible(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pickle
 import random
@@ -54,6 +55,30 @@ def earlier_run(save_dir: str, resume: bool) -> str | None:
         return None
     return f"{save_dir} holds an earlier run's checkpoints (up to {found.name}); pass --resume to go on, or " \
            "choose another --save-dir"
+
+
+LOCK = "run.lock"
+_held: list[Any] = []  # the --save-dir locks this process holds, until it ends
+
+
+def claim(save_dir: str) -> str | None:
+    """Why this run may not write to `save_dir`: another run writing there now, whose rank 0 holds the folder's
+    lock (rank 0 takes it, before any work). The kernel's record lock (lockf) is released when its process ends,
+    killed too, and a process forked from it (a DataLoader worker) does not hold it: a run that crashed leaves
+    none behind, and its --resume takes the folder at once."""
+    if not save_dir:
+        return None
+    folder = Path(save_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = open(folder / LOCK, "a")  # noqa: SIM115 - held open for as long as the run goes on
+    try:
+        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        return (f"another run is writing to {save_dir} now (it holds {folder / LOCK}); wait for it to end, or give "
+                "this one another --save-dir")
+    _held.append(handle)
+    return None
 
 
 def checksum(value: Any, crc: int = 0) -> int:

@@ -151,8 +151,14 @@ class TrainConfig:
             if value is not None and not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"--{flag.replace('_', '-')} must be a finite number, not negative, got {value}")
         if self.collective_timeout and not _MIN_TIMEOUT_S <= self.collective_timeout <= _MAX_TIMEOUT_S:
-            raise ValueError(f"--collective-timeout must be 0 (none) or between {_MIN_TIMEOUT_S} and "
+            raise ValueError(f"--collective-timeout must be 0 (none) or between {_MIN_TIMEOUT_S:g} and "
                              f"{_MAX_TIMEOUT_S:.0f} seconds, got {self.collective_timeout}")
+        if not self.collective_timeout and os.environ.get("HSYNC_TIMEOUT"):  # the deadline without the flag
+            from hsync.collectives import resolve_timeout
+
+            if not _MIN_TIMEOUT_S <= resolve_timeout(None) <= _MAX_TIMEOUT_S:
+                raise ValueError(f"HSYNC_TIMEOUT must be between {_MIN_TIMEOUT_S:g} and {_MAX_TIMEOUT_S:.0f} seconds, "
+                                 f"got {os.environ['HSYNC_TIMEOUT']}")
         if self.data_workers is not None and not 0 <= self.data_workers <= _MAX_DATA_WORKERS:
             raise ValueError(f"--data-workers must be between 0 and {_MAX_DATA_WORKERS}, got {self.data_workers}")
         if not 0 <= self.seed < 2**32:
@@ -232,7 +238,8 @@ class TrainConfig:
         return plan
 
 
-_MIN_TIMEOUT_S, _MAX_TIMEOUT_S = 0.001, 30 * 86400.0  # --collective-timeout: what a timedelta and gloo take
+# --collective-timeout: at least what the run's first collectives take to set up, at most what gloo takes.
+_MIN_TIMEOUT_S, _MAX_TIMEOUT_S = 1.0, 30 * 86400.0
 _MAX_SLOWDOWN = 100.0  # --simulate-slowdown: a rank 100 times slower is far beyond any mixed cluster
 _MAX_DATA_WORKERS = 64  # --data-workers: more processes per rank than any machine has cores for
 

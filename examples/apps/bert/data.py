@@ -65,7 +65,11 @@ def corpus_text(path: Path) -> str:
     """The corpus file's text; a clear error if it is missing, a folder or empty."""
     if not path.is_file():
         raise FileNotFoundError(f"corpus {path} {'is not a file' if path.exists() else 'does not exist'}")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"corpus {path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+                         f"{error.start})") from None
     if not text.strip():
         raise ValueError(f"corpus {path} holds no text")
     return text

@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     device = init_distributed(cfg.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     fail_together(unwritable_outputs(cfg) if rank == 0 else None, "cannot write the run's outputs")
+    fail_together(checkpoint.claim(cfg.save_dir) if rank == 0 else None, "cannot start")
     fail_together(checkpoint.earlier_run(cfg.save_dir, cfg.resume) if rank == 0 else None, "cannot start")
     import_transformers()
     slowdown = parse_rank_values(cfg.simulate_slowdown, world, "--simulate-slowdown", 1.0)[rank]
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     last_step = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
     eval_batch = -(-cfg.global_batch_size // world)
     workers = cfg.data_workers if cfg.data_workers is not None else (2 if device.type == "cuda" else 0)
-    stop, stopping = StopRequest(), False
+    stop, stopping, saved = StopRequest(), False, None
     started = time.perf_counter()
     while balancer.global_step < last_step and not stopping:
         # This rank's micro-batches, step after step, to the epoch's end.
@@ -138,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     if balancer.global_step == cfg.max_steps and not stopping:
         final = save_final_model(net, vocab, preset, Path(cfg.save_dir) / "final") if cfg.save_dir else None
         report(rank, log.summary(final))
+    elif balancer.global_step == last_step and not stopping:  # --stop-at, before --max-steps
+        report(rank, f"stopped at step {last_step} (--stop-at); checkpoint {saved} written, continue to step "
+                     f"{cfg.max_steps} with --resume")
     log.close()
     dist.destroy_process_group()
     if stopping:
