@@ -216,11 +216,14 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path
                                    nproc=1, data_dir=tmp_path / "unused")
     assert "was written with seed=0, this run has seed=7" in refusal, refusal
     assert not (tmp_path / "unused").exists(), "no data prepared before the checkpoint was found another run's"
-    assert sorted(p.name for p in split.iterdir()) == ["run.lock", written.name]  # the lock: see checkpoint.claim
+    # Beside the checkpoint: the run's lock (checkpoint.claim) and its vocabulary (data.prepare_data).
+    assert sorted(p.name for p in split.iterdir()) == ["run.lock", written.name, "vocab.txt"]
     assert hashlib.sha256(written.read_bytes()).hexdigest() == digest
 
-    # Collated in a worker process this time: the same batches, the same updates.
-    straight_run.in_ranks(tmp_path, *STRAIGHT, "--save-dir", str(split), "--resume", "--data-workers", "1")
+    # Collated in a worker process this time, and on data prepared anew (as on a node that never trained the
+    # vocabulary: WordPiece would train another, and the checkpoint refused it): the same batches, the same updates.
+    in_ranks(tmp_path, *STRAIGHT, "--save-dir", str(split), "--resume", "--data-workers", "1",
+             data_dir=tmp_path / "fresh-data")
     resumed = model_state(split)
     for name, value in straight_run.state.items():
         assert torch.equal(value, resumed[name]), name

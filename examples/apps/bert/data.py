@@ -288,8 +288,17 @@ def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> Corpus:
         if dist.get_rank() == 0:
             # Keyed by the text, not the file's name: an edited corpus gets a vocabulary of its own.
             vocab_dir = data_dir / f"vocab-{digest[:16]}-{preset.vocab_size}"
+            kept = Path(cfg.save_dir) / "vocab.txt" if cfg.save_dir else None
+            if cfg.resume and kept is not None and kept.is_file() and not (vocab_dir / "vocab.txt").exists():
+                # The run's own: WordPiece breaks ties differently from run to run, so a machine that never trained
+                # it (a resume on another node, or with another --data-dir) would train another, and be refused.
+                vocab_dir.mkdir(parents=True, exist_ok=True)
+                _atomic_write(vocab_dir / "vocab.txt", lambda f: f.write(kept.read_bytes()))
             reused = (vocab_dir / "vocab.txt").exists()
-            tokens = train_wordpiece_vocab(corpus, preset.vocab_size, vocab_dir).read_text("utf-8").splitlines()
+            vocab_file = train_wordpiece_vocab(corpus, preset.vocab_size, vocab_dir)
+            tokens = vocab_file.read_text("utf-8").splitlines()
+            if kept is not None:  # kept beside the checkpoints, which name it by its digest
+                _atomic_write(kept, lambda f: f.write(vocab_file.read_bytes()))
             report(0, f"vocabulary: {'reused' if reused else 'trained'} {vocab_dir} ({corpus}, sha256 {digest[:16]})")
     except (OSError, ValueError, RuntimeError) as error:
         problem = f"{type(error).__name__}: {error}"
