@@ -288,7 +288,8 @@ def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> Corpus:
         if dist.get_rank() == 0:
             # Keyed by the text, not the file's name: an edited corpus gets a vocabulary of its own.
             vocab_dir = data_dir / f"vocab-{digest[:16]}-{preset.vocab_size}"
-            kept = Path(cfg.save_dir) / "vocab.txt" if cfg.save_dir else None
+            # Not under --fault-tolerant, whose groups heal from a live peer (--save-dir: the final model only).
+            kept = Path(cfg.save_dir) / "vocab.txt" if cfg.save_dir and not cfg.fault_tolerant else None
             if cfg.resume and kept is not None and kept.is_file() and not (vocab_dir / "vocab.txt").exists():
                 # The run's own: WordPiece breaks ties differently from run to run, so a machine that never trained
                 # it (a resume on another node, or with another --data-dir) would train another, and be refused.
@@ -298,6 +299,7 @@ def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> Corpus:
             vocab_file = train_wordpiece_vocab(corpus, preset.vocab_size, vocab_dir)
             tokens = vocab_file.read_text("utf-8").splitlines()
             if kept is not None:  # kept beside the checkpoints, which name it by its digest
+                kept.parent.mkdir(parents=True, exist_ok=True)
                 _atomic_write(kept, lambda f: f.write(vocab_file.read_bytes()))
             report(0, f"vocabulary: {'reused' if reused else 'trained'} {vocab_dir} ({corpus}, sha256 {digest[:16]})")
     except (OSError, ValueError, RuntimeError) as error:
