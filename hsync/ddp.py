@@ -572,12 +572,17 @@ class WeightedDDP(DistributedDataParallel):
         """When backward reaches the output of a synchronised forward (on the autograd thread). A plain
         loss.backward() there, after weighted micro-steps under no_sync, would end their window unweighted, and the
         next weighted step would count its weights: refused, before any of its collectives."""
-        if self._window is not None and not self._in_weighted_backward and not self._window_gradients_dropped():
+        if not self._in_weighted_backward and self._holds_a_partial_step():
             raise RuntimeError("hsync.WeightedDDP: this step's earlier micro-batches were weighted "
                                "(model.backward(loss, weight=n) under no_sync), and a plain loss.backward() would "
                                "end it unweighted; end it with model.backward(loss, weight=n) too, or drop its "
                                "gradients first (optimizer.zero_grad())")
         self._attached.engine.begin_backward(forward)
+
+    def _holds_a_partial_step(self) -> bool:
+        """Whether weighted micro-steps under no_sync wait for their synchronised backward (a window whose
+        gradients were not dropped since)."""
+        return self._window is not None and not self._window_gradients_dropped()
 
     def _window_gradients_dropped(self) -> bool:
         """Whether the open window's gradients were dropped (optimizer.zero_grad() to abandon a step mid-accumulation,

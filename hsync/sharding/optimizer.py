@@ -292,7 +292,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def _refuse_a_partial_sum(self, what: str) -> None:
         """Refuses, before any collective of this rank's, to `what` in the middle of a step: the peers wait in their
         own step's collectives, which these would meet out of order."""
-        if self._model._window is not None and not self._model._window_gradients_dropped():
+        if self._model._holds_a_partial_step():
             raise RuntimeError(f"hsync.ShardedOptimizer.{what}: the model holds micro-batches accumulated under "
                                "no_sync that no synchronised backward has reduced yet (this rank's partial sum, not "
                                "the step's gradient); call it after the step's last backward (under Accelerate, "
