@@ -101,7 +101,7 @@ export HSYNC_CHECK_NOTES="$out/notes.md" HSYNC_CHECK_FAILURES="$out/failures.md"
 first_and_last=(-e test_nccl.py -e test_failover_cuda.py)
 default_tests="tests/gpu/test_nccl.py $(ls tests/gpu/test_*.py | grep -v "${first_and_last[@]}" | tr '\n' ' ')"
 read -ra tests <<< "${GPU_CHECK_TESTS:-$default_tests tests/gpu/test_failover_cuda.py}"
-section tests 330 python3 -m pytest "${pytest_args[@]}" "${tests[@]}"
+section tests 380 python3 -m pytest "${pytest_args[@]}" "${tests[@]}"
 if [ -f "$HSYNC_CHECK_NOTES" ]; then
   { printf '\n## measured by the tests\n\n'; cat "$HSYNC_CHECK_NOTES"; } >> "$report"
   rm -f "$HSYNC_CHECK_NOTES"
@@ -109,7 +109,7 @@ fi
 [ -f "$HSYNC_CHECK_FAILURES" ] && { printf '\n## failures\n'; cat "$HSYNC_CHECK_FAILURES"; } >> "$report"
 # One rank, where nothing overlaps: hsync against the no-sync floor and against DDP, gradients copied
 # and as bucket views (the mode the 1% target is for); the pack kernel against a copy.
-[ "${GPU_CHECK_BENCH:-1}" = 0 ] || section bench 210 python3 -m hsync.bench --device cuda --world-size 1 \
+[ "${GPU_CHECK_BENCH:-1}" = 0 ] || section bench 150 python3 -m hsync.bench --device cuda --world-size 1 \
   --only '^bert-base$' '^bert-base-bucket-views$' '^comm-path-64MiB' \
   --rounds 5 --steps 8 --json "$out/bench.json" --markdown "$out/bench.md"
 # Where the rest of one rank's step goes: hsync's kernels against the floor's, per step (Note [A host that blocks]

@@ -118,14 +118,16 @@ def damaged_or_foreign(rank: int, world_size: int, save_dir: str) -> dict[str, s
         at = data.index(torch.tensor([1234.5] * 4).numpy().tobytes())
         data[at:at + 16] = bytes(b ^ 0x5A for b in data[at:at + 16])
         path.write_bytes(bytes(data))
-    for case, content in (("damaged", None), ("text", b"not a checkpoint\n"), ("foreign", {"a": 1})):
+    partial = {"meta": {}, "step": 1, "rng": [], "model": {}}  # another program's, or another version's
+    for case, content in (("damaged", None), ("text", b"not a checkpoint\n"), ("foreign", {"a": 1}),
+                          ("partial", partial)):
         if rank == 0 and isinstance(content, bytes):
             path.write_bytes(content)
         elif rank == 0 and content is not None:
             torch.save(content, path)
         Channels.of_group().barrier("the file written")
         with pytest.raises(SystemExit) as stopped:
-            checkpoint.load(Path(save_dir), {}, {})
+            checkpoint.load(Path(save_dir), {}, {}, holds=("model", "optimizer", "balancer"))
         refused[case] = str(stopped.value)
     return refused
 
@@ -136,6 +138,7 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_saying_so(tmp_path):
         assert "is damaged: what it holds does not match the checksum written with it" in refused["damaged"]
         assert "step-00000001.pt is damaged or not a checkpoint: " in refused["text"], refused["text"]
         assert "is not a checkpoint of this program (it has no step, settings or RNG states)" in refused["foreign"]
+        assert "is not a checkpoint of this program (it holds no optimizer, balancer)" in refused["partial"]
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused_until_the_first_ends_even_killed(tmp_path):

@@ -70,6 +70,7 @@ def strided_steps(rank: int, world_size: int, wrap_name: str, views: bool, conti
 
     if device == "cuda":
         torch.cuda.set_device(0)
+        torch.backends.cudnn.allow_tf32 = False  # cuDNN's convolutions default to TF32; the reference is float32
     wrap = {"ddp": torch.nn.parallel.DistributedDataParallel, "hsync": hsync.WeightedDDP}[wrap_name]
     torch.manual_seed(0)
     net = Strided().to(device)

@@ -165,12 +165,12 @@ def refuse_another_run(save_dir: Path, settings: dict[str, Any]) -> None:
 
 
 def load(save_dir: Path, expected: dict[str, Any], may_change: dict[str, Any], stop_at: int = 0,
-         max_steps: int | None = None) -> dict[str, Any]:
+         max_steps: int | None = None, holds: tuple[str, ...] = ()) -> dict[str, Any]:
     """The latest checkpoint; collective: every rank stops with the same error if any rank cannot
     read it, it was written for another run (`expected`: model, data, vocabulary, batch), or it is at
     or past `stop_at` (0: none) or past `max_steps`. It may have been written by another number of
     ranks: the run goes on with the same global batches. Settings in `may_change` (a longer run, say)
-    are taken as given, and rank 0 says which changed."""
+    are taken as given, and rank 0 says which changed. `holds`: the parts of the state the program reads."""
     path, state, problem = latest(save_dir), None, None
     try:
         if path is None:
@@ -182,6 +182,8 @@ def load(save_dir: Path, expected: dict[str, Any], may_change: dict[str, Any], s
         written = state.pop("checksum", None)  # (none in a checkpoint written before it was added: not checked)
         if written is not None and checksum(state) != written:
             raise ValueError(f"{path} is damaged: what it holds does not match the checksum written with it")
+        if missing := [key for key in holds if key not in state]:
+            raise ValueError(f"{path} is not a checkpoint of this program (it holds no {', '.join(missing)})")
         if mismatch := another_run(path, state["meta"], expected):
             raise ValueError(mismatch)
         if stop_at and state["step"] >= stop_at:

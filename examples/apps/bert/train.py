@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     may_change = {"max_steps": cfg.max_steps, "warmup_steps": cfg.warmup_steps, "dropout": cfg.dropout,
                   "comm_dtype": cfg.comm_dtype, "shard_optimizer": cfg.shard_optimizer}
     if resuming:
-        state = checkpoint.load(Path(cfg.save_dir), meta, may_change, stop_at=cfg.stop_at, max_steps=cfg.max_steps)
+        state = checkpoint.load(Path(cfg.save_dir), meta, may_change, stop_at=cfg.stop_at, max_steps=cfg.max_steps,
+                                holds=("model", "optimizer", "schedule", "balancer"))
         net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
