@@ -325,8 +325,9 @@ def test_bad_input_is_one_line_on_every_rank_before_any_work(tmp_path):
     one_sentence = tmp_path / "one.txt"
     one_sentence.write_text("In the beginning God created the heaven and the earth.\n")
     corpus = ("--corpus", str(one_sentence))
-    for refusal in refusals_in_ranks(tmp_path, *corpus):
+    for refusal in refusals_in_ranks(tmp_path, *corpus, data_dir=tmp_path / "one-data"):
         assert "holds 1 document(s): too few to hold 2 out" in refusal, refusal
+    assert not list((tmp_path / "one-data").glob("vocab-*")), "refused before a vocabulary was trained"
     (refusal,) = refusals_in_ranks(tmp_path, *corpus, "--valid-fraction", "0", nproc=1)
     assert "gave no training example" in refusal, refusal
 

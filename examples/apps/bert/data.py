@@ -286,6 +286,10 @@ def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> Corpus:
     try:
         digest = hashlib.sha256(corpus_text(corpus).encode("utf-8")).hexdigest()
         if dist.get_rank() == 0:
+            try:  # too few documents to hold some out: said now, not after the vocabulary is trained
+                hold_out(read_documents(corpus), cfg.valid_fraction, cfg.seed)
+            except ValueError as error:
+                raise ValueError(f"corpus {corpus}: {error}") from None
             # Keyed by the text, not the file's name: an edited corpus gets a vocabulary of its own.
             vocab_dir = data_dir / f"vocab-{digest[:16]}-{preset.vocab_size}"
             # Not under --fault-tolerant, whose groups heal from a live peer (--save-dir: the final model only).
