@@ -215,6 +215,10 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path
     (refusal,) = refusals_in_ranks(tmp_path, "--max-steps", "8", "--save-dir", str(split), "--resume", "--seed", "7",
                                    nproc=1, data_dir=tmp_path / "unused")
     assert "was written with seed=0, this run has seed=7" in refusal, refusal
+    # Another held-out part trains on other examples.
+    (refusal,) = refusals_in_ranks(tmp_path, "--max-steps", "8", "--save-dir", str(split), "--resume",
+                                   "--valid-fraction", "0.2", nproc=1, data_dir=tmp_path / "unused")
+    assert "this run has valid_fraction=0.2" in refusal, refusal
     assert not (tmp_path / "unused").exists(), "no data prepared before the checkpoint was found another run's"
     # Beside the checkpoint: the run's lock (checkpoint.claim) and its vocabulary (data.prepare_data).
     assert sorted(p.name for p in split.iterdir()) == ["run.lock", written.name, "vocab.txt"]

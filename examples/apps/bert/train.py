@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     # What makes the updates: not the world size, nor how each rank's share is cut into micro-batches.
     # The optimizer's settings too: its saved state would silently override other flags.
     settings = {"preset": asdict(preset), "seed": cfg.seed, "global_batch_size": cfg.global_batch_size,
-                "lr": cfg.lr, "weight_decay": cfg.weight_decay}
+                "lr": cfg.lr, "weight_decay": cfg.weight_decay, "valid_fraction": cfg.valid_fraction}
     resuming = checkpoint.should_resume(cfg.save_dir, cfg.resume)
     if resuming:
         checkpoint.refuse_another_run(Path(cfg.save_dir), settings)
