@@ -334,6 +334,8 @@ def test_bad_input_is_one_line_on_every_rank_before_any_work(tmp_path):
     assert not list((tmp_path / "one-data").glob("vocab-*")), "refused before a vocabulary was trained"
     (refusal,) = refusals_in_ranks(tmp_path, *corpus, "--valid-fraction", "0", nproc=1)
     assert "gave no training example" in refusal, refusal
+    for refusal in refusals_in_ranks(tmp_path, "--global-batch-size", "100000"):  # cut to the corpus, silently
+        assert "training examples, fewer than --global-batch-size 100000" in refusal, refusal
 
     damaged = tmp_path / "damaged"
     damaged.mkdir()

@@ -330,6 +330,9 @@ def prepare_data(cfg: TrainConfig, preset: ModelPreset) -> Corpus:
             problem = f"corpus {corpus}: {error}"
     fail_together(problem, "cannot prepare the data")
     train, valid = load_examples(cache)
+    if len(train) < cfg.global_batch_size:  # the same on every rank: each would take all of them, a step an epoch
+        raise SystemExit(f"hsync: cannot prepare the data: corpus {corpus} gives {len(train)} training examples, "
+                         f"fewer than --global-batch-size {cfg.global_batch_size}")
     return Corpus(train, expected_masked_tokens(train), valid, vocab)
 
 
