@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hsync.balance import BalanceConfig, Balancer
+from hsync.balance.balancer import SettingsDiffer
 from hsync.collectives import Channels, resolve_timeout
 from hsync.ddp import WeightedDDP
 from hsync.sharding import ShardedOptimizer
@@ -146,14 +147,23 @@ class FaultTolerantSteps:
     [Failover]).
 
     `module`: the model, not wrapped (each quorum wraps it in an hsync.WeightedDDP with `wrap_options`).
-    `optimizer`: over its parameters. `examples`, `balance`: as hsync.Balancer's. A joining replica takes the
-    module's and optimizer's state, and where the loop is, from a live one.
+    `optimizer`: over its parameters. `examples`, `balance`: as hsync.Balancer's. `state`: the loop's other
+    objects that change as it steps, by name, each with state_dict() and load_state_dict() (an LR scheduler, a
+    GradScaler); an LR scheduler over `optimizer` must be among them (refused otherwise). A joining replica
+    takes the module's, the optimizer's and these states, and where the loop is, from a live one (torchft's
+    healing); state_dict() holds the same for the job's own checkpoints.
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, examples: int | list[float],
                  balance: BalanceConfig, config: FaultToleranceConfig | None = None, *,
-                 wrap_options: Mapping[str, Any] | None = None) -> None:
+                 wrap_options: Mapping[str, Any] | None = None, state: Mapping[str, Any] | None = None) -> None:
         config = config or FaultToleranceConfig()
+        self._state = dict(state or {})
+        for name, part in self._state.items():
+            if not (callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))):
+                raise ValueError(f"hsync.fault_tolerance: state[{name!r}] has no state_dict() and load_state_dict(): "
+                                 f"a joining replica could not take it from a live one (got {type(part).__name__})")
+        _refuse_an_unheld_scheduler(optimizer, self._state)
         if int(os.environ.get("WORLD_SIZE", "1")) != 1:
             raise ValueError("hsync.fault_tolerance: each replica group is one rank (Note [Failover]); start each "
                              f"as a job of its own (torchrun --nproc_per_node 1), not {os.environ['WORLD_SIZE']} "
@@ -185,12 +195,13 @@ class FaultTolerantSteps:
         self.balancer: Balancer | None = None
         self.examples_in_step: list[int] = []
         """This replica's examples in the step being run (or last run)."""
+        self._in_job = False  # whether this replica committed a step or resumed the job: a joining one did neither
         self._quorum = _QuorumStore()
         self._store = dist.TCPStore(config.host, 0, is_master=True, wait_for_workers=False, timeout=self._timeout)
         replica_id = config.replica_id or os.environ.get("REPLICA_GROUP_ID") or f"{config.host}:{os.getpid()}"
         self._replica_id = replica_id
-        _wait_for_lighthouse(lighthouse_host, lighthouse_port, f"{lighthouse} ({lighthouse_source})", replica_id,
-                             self._timeout)
+        self._lighthouse = (lighthouse_host, lighthouse_port, f"{lighthouse} ({lighthouse_source})")
+        _wait_for_lighthouse(*self._lighthouse, replica_id, self._timeout)
         self.manager = Manager(
             pg=self._quorum, load_state_dict=self._load_state_dict, state_dict=self._state_dict,
             min_replica_size=config.min_replicas, use_async_quorum=False, timeout=self._timeout,
@@ -225,6 +236,7 @@ class FaultTolerantSteps:
         examples when a replica is lost. The gradients are zeroed here, before each attempt; once it returns,
         they are the step's exact weighted mean on every replica: step the optimizer (when stats.finite) before
         the next call, as after any backward (clip, schedule, scale as usual)."""
+        _refuse_an_unheld_scheduler(self.optimizer, self._state)  # one built since the constructor
         while True:
             # Decided before the quorum: a replica in it runs its step, whatever epoch its loop is in (one that
             # joined late runs the job's step, of a later epoch, and its loop catches up at the next call).
@@ -234,28 +246,55 @@ class FaultTolerantSteps:
             try:
                 self.manager.start_quorum()
             except TimeoutError as error:  # torchft's says only "Timeout expired"
+                host, port, name = self._lighthouse
+                try:
+                    socket.create_connection((host, port), timeout=5).close()
+                    why = ("fewer replica groups than the Lighthouse's --min_replicas have joined (one lost before its "
+                           "first step, or not started yet)")
+                except OSError as refused:
+                    why = (f"the Lighthouse at {name} does not answer ({refused}): the job cannot go on without it; "
+                           "start it again from the job's checkpoint (FaultTolerantSteps.state_dict())")
                 raise TimeoutError(
                     f"hsync.fault_tolerance: replica {self._replica_id}: no quorum formed within the quorum timeout of "
-                    f"{self._quorum_timeout.total_seconds():g} s (FaultToleranceConfig.quorum_timeout): fewer replica "
-                    "groups than the Lighthouse's --min_replicas have joined (one lost before its first step, or not "
-                    f"started yet). torchft: {error}") from None
+                    f"{self._quorum_timeout.total_seconds():g} s (FaultToleranceConfig.quorum_timeout): {why}. "
+                    f"torchft: {error}") from None
             stats, lost = None, None
             try:
                 if self._quorum.pending is not None or self.balancer is None:
                     self._regroup()
                 stats = self._run_step(loss_of)
             except Exception as error:  # noqa: BLE001 - re-raised unless a peer was lost
+                if isinstance(error, _Refused):  # this replica alone: its peers go on without it, told at once
+                    self.manager.report_error(error)
+                    self.manager.should_commit()
+                    raise
                 if not self._lost_a_peer(error):
                     raise
                 self.manager.report_error(error)
                 lost = error
             if self.manager.should_commit():
                 self._position = self.balancer.state_dict()
+                self._in_job = True
                 return stats
             # Not committed: the next attempt starts from the last committed position, in a new quorum.
             log.warning("hsync: replica %s: step %d not committed, running it again: %s", self._replica_id,
                         self.global_step, lost or "too few replicas in the quorum")
             self._drop_group()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The job's state for a checkpoint of its own (torchft heals from live replicas only, so a job restarted
+        whole starts from one): the module's, the optimizer's and `state`'s, where the committed steps have
+        reached, and torchft's count of them. Every replica holds the same after a committed step."""
+        return {**self._state_dict(), "torchft": self.manager.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resumes the job from a checkpoint written by state_dict(), before the first step. A replica that starts
+        without it takes it from one that loaded it, as from any live replica."""
+        if self.balancer is not None or self._in_job:
+            raise RuntimeError("hsync.fault_tolerance: load_state_dict() resumes a job: call it before the first step")
+        self._load_state_dict(state)
+        self.manager.load_state_dict(state["torchft"])
+        self._in_job = True
 
     def close(self) -> None:
         """Leaves the job: the process group, torchft's manager and this replica's store."""
@@ -297,11 +336,31 @@ class FaultTolerantSteps:
             raise _RegroupFailed(f"hsync: building the group of the new quorum (rank {rank} of {world_size}) "
                                  f"failed: {error}") from error
         self.model = WeightedDDP(self.module, **self._wrap_options)
-        self.balancer = Balancer(self.model, self._examples, self._balance)
+        try:
+            self.balancer = Balancer(self.model, self._examples, self._balance)
+        except SettingsDiffer as error:
+            raise self._joining_replicas_refused(error) from None
         if self._position is not None:
             self.balancer.load_state_dict(self._position)
         else:
             self.balancer.set_epoch(self._epoch)
+
+    def _joining_replicas_refused(self, error: SettingsDiffer) -> Exception:
+        """Where the replicas running the job (they committed steps, or resumed it) agree, a joining one given other
+        data or settings is refused alone, and the others run the step again without it; at the job's start,
+        every replica refuses the difference, as a Balancer does."""
+        in_job = Channels.of_model(self.model).gather_objects(self._in_job, "which replicas run the job")
+        job = next((rank for rank, yes in enumerate(in_job) if yes), None)
+        if job is None:
+            return error
+        odd = [rank for rank, theirs in enumerate(error.settings) if theirs != error.settings[job]]
+        difference = SettingsDiffer.describe(error.settings, job, odd[0])
+        if dist.get_rank() in odd:
+            return _Refused(f"hsync.fault_tolerance: replica {self._replica_id} cannot join the job: its Balancer was "
+                            f"given other data or settings than the replicas running it: {difference}")
+        return _RegroupFailed(f"hsync.fault_tolerance: the joining replicas at ranks {odd} of the new quorum were "
+                              f"refused, given other data or settings than this job's ({difference}); the step runs "
+                              "again without them")
 
     def _drop_group(self) -> None:
         if self.model is not None:
@@ -320,11 +379,21 @@ class FaultTolerantSteps:
 
     def _state_dict(self) -> dict:
         return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "position": self._position}
+                "position": self._position, "state": {name: part.state_dict() for name, part in self._state.items()}}
 
-    def _load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["module"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def _load_state_dict(self, state: Mapping[str, Any]) -> None:
+        parts = state.get("state", {})
+        if set(parts) != set(self._state):
+            raise _Refused(f"hsync.fault_tolerance: replica {self._replica_id} holds state {sorted(self._state)}, the "
+                           f"state it was given holds {sorted(parts)}: pass the same state= to every replica")
+        try:
+            self.module.load_state_dict(state["module"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            for name, part in self._state.items():
+                part.load_state_dict(parts[name])
+        except (RuntimeError, ValueError, KeyError) as error:  # another model's, say: torch's says which tensors
+            raise _Refused(f"hsync.fault_tolerance: replica {self._replica_id} cannot take the state it was given "
+                           f"(another model or optimizer than the job's?): {' '.join(str(error).split())}") from None
         self._position = state["position"]
 
 
@@ -384,4 +453,19 @@ def lighthouse_command(port: int, min_replicas: int, *, join_timeout_ms: int = 1
 
 
 class _RegroupFailed(RuntimeError):
-    """The group of a new quorum could not be built: a replica of it is gone."""
+    """The group of a new quorum could not be built: a replica of it is gone, or was refused."""
+
+
+class _Refused(ValueError):
+    """This replica cannot take part in the job (its settings, or the state it was healed with, are another job's)."""
+
+
+def _refuse_an_unheld_scheduler(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """An LR scheduler over `optimizer` that is not in `state` would restart its schedule on each replica that
+    joins, which would then step with another learning rate than its peers: silently different parameters."""
+    # torch's LR schedulers mark the optimizer's step they wrap (to warn of a step out of order).
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched") and not any(
+            getattr(part, "optimizer", None) is optimizer for part in state.values()):
+        raise ValueError("hsync.fault_tolerance: an LR scheduler steps this optimizer, but is not in "
+                         "FaultTolerantSteps(state=...): a replica that joins would start its schedule over (pass "
+                         "state={'schedule': scheduler})")

@@ -599,11 +599,23 @@ class Balancer:
             raise ValueError(f"{everyone[refused[0]]} (rank {refused[0]}; refused on ranks {refused})")
         different = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
         if different:
-            other = everyone[different[0]]
-            named = "; ".join(f"{name} {value!r} on rank 0, {other[name]!r} on rank {different[0]}"
-                              for name, value in everyone[0].items() if other[name] != value)
-            raise ValueError(f"hsync.Balancer: ranks {different} were given other data or settings than rank 0: "
-                             f"{named}")
+            raise SettingsDiffer(f"hsync.Balancer: ranks {different} were given other data or settings than rank 0: "
+                                 f"{SettingsDiffer.describe(everyone, 0, different[0])}", everyone)
+
+
+class SettingsDiffer(ValueError):
+    """The ranks were given other data or settings; `settings` holds each rank's, as the Balancer compares them."""
+
+    def __init__(self, message: str, settings: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.settings = settings
+
+    @staticmethod
+    def describe(settings: list[dict[str, Any]], reference: int, other: int) -> str:
+        """What differs between rank `other`'s settings and rank `reference`'s."""
+        theirs = settings[other]
+        return "; ".join(f"{name} {value!r} on rank {reference}, {theirs[name]!r} on rank {other}"
+                         for name, value in settings[reference].items() if theirs[name] != value)
 
 
 def _example_costs(examples: int | Sequence[float]) -> list[float]:

@@ -1,10 +1,11 @@
 """One replica group of a fault-tolerant run, for tests/distributed/test_failover.py: a small net on fixed data,
-trained by hsync.fault_tolerance.FaultTolerantSteps. It logs each step it commits (its examples, the quorum's
-size) and writes its parameters at the end; with --kill STEP:WHERE it kills itself (SIGKILL) at that point of
-the first step it runs once STEP steps have committed.
+trained by hsync.fault_tolerance.FaultTolerantSteps, its learning rate on a schedule. It logs each step it commits
+(its examples, the quorum's size) and writes its parameters at the end; with --kill STEP:WHERE it kills itself
+(SIGKILL) at that point of the first step it runs once STEP steps have committed; with --stop-at STEP it writes the
+job's checkpoint once STEP steps have committed and ends, and --resume starts from that checkpoint.
 
     python tests/distributed/failover_replica.py --lighthouse URL --replica-id g0 --out DIR [--kill 7:backward]
-        [--buckets one]
+        [--buckets one] [--stop-at 10 | --resume] [--global-batch 24]
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
 
+def make_schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """A learning rate that falls with each committed step: a replica that joins must take the count."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + 0.1 * step))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lighthouse", required=True)
@@ -51,6 +57,10 @@ def main() -> None:
     parser.add_argument("--buckets", choices=("one", "many"), default="many",
                         help="one bucket for the model, or one per parameter (a kill in the reduction leaves some "
                              "sent, some not)")
+    parser.add_argument("--wait-at", type=int, default=0, help="the step before which --wait-for applies")
+    parser.add_argument("--stop-at", type=int, default=None, help="write the job's checkpoint after this step, end")
+    parser.add_argument("--resume", action="store_true", help="start from the job's checkpoint in --out")
+    parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -61,21 +71,27 @@ def main() -> None:
     x, y = (t.to(device) for t in data())
     model = make_model().to(device)
     optimizer = make_optimizer(model)
+    schedule = make_schedule(optimizer)
     config = FaultToleranceConfig(lighthouse=args.lighthouse, replica_id=args.replica_id, host="localhost",
                                   timeout=datetime.timedelta(seconds=20),
                                   quorum_timeout=datetime.timedelta(seconds=60))
     buckets = {"bucket_cap_mb": 1e-4, "first_bucket_cap_mb": 1e-4} if args.buckets == "many" else {}
-    steps = FaultTolerantSteps(model, optimizer, EXAMPLES, hsync.BalanceConfig(global_batch_size=GLOBAL_BATCH),
-                               config, wrap_options=buckets)
+    steps = FaultTolerantSteps(model, optimizer, EXAMPLES, hsync.BalanceConfig(global_batch_size=args.global_batch),
+                               config, wrap_options=buckets, state={"schedule": schedule})
+    checkpoint = args.out / f"{args.replica_id}.ckpt"
+    if args.resume:
+        steps.load_state_dict(torch.load(checkpoint, weights_only=True))
     log = (args.out / f"{args.replica_id}.jsonl").open("a")
     (args.out / f"{args.replica_id}.up").touch()
-    deadline = time.monotonic() + 60
-    while len(list(args.out.glob("*.up"))) < args.wait_for and time.monotonic() < deadline:
-        time.sleep(0.05)
+
+    def wait_for_replicas() -> None:
+        deadline = time.monotonic() + 60
+        while len(list(args.out.glob("*.up"))) < args.wait_for and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def record(step: int) -> None:
         log.write(json.dumps({"step": step, "examples": steps.examples_in_step, "replicas": steps.model.world_size,
-                              "pid": os.getpid()}) + "\n")
+                              "pid": os.getpid(), "lr": optimizer.param_groups[0]["lr"]}) + "\n")
         log.flush()
 
     if args.kill:
@@ -103,10 +119,18 @@ def main() -> None:
     with steps:
         for epoch in range(steps.epoch, EPOCHS):
             steps.set_epoch(epoch)
-            while (stats := steps.step(loss_of)) is not None:
+            while True:
+                if steps.global_step == args.wait_at:
+                    wait_for_replicas()
+                if (stats := steps.step(loss_of)) is None:
+                    break
                 record(steps.global_step - 1)
                 if stats.finite:
                     optimizer.step()
+                    schedule.step()
+                if steps.global_step == args.stop_at:
+                    torch.save(steps.state_dict(), checkpoint)
+                    return
         on_cpu = {name: value.cpu() for name, value in model.state_dict().items()}
         torch.save(on_cpu, args.out / f"{args.replica_id}.pt")
 

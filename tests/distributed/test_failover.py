@@ -87,11 +87,15 @@ def uninterrupted(steps: dict[int, list[dict]]) -> dict[str, torch.Tensor]:
     x, y = job.data()
     model = job.make_model()
     optimizer = job.make_optimizer(model)
+    schedule = job.make_schedule(optimizer)
     for step in sorted(steps):
         examples = [i for record in steps[step] for i in record["examples"]]
+        # Each replica stepped with the schedule's rate: one that joined took its count from a live peer.
+        assert {record["lr"] for record in steps[step]} == {optimizer.param_groups[0]["lr"]}, (step, steps[step])
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x[examples]), y[examples]).backward()
         optimizer.step()
+        schedule.step()
     return model.state_dict()
 
 
@@ -132,3 +136,54 @@ def check_failover(tmp_path: Path, kills: dict[str, str], restart: tuple[str, ..
         trained = torch.load(tmp_path / f"{replica}.pt")
         for name, value in reference.items():
             torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=tolerance, msg=f"{replica}: {name}")
+
+
+def test_a_job_resumed_from_its_checkpoint_goes_on_exactly_and_refuses_a_joiner_given_other_settings_alone(tmp_path):
+    # The job stops whole after step 10 (each replica writes FaultTolerantSteps.state_dict()); g0 resumes from its
+    # checkpoint, g1 starts without one and takes it from g0; g2 joins with another global batch. A Balancer refused
+    # it on every replica, which all ended: the job was lost.
+    port = free_port()
+    lighthouse = subprocess.Popen(lighthouse_command(port, 2), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def start(replica: str, *flags: str) -> subprocess.Popen:
+        command = [sys.executable, job.__file__, "--lighthouse", f"http://localhost:{port}", "--replica-id", replica,
+                   "--out", str(tmp_path), *flags]
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=(tmp_path / f"{replica}.err").open("a"))
+
+    def wait(processes: list[subprocess.Popen], until: float) -> list[int]:
+        for process in processes:
+            process.wait(timeout=max(1.0, until - time.monotonic()))
+        return [process.returncode for process in processes]
+
+    deadline = time.monotonic() + LIMIT_S
+    try:
+        assert wait([start("g0", "--stop-at", "10"), start("g1", "--stop-at", "10")], deadline) == [0, 0]
+        assert sorted(committed_steps(tmp_path)) == list(range(10))
+        # g0 and g1 wait for g2 to be up (each replica's .up file) after step 11, so that it joins the running job.
+        going_on = [start(replica, *flags, "--wait-for", "3", "--wait-at", "12") for replica, *flags in (
+            ("g0", "--resume"), ("g1",))]
+        while max(committed_steps(tmp_path)) < 11 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        joiner = start("g2", "--global-batch", "24")
+        codes = wait([joiner, *going_on], deadline)
+    finally:
+        for process in [lighthouse]:
+            process.kill()
+            process.wait()
+    errors = {replica: (tmp_path / f"{replica}.err").read_text() for replica in ("g0", "g1", "g2")}
+    assert codes == [1, 0, 0], {replica: text[-2000:] for replica, text in errors.items()}
+    assert ("replica g2 cannot join the job: its Balancer was given other data or settings than the replicas running "
+            "it: global_batch_size 12 on rank 0, 24 on rank") in errors["g2"], errors["g2"][-2000:]
+    steps = committed_steps(tmp_path)
+    per_epoch = job.EXAMPLES // job.GLOBAL_BATCH
+    assert sorted(steps) == list(range(job.EPOCHS * per_epoch)), "a step repeated or lost across the resume"
+    for epoch in range(job.EPOCHS):
+        used = sorted(i for s in range(epoch * per_epoch, (epoch + 1) * per_epoch) for r in steps[s]
+                      for i in r["examples"])
+        assert used == list(range(job.EXAMPLES)), f"epoch {epoch}: an example lost or repeated"
+    assert all(len(steps[s]) == 2 for s in steps), "a step the joiner committed"
+    reference = uninterrupted(steps)
+    for replica in ("g0", "g1"):
+        trained = torch.load(tmp_path / f"{replica}.pt")
+        for name, value in reference.items():
+            torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=f"{replica}: {name}")

@@ -71,7 +71,7 @@ def test_a_reduction_that_fails_after_backward_returns_is_reported_before_the_co
     steps.optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     steps.manager = Manager()
     steps.model, steps._position, steps._epoch, steps._replica_id = None, None, 0, "replica"
-    steps.examples_in_step = []
+    steps.examples_in_step, steps._state, steps._in_job = [], {}, False
     steps._quorum = type("Quorum", (), {"pending": None})()
     steps.balancer = OneStepBalancer(FailedWhenRead())
     regroups = []
