@@ -11,6 +11,9 @@ DataLoader's batch_sampler is an hsync.Balancer, which splits every global batch
 their measured speed, counting each text's tokens as its cost, and the backward goes through it,
 which weights each rank's gradient by its number of examples. Accuracy on the held-out texts is
 exact over every rank: each evaluates its shard, and hsync.sum_over_ranks adds up the counts.
+Every update is one process's over the same global batch, but for dropout: each rank draws its own
+masks, so runs on other numbers of ranks differ by its noise (with --dropout 0, only by rounding).
+It saves the model at the end; it writes no checkpoint along the way.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()
     # The model is loaded before init_process_group: a missing or broken one is refused before any
     # rank waits on another.
-    tokenizer, net, max_length = labelled.pretrained_classifier(args.model, num_labels)
+    tokenizer, net, max_length = labelled.pretrained_classifier(args.model, num_labels, args.dropout)
     device = init_distributed(args.device)
     rank = dist.get_rank()
     net.to(device)
@@ -84,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     bar = tqdm(total=steps, disable=rank != 0 or not sys.stderr.isatty(), dynamic_ncols=True)
     for epoch in range(args.epochs):
         balancer.set_epoch(epoch)
+        loss_sum = examples = skipped = 0  # over the epoch's steps (stats are on the host: no wait for the device)
         for batch in loader:
             stats = balancer.backward(model(**batch.to(device)).loss)  # weight: the micro-batch's examples
             if stats is None:
@@ -91,12 +95,18 @@ def main(argv: list[str] | None = None) -> None:
             if stats.finite:
                 optimizer.step()
                 schedule.step()
+                loss_sum, examples = loss_sum + stats.loss * stats.weight, examples + stats.weight
+            else:  # a non-finite loss or gradient on some rank: every rank skips the step
+                skipped += 1
             optimizer.zero_grad(set_to_none=True)
             bar.update()
             bar.set_postfix(loss=f"{stats.loss:.4f}", refresh=False)
         accuracy, count = evaluate(net, test, encode, device, args.batch_size)
         if rank == 0:
-            bar.write(f"epoch {epoch + 1}: train loss {stats.loss:.4f}, held-out accuracy {accuracy:.3f} on "
+            mean = loss_sum / examples if examples else float("nan")
+            skips = (f" ({skipped} of {balancer.steps_per_epoch} steps skipped: a non-finite loss or gradient)"
+                     if skipped else "")
+            bar.write(f"epoch {epoch + 1}: train loss {mean:.4f}{skips}, held-out accuracy {accuracy:.3f} on "
                       f"{count} examples, last split {balancer.last_plan}")
     bar.close()
     if rank == 0 and args.save_dir is not None:

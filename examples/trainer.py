@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from hsync.integrations.transformers import BalancingArguments, Trainer
 
-    tokenizer, model, max_length = labelled.pretrained_classifier(args.model, num_labels)
+    tokenizer, model, max_length = labelled.pretrained_classifier(args.model, num_labels, args.dropout)
 
     def encode(rows: labelled.Rows) -> list[dict]:
         ids = tokenizer([text for _, text in rows], truncation=True, max_length=max_length)

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     from hsync.integrations.accelerate import Accelerator
 
     accelerator = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    tokenizer, model, max_length = labelled.pretrained_classifier(args.model, num_labels)
+    tokenizer, model, max_length = labelled.pretrained_classifier(args.model, num_labels, args.dropout)
     encode = labelled.padded_batches(tokenizer, max_length)
     model = accelerator.prepare(model)  # an hsync.WeightedDDP
     texts = [text for _, text in train]

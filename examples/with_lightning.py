@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import hsync.integrations.lightning  # noqa: F401 - registers strategy="hsync"
 
-    tokenizer, model, max_length = labelled.pretrained_classifier(args.model, num_labels)
+    tokenizer, model, max_length = labelled.pretrained_classifier(args.model, num_labels, args.dropout)
     encode = labelled.padded_batches(tokenizer, max_length)
 
     class Classifier(L.LightningModule):

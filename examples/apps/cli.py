@@ -4,6 +4,7 @@ launch environment (torchrun's, or a world of one under plain `python`)."""
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import re
@@ -65,10 +66,14 @@ def say_once(line: str) -> None:
 
 def unwritable_folder(path: Path) -> str | None:
     """Why the folder `path` cannot be made or written in (None if it can): checked before any work, since the
-    programs write there only at the end."""
+    programs write there only at the end; nothing is made here (a run refused later leaves no empty folder)."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
+        there = path.absolute()
+        while not there.exists():  # where the folders to make would start
+            there = there.parent
+        if not there.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(there))
+        with tempfile.TemporaryFile(dir=there):
             pass
     except OSError as error:
         return f"{type(error).__name__}: {error}"
@@ -111,6 +116,17 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """An argparse type: a number in [0, 1), as a dropout probability."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < 1:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return value
 
 

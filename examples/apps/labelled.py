@@ -13,7 +13,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from apps.cli import at_least, device_flag, is_count, path_flag, positive_float, refuse, unwritable_folder
+from apps.cli import (
+    at_least,
+    device_flag,
+    is_count,
+    path_flag,
+    positive_float,
+    probability,
+    refuse,
+    unwritable_folder,
+)
 
 Rows = list[tuple[int, str]]
 
@@ -112,6 +121,9 @@ def add_run_flags(parser: argparse.ArgumentParser, lr_help: str = "peak AdamW le
                   save_dir_help: str | None = SAVE_DIR_HELP) -> None:
     """--lr, --device and, unless `save_dir_help` is None, --save-dir, as the fine-tuning examples take them."""
     parser.add_argument("--lr", type=positive_float, default=1e-4, help=lr_help)
+    parser.add_argument("--dropout", type=probability, default=None,
+                        help="the model's dropout probability (default: its own). Each rank draws its own masks, so "
+                             "runs on other numbers of ranks differ by dropout's noise; with 0, only by rounding")
     parser.add_argument("--device", type=device_flag, default="auto", help="cpu, cuda or auto (cuda when available)")
     if save_dir_help is not None:
         parser.add_argument("--save-dir", type=path_flag, help=save_dir_help)
@@ -128,13 +140,21 @@ def checked(args: argparse.Namespace, output_flags: Sequence[str] = ()) -> tuple
             raise ValueError(f"--{flag.replace('_', '-')} {path} is a file")
         if path is not None and (why := unwritable_folder(path)):
             raise ValueError(f"--{flag.replace('_', '-')} {path} cannot be written: {why}")
+        if path is not None and args.model is not None and path.resolve() == args.model.resolve():
+            raise ValueError(f"--{flag.replace('_', '-')} {path} is the --model folder: the fine-tuned model would "
+                             "overwrite the one it starts from")
     return load(args.data)
 
 
-def pretrained_classifier(folder: Path | None, num_labels: int) -> tuple[Any, Any, int]:
+DROPOUT_SETTINGS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout", "dropout",
+                    "attention_dropout")
+"""The configuration fields of transformers' BERT-family models that hold a dropout probability."""
+
+
+def pretrained_classifier(folder: Path | None, num_labels: int, dropout: float | None = None) -> tuple[Any, Any, int]:
     """(tokenizer, model in training mode, the longest input it takes) of --model or the shipped MiniLM, offline,
     with a classifier head of `num_labels`: the model's own where it has one of that size (a fine-tuned model's),
-    else a new one drawn from seed 0."""
+    else a new one drawn from seed 0; `dropout`, where given, replaces each of the model's dropout probabilities."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
@@ -144,14 +164,20 @@ def pretrained_classifier(folder: Path | None, num_labels: int) -> tuple[Any, An
     source = str(folder or get_model_path())
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+        config = transformers.AutoConfig.from_pretrained(source, num_labels=num_labels)
+        if dropout is not None:  # in the configuration: attention reads its probability there, not from a module
+            for name in DROPOUT_SETTINGS:
+                if hasattr(config, name):
+                    setattr(config, name, dropout)
         torch.manual_seed(0)
         model = transformers.AutoModelForSequenceClassification.from_pretrained(
-            source, num_labels=num_labels, ignore_mismatched_sizes=True).train()  # from_pretrained gives eval mode
+            source, config=config, ignore_mismatched_sizes=True).train()  # from_pretrained gives eval mode
     except Exception as error:  # noqa: BLE001 - whatever from_pretrained raises, the folder is the cause
         if folder is None:
             raise
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        refuse(f"--model {folder} does not load as a model with its tokenizer: {type(error).__name__}: {first_line}")
+        said = " ".join(str(error).split())  # one line: some of transformers' errors list their causes below
+        said = said if len(said) <= 300 else said[:300] + " ..."
+        refuse(f"--model {folder} does not load as a model with its tokenizer: {type(error).__name__}: {said}")
     # Longer texts are cut to what the model's position embeddings allow, as every tokenizer pipeline does.
     return tokenizer, model, min(tokenizer.model_max_length, model.config.max_position_embeddings)
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.examples import EXAMPLES, load, output_on_ranks
+from tests.examples import EXAMPLES, load, main_on_ranks, output_on_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -15,8 +15,9 @@ FINETUNE = EXAMPLES / "finetune.py"
 finetune = load(FINETUNE)
 
 
-def test_demo_task_is_learned_across_two_ranks(tmp_path):
-    printed = output_on_ranks("finetune.py", tmp_path, "--epochs", "1", "--save-dir", str(tmp_path / "tuned"))
+def test_demo_task_is_learned_across_two_ranks_as_by_one(tmp_path):
+    args = ("--epochs", "1", "--dropout", "0")
+    printed = output_on_ranks("finetune.py", tmp_path, *args, "--save-dir", str(tmp_path / "tuned"))
     epochs = re.findall(r"epoch (\d): train loss [0-9.]+, held-out accuracy ([0-9.]+) on (\d+) examples, "
                         r"last split \[(\d+), (\d+)\]", printed)
     assert [e[0] for e in epochs] == ["1"], printed
@@ -27,6 +28,15 @@ def test_demo_task_is_learned_across_two_ranks(tmp_path):
 
     tuned = AutoModelForSequenceClassification.from_pretrained(tmp_path / "tuned")
     assert tuned.config.num_labels == 2 and (tmp_path / "tuned" / "tokenizer_config.json").is_file()
+    # Without dropout (whose masks each rank draws), one process makes the same updates. The flag reaches the
+    # attention's probability too, which transformers reads from the configuration.
+    assert tuned.config.hidden_dropout_prob == tuned.config.attention_probs_dropout_prob == 0
+    [(alone, refusal)] = main_on_ranks("finetune.py", tmp_path, [*args, "--save-dir", str(tmp_path / "alone")],
+                                       nproc=1)
+    assert refusal is None, alone
+    one = AutoModelForSequenceClassification.from_pretrained(tmp_path / "alone").state_dict()
+    for name, value in tuned.state_dict().items():
+        torch.testing.assert_close(value, one[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize(("lines", "args", "message"), [
@@ -42,18 +52,27 @@ def test_demo_task_is_learned_across_two_ranks(tmp_path):
                                                          "label 0"),
     ("1\tfine\n0\tpoor\n1\tgood\n1\tok\n0\tmeh\n", ("--save-dir", "{tmp}/bad.txt/out"),
      "bad.txt/out cannot be written: NotADirectoryError"),
+    ("1\tfine\n", ("--dropout", "1"), "argument --dropout: must be in [0, 1), got 1"),
+    # The folder the check made to write in was left behind by a run refused afterwards.
+    ("1\tfine\nnot a label line\n", ("--save-dir", "{tmp}/new/out"), "bad.txt:2: expected 'label<TAB>text'"),
+    ("1\tfine\n0\tpoor\n1\tgood\n1\tok\n0\tmeh\n", ("--model", "{tmp}/model", "--save-dir", "{tmp}/model/."),
+     "--save-dir {tmp}/model is the --model folder: the fine-tuned model would overwrite the one it starts from"),
     # Path("") is the current folder: the model and tokenizer files went loose there.
     ("1\tfine\n0\tpoor\n1\tgood\n1\tok\n0\tmeh\n", ("--save-dir", ""),
      "argument --save-dir: expected a path, got an empty one"),
 ], ids=["malformed", "too-small", "negative-label", "stray-label", "superscript-label", "batch-size", "warmup",
-        "empty", "one-class", "unwritable-save-dir", "empty-save-dir"])
+        "empty", "one-class", "unwritable-save-dir", "dropout", "save-dir-refused-later", "save-dir-is-the-model",
+        "empty-save-dir"])
 def test_a_bad_file_or_flag_is_one_line_before_any_work(tmp_path, capsys, lines, args, message):
     bad = tmp_path / "bad.txt"
     bad.write_text(lines)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
     with pytest.raises(SystemExit) as refused:
         finetune.parse(["--data", str(bad), *(arg.format(tmp=tmp_path) for arg in args)])
     error = capsys.readouterr().err
-    assert refused.value.code == 2 and error.count("\n") == 1 and message in error, error
+    assert refused.value.code == 2 and error.count("\n") == 1 and message.format(tmp=tmp_path) in error, error
+    assert not (tmp_path / "new").exists(), "a refused run left a folder"
 
 
 def test_the_program_refuses_before_any_work_in_one_line(tmp_path):
