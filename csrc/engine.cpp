@@ -135,7 +135,9 @@ void Engine::build_buckets(const std::vector<int64_t>& order) {
   locator_.assign(params_.size(), {0, 0});
   for (const auto& indices : assignment) {
     const at::ScalarType dtype = bucket_dtype(indices.front());
-    const int64_t align = std::max<int64_t>(1, kSlotAlignBytes / static_cast<int64_t>(c10::elementSize(dtype)));
+    // A communication hook reads bucket.buffer() as DDP lays it out: the gradients end to end, no padding.
+    const int64_t align =
+        hook_chain_ ? 1 : std::max<int64_t>(1, kSlotAlignBytes / static_cast<int64_t>(c10::elementSize(dtype)));
     std::vector<int64_t> offsets;
     int64_t numel = 0;
     for (int64_t index : indices) {
@@ -575,7 +577,7 @@ void Engine::set_comm_hook(std::shared_ptr<c10d::CommHookInterface> hook) {
   HSYNC_CHECK(owners_.empty(), "a communication hook hands every bucket to every rank, but this model's "
               "buckets are each reduced to the rank that owns their parameters (hsync.ShardedOptimizer)");
   hook_chain_ = std::make_shared<HookChain>(comm_, std::move(hook));
-  set_hooked_buckets();
+  rebuild_in_current_order();  // without padding between the slots; hands the buckets to the chain
   hook_factor_ = static_cast<double>(comm_->world_size());
   plain_scale_ = at::ones_like(plain_scale_);
 }
@@ -757,7 +759,11 @@ void Engine::set_owners(const std::vector<int64_t>& owners, int64_t witness) {
               "the witness of a non-finite step (", witness, ") is a parameter of owner -1");
   owners_ = owners;
   witness_ = witness;
-  std::vector<int64_t> order;  // the buckets' current order, cut anew at the owners' boundaries
+  rebuild_in_current_order();  // cut anew at the owners' boundaries
+}
+
+void Engine::rebuild_in_current_order() {
+  std::vector<int64_t> order;
   for (const Bucket& bucket : buckets_) order.insert(order.end(), bucket.params.begin(), bucket.params.end());
   build_buckets(order);
   if (grads_as_views_) move_grads_into_slots();

@@ -52,7 +52,8 @@ namespace hsync {
 // One flat buffer of gradients of one dtype, reduced by one collective.
 //
 // Layout: [slot of param 0 | slot of param 1 | ... | nonfinite flag | used flag per param].
-// Slots start at 16-byte boundaries for vectorised packing; padding stays zero.
+// Slots start at 16-byte boundaries for vectorised packing (padding stays zero), except under a
+// communication hook, which reads the buffer as DDP lays it out: the gradients end to end.
 struct Bucket {
   at::Tensor buffer;               // of the communication dtype; undefined while released
   std::vector<int64_t> params;     // indices into Engine::params_
@@ -181,6 +182,7 @@ class Engine {
   at::ScalarType bucket_dtype(size_t index) const;
   bool grad_is_slot(size_t index) const;   // Note [Gradients as bucket views]
   void build_buckets(const std::vector<int64_t>& order);
+  void rebuild_in_current_order();  // the buckets built anew (after a change of layout), gradients moved along
   // One collective, of non-empty tensors.
   void broadcast_flat(const std::vector<at::Tensor>& tensors, int root, const std::string& label);
   void allocate(Bucket& bucket);            // a zeroed buffer and its views

@@ -137,6 +137,8 @@ class WrapSettings:
                           FutureWarning, stacklevel=3)
         if not isinstance(dim, int):
             raise TypeError(f"hsync.WeightedDDP: dim must be an int, got {describe(dim)}")
+        if first_bucket_cap_mb is None:  # DDP's: its own small first bucket by default, else the cap given
+            first_bucket_cap_mb = _C.default_first_bucket_bytes_cap / MIB if bucket_cap_mb is None else bucket_cap_mb
         bucket_cap_mb = _C.default_bucket_bytes_cap / MIB if bucket_cap_mb is None else bucket_cap_mb
         for name, cap in dict(bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb).items():
             if not isinstance(cap, numbers.Real) or isinstance(cap, bool):

@@ -66,7 +66,8 @@ class WeightedDDP(DistributedDataParallel):
     DDP's, keyword only:
 
     Args:
-        first_bucket_cap_mb: cap of the first bucket, kept small so communication starts early.
+        first_bucket_cap_mb: cap of the first bucket, kept small so communication starts early (default, as
+            DDP's: 1 MiB, or bucket_cap_mb where that is given).
         metric_names: names of the extra sums that backward(..., metrics={...}) may report.
         timeout: how long any one collective may take before this rank gives up with an error naming it
             (default: HSYNC_TIMEOUT seconds, else hsync.collectives.DEFAULT_TIMEOUT). It spans the skew between ranks,
@@ -127,7 +128,7 @@ class WeightedDDP(DistributedDataParallel):
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
         *,
-        first_bucket_cap_mb: float = _C.default_first_bucket_bytes_cap / MIB,
+        first_bucket_cap_mb: float | None = None,
         metric_names: tuple[str, ...] = (),
         timeout: datetime.timedelta | None = None,
         comm_dtype: torch.dtype | None = None,

@@ -320,3 +320,45 @@ def test_a_hooks_postponed_annotations_are_checked_as_what_they_name():
                                                                "dist.GradBucket. (on rank 0)")
         assert outcomes["ddp, annotated_mean_hook"] == "Communication hook: bucket annotation should be " \
                                                       "dist.GradBucket."
+
+
+def per_gradient_hook(state, bucket):  # no annotations: DDP checks them, and this file postpones them
+    """A hook that reads buffer() as DDP lays it out, the bucket's gradients end to end (it splits it by their
+    sizes), and normalises each gradient before the mean; it records each bucket's number of gradients."""
+    sizes = [g.numel() for g in bucket.gradients()]
+    state.append((bucket.index(), len(sizes)))
+    for piece in torch.split(bucket.buffer(), sizes):  # refused unless the sizes add up to the buffer's
+        piece.div_(piece.norm() + 1e-3)
+    return mean_allreduce_hook(None, bucket)
+
+
+def steps_through_a_layout_reading_hook(rank: int, world_size: int) -> dict[str, tuple]:
+    import hsync
+
+    done = {}
+    for name, wrapper in (("ddp", DistributedDataParallel), ("hsync", hsync.WeightedDDP)):
+        torch.manual_seed(0)  # a 1-element bias (hsync's slots were padded to 16 bytes), and layers of 1 MiB
+        model = wrapper(nn.Sequential(nn.Linear(6, 512), *(nn.Linear(512, 512) for _ in range(3)), nn.Linear(512, 1)),
+                        bucket_cap_mb=2)
+        buckets = []
+        model.register_comm_hook(buckets, per_gradient_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in data(3):
+            part = slice(rank * 16, (rank + 1) * 16)
+            nn.functional.mse_loss(model(x[part]), y[part]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        last_step = buckets[-len(buckets) // 3:]  # each step hooks the same number of buckets
+        done[name] = ([p.detach().clone() for p in model.parameters()], sorted(last_step))
+    return done
+
+
+def test_a_hook_reads_the_bucket_as_ddp_lays_it_out():
+    # Each gradient's slot began at a 16-byte boundary: a hook that split buffer() by the gradients' sizes failed,
+    # one that cut it by their sum normalised the wrong elements, silently; and an explicit bucket_cap_mb left the
+    # first bucket at 1 MiB, where DDP takes the cap for it too (another number of buckets, seen by the hook).
+    for done in run_ranks(steps_through_a_layout_reading_hook, 2, timeout=120):
+        (ddp_params, ddp_buckets), (params, buckets) = done["ddp"], done["hsync"]
+        assert buckets == ddp_buckets
+        for ours, theirs in zip(params, ddp_params, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
