@@ -247,11 +247,10 @@ class FaultTolerantSteps:
                 self.manager.start_quorum()
             except TimeoutError as error:  # torchft's says only "Timeout expired"
                 host, port, name = self._lighthouse
-                try:
-                    socket.create_connection((host, port), timeout=5).close()
+                if (refused := _unanswered(host, port, 5.0)) is None:
                     why = ("fewer replica groups than the Lighthouse's --min_replicas have joined (one lost before its "
                            "first step, or not started yet)")
-                except OSError as refused:
+                else:
                     why = (f"the Lighthouse at {name} does not answer ({refused}): the job cannot go on without it; "
                            "start it again from the job's checkpoint (FaultTolerantSteps.state_dict())")
                 raise TimeoutError(
@@ -418,11 +417,8 @@ def _wait_for_lighthouse(host: str, port: int, name: str, replica_id: str, timeo
     deadline = start + timeout.total_seconds()
     said_so = False
     while True:
-        try:
-            socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+        if (problem := _unanswered(host, port, max(0.1, min(5.0, deadline - time.monotonic())))) is None:
             return
-        except OSError as error:
-            problem = error
         now = time.monotonic()
         if now >= deadline:
             raise TimeoutError(f"hsync.fault_tolerance: replica {replica_id}: no Lighthouse answered at {name} within "
@@ -432,6 +428,15 @@ def _wait_for_lighthouse(host: str, port: int, name: str, replica_id: str, timeo
                         name, problem, timeout.total_seconds())
             said_so = True
         time.sleep(min(0.2, deadline - now))
+
+
+def _unanswered(host: str, port: int, timeout_s: float) -> OSError | None:
+    """Why nothing accepts a connection at host:port within `timeout_s` (None: something does)."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as error:
+        return error
+    return None
 
 
 def lighthouse_command(port: int, min_replicas: int, *, join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 2000,

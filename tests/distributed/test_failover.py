@@ -167,9 +167,8 @@ def test_a_job_resumed_from_its_checkpoint_goes_on_exactly_and_refuses_a_joiner_
         joiner = start("g2", "--global-batch", "24")
         codes = wait([joiner, *going_on], deadline)
     finally:
-        for process in [lighthouse]:
-            process.kill()
-            process.wait()
+        lighthouse.kill()
+        lighthouse.wait()
     errors = {replica: (tmp_path / f"{replica}.err").read_text() for replica in ("g0", "g1", "g2")}
     assert codes == [1, 0, 0], {replica: text[-2000:] for replica, text in errors.items()}
     assert ("replica g2 cannot join the job: its Balancer was given other data or settings than the replicas running "
